@@ -1,0 +1,72 @@
+// Every op's schema, in one place. Kernels register elsewhere:
+//   CUDA: csrc/<family>*.cpp (TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m)), kernels in csrc/<family>*.cu
+//   CPU reference: transformer_fp8/cpu/<family>.py, fake (meta) kernels: transformer_fp8/ops.py
+//
+// Conventions (see DESIGN.md):
+//   - FP8 dtypes are torch.float8_e4m3fn (max 448) and torch.float8_e5m2 (max 57344).
+//   - q = saturate(x * scale) rounded to nearest even; x ~= q * scale_inv.
+//   - scale, scale_inv, amax are float32 tensors of one element on the device of the data.
+//   - An `amax` argument is max-accumulated: amax = max(amax, max|x|) (NaN wins). The scaling update zeroes it.
+//   - A `scale_inv` output argument, when given, receives 1 / scale (so a cast can refresh a tensor's scale_inv).
+//   - GEMMs are "TN": a [M, K] and b [N, K], both K-contiguous; out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(transformer_fp8, m) {
+  // --- quantize family ---
+  m.def("quantize(Tensor input, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax=None, "
+        "Tensor(b!)? scale_inv=None) -> Tensor");
+  m.def("dequantize(Tensor input, Tensor scale_inv, ScalarType out_dtype) -> Tensor");
+  m.def("compute_amax(Tensor input, Tensor(a!) amax) -> ()");
+  // input [M, N] -> (q [M, N] or empty, qT [N, M] or empty)
+  m.def("cast_transpose(Tensor input, Tensor scale, ScalarType fp8_dtype, bool rowwise=True, bool transpose=True, "
+        "Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None) -> (Tensor, Tensor)");
+  // grad [M, N] -> (q [M, N], qT [N, M], dbias [N] in grad's dtype, summed in float32)
+  m.def("cast_transpose_dbias(Tensor grad, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax=None, "
+        "Tensor(b!)? scale_inv=None) -> (Tensor, Tensor, Tensor)");
+  // FP8 [M, N] -> FP8 [N, M], same dtype
+  m.def("fp8_transpose(Tensor input) -> Tensor");
+
+  // --- gemm family ---
+  // Returns (out [M, N] of out_dtype, pre_gelu [M, N] (empty unless gelu)). bias [N]; with an FP8 out_dtype,
+  // out_scale is required and out_amax (optional) is max-accumulated.
+  m.def("fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype, "
+        "Tensor? bias=None, bool gelu=False, Tensor? out_scale=None, Tensor(a!)? out_amax=None, "
+        "bool use_split_accumulator=True) -> (Tensor, Tensor)");
+  // out [M, N] float32 += (a * a_scale_inv) @ (b * b_scale_inv)^T   (wgrad into main_grad)
+  m.def("fp8_gemm_accumulate(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor(a!) out, "
+        "bool use_split_accumulator=True) -> ()");
+
+  // --- norm family --- input [M, N]; out in input's dtype, or fp8_dtype (scale required) when given
+  m.def("layernorm_fwd(Tensor input, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma=False, "
+        "Tensor? scale=None, ScalarType? fp8_dtype=None, Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None) "
+        "-> (Tensor, Tensor, Tensor)");  // (out, mean [M] f32, rstd [M] f32)
+  m.def("layernorm_bwd(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd, Tensor weight, "
+        "bool zero_centered_gamma=False) -> (Tensor, Tensor, Tensor)");  // (dx, dgamma, dbeta)
+  m.def("rmsnorm_fwd(Tensor input, Tensor weight, float eps, bool zero_centered_gamma=False, Tensor? scale=None, "
+        "ScalarType? fp8_dtype=None, Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None) -> (Tensor, Tensor)");
+  m.def("rmsnorm_bwd(Tensor grad_out, Tensor input, Tensor rstd, Tensor weight, bool zero_centered_gamma=False) "
+        "-> (Tensor, Tensor)");  // (dx, dgamma)
+
+  // --- activation family --- activation in {"gelu", "relu", "swiglu"}; swiglu halves the last dim:
+  // input [..., 2F] = [gate | up] -> silu(gate) * up [..., F]
+  m.def("activation_fwd(Tensor input, str activation, Tensor? scale=None, ScalarType? fp8_dtype=None, "
+        "Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None) -> Tensor");
+  m.def("activation_bwd(Tensor grad_out, Tensor input, str activation) -> Tensor");
+  // d(activation) fused with the FP8 cast + transpose of the result (and its column sums for a bias gradient).
+  // grad_out [M, F], input [M, F] (or [M, 2F] for swiglu) -> d(input) as (q [M, F_in], qT [F_in, M], dbias [F_in] or
+  // empty), F_in = input's last dim
+  m.def("dact_cast_transpose(Tensor grad_out, Tensor input, str activation, Tensor scale, ScalarType fp8_dtype, "
+        "Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None, bool compute_dbias=False) -> (Tensor, Tensor, Tensor)");
+
+  // --- scaling family --- amax_histories[i] [H, n_i], scales[i] / scale_invs[i] [n_i], all float32.
+  // Row 0 holds the amax accumulated this step. One launch: roll every history by one (row 0 -> row 1, ...),
+  // zero row 0, amax = max(history) or the newest, scale = fp8_max / amax / 2**margin, scale_inv = 1 / scale.
+  // A zero, NaN or Inf amax keeps the old scale; a NaN/Inf amax enters the history as 0.
+  m.def("delayed_scaling_update(Tensor(a!)[] amax_histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
+        "float fp8_max, float margin, str amax_compute_algo) -> ()");
+}
+
+// A Python module with no functions: importing transformer_fp8._C loads this library and runs the registrations.
+static PyModuleDef tfp8_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+extern "C" PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&tfp8_module); }

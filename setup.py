@@ -1,0 +1,65 @@
+"""Build transformer_fp8's C++/CUDA extension.
+
+With nvcc (CUDA_HOME) present the CUDA kernels are built (default arch 9.0a, override with TORCH_CUDA_ARCH_LIST);
+without it only the op schemas are built and the package runs on its CPU reference kernels.
+TFP8_ONLY=quantize,gemm restricts the CUDA build to those op families (a quick partial build while developing).
+"""
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+FAMILIES = ("quantize", "gemm", "norm", "activation", "scaling")
+
+
+def cuda_sources():
+    only = [f for f in os.environ.get("TFP8_ONLY", "").split(",") if f]
+    unknown = set(only) - set(FAMILIES)
+    if unknown:
+        sys.exit(f"TFP8_ONLY: unknown op families {sorted(unknown)}; expected some of {FAMILIES}")
+    sources = []
+    for family in only or FAMILIES:
+        sources += sorted(glob.glob(os.path.join("csrc", f"{family}*.cu")))
+        sources += sorted(glob.glob(os.path.join("csrc", f"{family}*.cpp")))
+    return sources
+
+
+def cudnn_dirs():
+    """Headers and library of the cuDNN that torch itself loads (the nvidia-cudnn pip package)."""
+    try:
+        import nvidia.cudnn
+    except ImportError:
+        return [], []
+    root = list(nvidia.cudnn.__path__)[0]
+    return [os.path.join(root, "include")], [os.path.join(root, "lib")]
+
+
+def extension():
+    if os.environ.get("TFP8_FORCE_CPU") == "1" or CUDA_HOME is None:
+        print("transformer_fp8: no CUDA toolkit found (or TFP8_FORCE_CPU=1): building the CPU-only extension")
+        return CppExtension("transformer_fp8._C", ["csrc/ops.cpp"], extra_compile_args={"cxx": ["-O2"]})
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+    cudnn_include, cudnn_lib = cudnn_dirs()
+    return CUDAExtension(
+        "transformer_fp8._C",
+        ["csrc/ops.cpp"] + cuda_sources(),
+        include_dirs=[os.path.join(ROOT, "csrc")] + cudnn_include,
+        library_dirs=cudnn_lib,
+        libraries=["cublasLt"],
+        define_macros=[("TFP8_WITH_CUDA", "1")],
+        extra_compile_args={
+            "cxx": ["-O3"],
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
+        },
+    )
+
+
+setup(
+    name="transformer_fp8",
+    packages=find_packages(include=["transformer_fp8", "transformer_fp8.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension},
+)

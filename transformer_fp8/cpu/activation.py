@@ -1,0 +1,1 @@
+"""CPU reference kernels of the activation ops (placeholder until written)."""

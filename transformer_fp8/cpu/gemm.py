@@ -1,0 +1,1 @@
+"""CPU reference kernels of the gemm ops (placeholder until written)."""

@@ -1,0 +1,1 @@
+"""CPU reference kernels of the norm ops (placeholder until written)."""

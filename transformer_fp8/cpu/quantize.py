@@ -1,0 +1,1 @@
+"""CPU reference kernels of the quantize ops (placeholder until written)."""

@@ -1,0 +1,1 @@
+"""CPU reference kernels of the scaling ops (placeholder until written)."""

@@ -1,0 +1,118 @@
+"""The op namespace `torch.ops.transformer_fp8` and its fake (meta) kernels.
+
+Schemas and their contracts live in csrc/ops.cpp. CUDA kernels come from the compiled extension, CPU reference kernels
+from transformer_fp8/cpu, and the fake kernels below give output shapes and dtypes so torch.compile can trace the ops.
+"""
+import torch
+
+from . import _C  # noqa: F401  (loads the library: registers the schemas and the CUDA kernels)
+
+tfp8 = torch.ops.transformer_fp8
+
+_register_fake = torch.library.register_fake
+
+
+def _empty(t):
+    return t.new_empty((0,))
+
+
+@_register_fake("transformer_fp8::quantize")
+def _(input, scale, fp8_dtype, amax=None, scale_inv=None):
+    return torch.empty_like(input, dtype=fp8_dtype)
+
+
+@_register_fake("transformer_fp8::dequantize")
+def _(input, scale_inv, out_dtype):
+    return torch.empty_like(input, dtype=out_dtype)
+
+
+@_register_fake("transformer_fp8::compute_amax")
+def _(input, amax):
+    return None
+
+
+@_register_fake("transformer_fp8::cast_transpose")
+def _(input, scale, fp8_dtype, rowwise=True, transpose=True, amax=None, scale_inv=None):
+    m, n = input.shape
+    q = input.new_empty((m, n), dtype=fp8_dtype) if rowwise else input.new_empty((0,), dtype=fp8_dtype)
+    qt = input.new_empty((n, m), dtype=fp8_dtype) if transpose else input.new_empty((0,), dtype=fp8_dtype)
+    return q, qt
+
+
+@_register_fake("transformer_fp8::cast_transpose_dbias")
+def _(grad, scale, fp8_dtype, amax=None, scale_inv=None):
+    m, n = grad.shape
+    return grad.new_empty((m, n), dtype=fp8_dtype), grad.new_empty((n, m), dtype=fp8_dtype), grad.new_empty((n,))
+
+
+@_register_fake("transformer_fp8::fp8_transpose")
+def _(input):
+    m, n = input.shape
+    return input.new_empty((n, m))
+
+
+@_register_fake("transformer_fp8::fp8_gemm")
+def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None, gelu=False, out_scale=None, out_amax=None,
+      use_split_accumulator=True):
+    m, n = a.shape[0], b.shape[0]
+    out = a.new_empty((m, n), dtype=out_dtype)
+    pre_gelu_dtype = bias.dtype if bias is not None else (torch.bfloat16 if out_dtype.itemsize == 1 else out_dtype)
+    pre_gelu = a.new_empty((m, n) if gelu else (0,), dtype=pre_gelu_dtype)
+    return out, pre_gelu
+
+
+@_register_fake("transformer_fp8::fp8_gemm_accumulate")
+def _(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator=True):
+    return None
+
+
+@_register_fake("transformer_fp8::layernorm_fwd")
+def _(input, weight, bias, eps, zero_centered_gamma=False, scale=None, fp8_dtype=None, amax=None, scale_inv=None):
+    m = input.shape[0]
+    out = torch.empty_like(input, dtype=fp8_dtype or input.dtype)
+    stat = input.new_empty((m,), dtype=torch.float32)
+    return out, stat, stat.clone()
+
+
+@_register_fake("transformer_fp8::layernorm_bwd")
+def _(grad_out, input, mean, rstd, weight, zero_centered_gamma=False):
+    return torch.empty_like(input), torch.empty_like(weight), torch.empty_like(weight)
+
+
+@_register_fake("transformer_fp8::rmsnorm_fwd")
+def _(input, weight, eps, zero_centered_gamma=False, scale=None, fp8_dtype=None, amax=None, scale_inv=None):
+    out = torch.empty_like(input, dtype=fp8_dtype or input.dtype)
+    return out, input.new_empty((input.shape[0],), dtype=torch.float32)
+
+
+@_register_fake("transformer_fp8::rmsnorm_bwd")
+def _(grad_out, input, rstd, weight, zero_centered_gamma=False):
+    return torch.empty_like(input), torch.empty_like(weight)
+
+
+def activation_out_features(activation, in_features):
+    """Last-dim size of activation_fwd's output: gated activations (swiglu) halve it."""
+    return in_features // 2 if activation == "swiglu" else in_features
+
+
+@_register_fake("transformer_fp8::activation_fwd")
+def _(input, activation, scale=None, fp8_dtype=None, amax=None, scale_inv=None):
+    shape = (*input.shape[:-1], activation_out_features(activation, input.shape[-1]))
+    return input.new_empty(shape, dtype=fp8_dtype or input.dtype)
+
+
+@_register_fake("transformer_fp8::activation_bwd")
+def _(grad_out, input, activation):
+    return torch.empty_like(input)
+
+
+@_register_fake("transformer_fp8::dact_cast_transpose")
+def _(grad_out, input, activation, scale, fp8_dtype, amax=None, scale_inv=None, compute_dbias=False):
+    m, f = input.shape
+    dbias = grad_out.new_empty((f,) if compute_dbias else (0,))
+    return grad_out.new_empty((m, f), dtype=fp8_dtype), grad_out.new_empty((f, m), dtype=fp8_dtype), dbias
+
+
+@_register_fake("transformer_fp8::delayed_scaling_update")
+def _(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo):
+    return None
