@@ -1,1 +1,118 @@
-"""CPU reference kernels of the gemm ops (placeholder until written)."""
+"""CPU reference kernels of the gemm ops: FP8 "TN" GEMM with scale_inv per operand, bias/GELU epilogue, FP8 output.
+
+out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T, a [M, K] and b [N, K] row-major FP8. Math in float32 (as the
+tensor cores accumulate); use_split_accumulator only selects the CUDA kernel's accumulation mode and does not change
+the reference.
+"""
+import torch
+
+from ._common import FP8_MAX, accumulate_amax, check_fp8_dtype, register, saturating_cast
+
+OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *FP8_MAX)
+
+
+def allowed_bias_dtypes(out_dtype):
+    """Bias dtypes cuBLASLt's FP8 GEMM takes for an output dtype (FP8 outputs: the bias dtype is the C dtype)."""
+    if out_dtype == torch.float16:
+        return (torch.float16,)
+    if out_dtype in FP8_MAX:
+        return (torch.bfloat16, torch.float16)
+    return (torch.bfloat16,)
+
+
+def pre_gelu_dtype(out_dtype, bias):
+    """dtype of the GELU input returned as pre_gelu: the bias dtype, else the output's (BF16 for an FP8 output)."""
+    if bias is not None:
+        return bias.dtype
+    return torch.bfloat16 if out_dtype in FP8_MAX else out_dtype
+
+
+def _check_scalar_f32(t, data, arg):
+    if t.dtype != torch.float32:
+        raise ValueError(f"{arg}: expected a float32 tensor, got {t.dtype}")
+    if t.numel() != 1:
+        raise ValueError(f"{arg}: expected one element, got shape {tuple(t.shape)}")
+    if t.device != data.device:
+        raise ValueError(f"{arg}: expected a tensor on {data.device}, got one on {t.device}")
+
+
+def _check_operand(t, arg):
+    check_fp8_dtype(t.dtype, arg)
+    if t.dim() != 2:
+        raise ValueError(f"{arg}: expected a 2-D tensor, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{arg}: expected a K-contiguous row-major tensor, got strides {t.stride()}")
+
+
+def check_operands(a, a_scale_inv, b, b_scale_inv):
+    """Checks shared by both GEMM ops (the CUDA bindings check the same things)."""
+    _check_operand(a, "a")
+    _check_operand(b, "b")
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise ValueError("a, b: E5M2 x E5M2 is not supported by the FP8 tensor cores; make one operand E4M3")
+    if b.shape[1] != a.shape[1]:
+        raise ValueError(f"b: expected K = {a.shape[1]} columns (a is {tuple(a.shape)}), got shape {tuple(b.shape)}")
+    if b.device != a.device:
+        raise ValueError(f"b: expected a tensor on {a.device}, got one on {b.device}")
+    _check_scalar_f32(a_scale_inv, a, "a_scale_inv")
+    _check_scalar_f32(b_scale_inv, a, "b_scale_inv")
+
+
+def check_epilogue(a, b, out_dtype, bias, out_scale, out_amax):
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype: expected float32, float16, bfloat16 or an FP8 dtype, got {out_dtype}")
+    n = b.shape[0]
+    if bias is not None:
+        if bias.dtype not in allowed_bias_dtypes(out_dtype):
+            raise ValueError(f"bias: expected dtype {' or '.join(map(str, allowed_bias_dtypes(out_dtype)))} for "
+                             f"out_dtype {out_dtype}, got {bias.dtype}")
+        if bias.shape != (n,):
+            raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
+        if bias.device != a.device:
+            raise ValueError(f"bias: expected a tensor on {a.device}, got one on {bias.device}")
+    if out_dtype in FP8_MAX:
+        if out_scale is None:
+            raise ValueError(f"out_scale: required for an FP8 out_dtype ({out_dtype})")
+        _check_scalar_f32(out_scale, a, "out_scale")
+        if out_amax is not None:
+            _check_scalar_f32(out_amax, a, "out_amax")
+    elif out_scale is not None or out_amax is not None:
+        raise ValueError(f"out_scale, out_amax: only for an FP8 out_dtype, got out_dtype {out_dtype}")
+
+
+def dequantized_matmul(a, a_scale_inv, b, b_scale_inv):
+    """(a * a_scale_inv) @ (b * b_scale_inv)^T in float32, [M, N]."""
+    return (a.float() * a_scale_inv) @ (b.float() * b_scale_inv).t()
+
+
+@register("fp8_gemm")
+def fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None, gelu=False, out_scale=None, out_amax=None,
+             use_split_accumulator=True):
+    check_operands(a, a_scale_inv, b, b_scale_inv)
+    check_epilogue(a, b, out_dtype, bias, out_scale, out_amax)
+    result = dequantized_matmul(a, a_scale_inv, b, b_scale_inv)
+    if bias is not None:
+        result = result + bias.float()
+    pre_gelu = a.new_empty((0,), dtype=pre_gelu_dtype(out_dtype, bias))
+    if gelu:
+        pre_gelu = result.to(pre_gelu.dtype)
+        result = torch.nn.functional.gelu(result, approximate="tanh")
+    if out_dtype in FP8_MAX:
+        accumulate_amax(out_amax, result)
+        return saturating_cast(result * out_scale, out_dtype), pre_gelu
+    return result.to(out_dtype), pre_gelu
+
+
+@register("fp8_gemm_accumulate")
+def fp8_gemm_accumulate(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulator=True):
+    check_operands(a, a_scale_inv, b, b_scale_inv)
+    m, n = a.shape[0], b.shape[0]
+    if out.dtype != torch.float32:
+        raise ValueError(f"out: expected a float32 tensor, got {out.dtype}")
+    if out.shape != (m, n):
+        raise ValueError(f"out: expected shape ({m}, {n}), got {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous tensor, got strides {out.stride()}")
+    if out.device != a.device:
+        raise ValueError(f"out: expected a tensor on {a.device}, got one on {out.device}")
+    out.add_(dequantized_matmul(a, a_scale_inv, b, b_scale_inv))

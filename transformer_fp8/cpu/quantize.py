@@ -1,1 +1,109 @@
-"""CPU reference kernels of the quantize ops (placeholder until written)."""
+"""CPU reference kernels of the quantize ops: FP8 cast with scale (+amax, +scale_inv), dequantize, amax,
+cast-transpose (+dbias) and FP8 transpose. Math in float32; q = saturate(x * scale), round to nearest even."""
+import torch
+
+from ._common import accumulate_amax, check_fp8_dtype, register, saturating_cast
+
+HIGH_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_high_precision(t, arg):
+    if t.dtype not in HIGH_PRECISION:
+        raise TypeError(f"{arg}: expected a float32, float16 or bfloat16 tensor, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{arg}: expected a contiguous tensor (got strides {t.stride()})")
+
+
+def _check_2d(t, arg):
+    if t.dim() != 2:
+        raise ValueError(f"{arg}: expected a 2-D tensor [M, N], got shape {tuple(t.shape)}")
+
+
+def _check_scalar_f32(t, data, arg):
+    """scale / scale_inv / amax: one float32 element on the data's device."""
+    if t is None:
+        return
+    if t.dtype != torch.float32:
+        raise TypeError(f"{arg}: expected a float32 tensor, got {t.dtype}")
+    if t.numel() != 1:
+        raise ValueError(f"{arg}: expected one element, got shape {tuple(t.shape)}")
+    if t.device != data.device:
+        raise ValueError(f"{arg}: expected a tensor on {data.device}, got one on {t.device}")
+
+
+def _check_cast_args(input, scale, fp8_dtype, amax, scale_inv, arg="input"):
+    _check_high_precision(input, arg)
+    check_fp8_dtype(fp8_dtype, "fp8_dtype")
+    _check_scalar_f32(scale, input, "scale")
+    _check_scalar_f32(amax, input, "amax")
+    _check_scalar_f32(scale_inv, input, "scale_inv")
+
+
+def _cast(input, scale, fp8_dtype, amax, scale_inv):
+    """The shared body of every cast: q = saturate(float(x) * scale); amax, scale_inv updated in place."""
+    accumulate_amax(amax, input)
+    if scale_inv is not None:
+        scale_inv.copy_(torch.reciprocal(scale).reshape(scale_inv.shape))
+    return saturating_cast(input.float() * scale.reshape(()), fp8_dtype)
+
+
+def _empty_fp8(input, fp8_dtype):
+    return input.new_empty((0,), dtype=fp8_dtype)
+
+
+@register("quantize")
+def quantize(input, scale, fp8_dtype, amax=None, scale_inv=None):
+    """input (any shape, f32/f16/bf16) -> FP8 of the same shape."""
+    _check_cast_args(input, scale, fp8_dtype, amax, scale_inv)
+    return _cast(input, scale, fp8_dtype, amax, scale_inv)
+
+
+@register("dequantize")
+def dequantize(input, scale_inv, out_dtype):
+    """FP8 (any shape) -> out_dtype, float(q) * scale_inv computed in float32."""
+    check_fp8_dtype(input.dtype, "input")
+    if out_dtype not in HIGH_PRECISION:
+        raise TypeError(f"out_dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {out_dtype}")
+    if not input.is_contiguous():
+        raise ValueError(f"input: expected a contiguous tensor (got strides {input.stride()})")
+    _check_scalar_f32(scale_inv, input, "scale_inv")
+    return (input.float() * scale_inv.reshape(())).to(out_dtype)
+
+
+@register("compute_amax")
+def compute_amax(input, amax):
+    """amax = max(amax, max|input|) in place."""
+    _check_high_precision(input, "input")
+    _check_scalar_f32(amax, input, "amax")
+    accumulate_amax(amax, input)
+
+
+@register("cast_transpose")
+def cast_transpose(input, scale, fp8_dtype, rowwise=True, transpose=True, amax=None, scale_inv=None):
+    """input [M, N] -> (q [M, N] or empty, qT [N, M] or empty), both FP8 with the same scale."""
+    _check_cast_args(input, scale, fp8_dtype, amax, scale_inv)
+    _check_2d(input, "input")
+    q = _cast(input, scale, fp8_dtype, amax, scale_inv)
+    q_rowwise = q if rowwise else _empty_fp8(input, fp8_dtype)
+    q_transposed = q.t().contiguous() if transpose else _empty_fp8(input, fp8_dtype)
+    return q_rowwise, q_transposed
+
+
+@register("cast_transpose_dbias")
+def cast_transpose_dbias(grad, scale, fp8_dtype, amax=None, scale_inv=None):
+    """grad [M, N] -> (q [M, N], qT [N, M], dbias [N] = column sums in float32, returned in grad's dtype)."""
+    _check_cast_args(grad, scale, fp8_dtype, amax, scale_inv, arg="grad")
+    _check_2d(grad, "grad")
+    q = _cast(grad, scale, fp8_dtype, amax, scale_inv)
+    dbias = grad.float().sum(dim=0).to(grad.dtype)
+    return q, q.t().contiguous(), dbias
+
+
+@register("fp8_transpose")
+def fp8_transpose(input):
+    """FP8 [M, N] -> FP8 [N, M] (a byte transpose)."""
+    check_fp8_dtype(input.dtype, "input")
+    _check_2d(input, "input")
+    if not input.is_contiguous():
+        raise ValueError(f"input: expected a contiguous tensor (got strides {input.stride()})")
+    return input.t().contiguous()

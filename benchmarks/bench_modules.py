@@ -1,0 +1,189 @@
+"""FP8 modules vs their BF16 PyTorch equivalents on one GPU, in one run.
+
+1. Training: Linear / LayerNormLinear / LayerNormMLP forward+backward time and peak memory at M = 8192 tokens,
+   (hidden, ffn) = (4096, 16384) and (2048, 8192); ours in FP8 (DelayedScaling, HYBRID) vs torch BF16 eager and
+   torch.compile.
+2. Inference grid: forward under no_grad with cached FP8 weights (is_first_microbatch=False), M in {128, 256, 512},
+   K, N in {1280, 5120, 10240, 20480}, vs BF16 nn.Linear.
+3. Host (CPU) time of one Linear forward+backward at a tiny shape vs nn.Linear.
+Prints tables and writes JSON (--json).
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import transformer_fp8 as te
+from transformer_fp8 import recipe
+
+DEV = "cuda"
+DT = torch.bfloat16
+
+
+def gpu_time_ms(fn, warmup=5, iters=20):
+    """Median GPU time of fn() in ms, CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_gib(fn):
+    """Peak memory of fn() above what was allocated before it, in GiB."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+class TorchLayerNormMLP(nn.Module):
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+def module_pairs(hidden, ffn):
+    """(name, ours, torch BF16 equivalent) at one size."""
+    kw = dict(params_dtype=DT, device=DEV)
+    return [
+        ("Linear", te.Linear(hidden, ffn, **kw), nn.Linear(hidden, ffn, device=DEV, dtype=DT)),
+        ("LayerNormLinear", te.LayerNormLinear(hidden, ffn, **kw),
+         nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, ffn)).to(DEV, DT)),
+        ("LayerNormMLP", te.LayerNormMLP(hidden, ffn, **kw), TorchLayerNormMLP(hidden, ffn).to(DEV, DT)),
+    ]
+
+
+def train_step(module, x, dy, fp8):
+    def step():
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe.DelayedScaling()):
+            y = module(x)
+        y.backward(dy)
+    return step
+
+
+def bench_training(tokens=8192):
+    rows = []
+    for hidden, ffn in [(4096, 16384), (2048, 8192)]:
+        for name, ours, ref in module_pairs(hidden, ffn):
+            x = torch.randn(tokens, hidden, device=DEV, dtype=DT, requires_grad=True)
+            out_features = ours(x.detach()).shape[-1]
+            dy = torch.randn(tokens, out_features, device=DEV, dtype=DT)
+            compiled = torch.compile(ref)
+            cases = {
+                "fp8": train_step(ours, x, dy, True),
+                "bf16_eager": train_step(ref, x, dy, False),
+                "bf16_compile": train_step(compiled, x, dy, False),
+            }
+            row = {"module": name, "tokens": tokens, "hidden": hidden, "ffn": ffn}
+            for case, fn in cases.items():
+                row[f"{case}_ms"] = gpu_time_ms(fn)
+                row[f"{case}_gib"] = peak_gib(fn)
+            row["speedup_vs_eager"] = row["bf16_eager_ms"] / row["fp8_ms"]
+            row["speedup_vs_compile"] = row["bf16_compile_ms"] / row["fp8_ms"]
+            rows.append(row)
+            print(f"{name:16s} M={tokens} h={hidden} ffn={ffn}: fp8 {row['fp8_ms']:.3f} ms {row['fp8_gib']:.2f} GiB | "
+                  f"bf16 {row['bf16_eager_ms']:.3f} ms {row['bf16_eager_gib']:.2f} GiB | "
+                  f"compiled {row['bf16_compile_ms']:.3f} ms | x{row['speedup_vs_eager']:.2f} / "
+                  f"x{row['speedup_vs_compile']:.2f}", flush=True)
+            del ours, ref, compiled
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_inference_grid():
+    rows = []
+    sizes = [1280, 5120, 10240, 20480]
+    for k in sizes:
+        for n in sizes:
+            ours = te.Linear(k, n, params_dtype=DT, device=DEV)
+            ref = nn.Linear(k, n, device=DEV, dtype=DT)
+            for m in (128, 256, 512):
+                x = torch.randn(m, k, device=DEV, dtype=DT)
+                with torch.no_grad(), te.fp8_autocast():
+                    ours(x, is_first_microbatch=True)
+
+                def fp8_fwd():
+                    with torch.no_grad(), te.fp8_autocast():
+                        ours(x, is_first_microbatch=False)
+
+                def bf16_fwd():
+                    with torch.no_grad():
+                        ref(x)
+
+                t_fp8, t_bf16 = gpu_time_ms(fp8_fwd, iters=50), gpu_time_ms(bf16_fwd, iters=50)
+                rows.append({"M": m, "K": k, "N": n, "fp8_ms": t_fp8, "bf16_ms": t_bf16, "ratio": t_fp8 / t_bf16})
+            del ours, ref
+    worst = max(rows, key=lambda r: r["ratio"])
+    print(f"{'M':>5} {'K':>6} {'N':>6} {'fp8 ms':>8} {'bf16 ms':>8} {'fp8/bf16':>8}")
+    for r in rows:
+        print(f"{r['M']:5d} {r['K']:6d} {r['N']:6d} {r['fp8_ms']:8.4f} {r['bf16_ms']:8.4f} {r['ratio']:8.2f}")
+    print(f"worst fp8/bf16 time ratio: {worst['ratio']:.2f} at M={worst['M']} K={worst['K']} N={worst['N']}")
+    return rows
+
+
+def host_time_us(step, iters=200):
+    """Host time per call: issue `iters` calls without synchronising, divide the wall time."""
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / iters * 1e6
+
+
+def bench_host_overhead(tokens=16, hidden=64):
+    ours = te.Linear(hidden, hidden, params_dtype=DT, device=DEV)
+    ref = nn.Linear(hidden, hidden, device=DEV, dtype=DT)
+    x = torch.randn(tokens, hidden, device=DEV, dtype=DT, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device=DEV, dtype=DT)
+    row = {
+        "tokens": tokens, "hidden": hidden,
+        "fp8_us": host_time_us(train_step(ours, x, dy, True)),
+        "bf16_us": host_time_us(train_step(ref, x, dy, False)),
+    }
+    row["ratio"] = row["fp8_us"] / row["bf16_us"]
+    print(f"host time per Linear fwd+bwd ({tokens}x{hidden}): fp8 {row['fp8_us']:.1f} us, "
+          f"nn.Linear {row['bf16_us']:.1f} us, ratio {row['ratio']:.2f}")
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default="bench_modules.json")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["training", "inference", "host"])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    result = {"device": torch.cuda.get_device_name()}
+    if "training" not in args.skip:
+        result["training"] = bench_training()
+    if "inference" not in args.skip:
+        result["inference_grid"] = bench_inference_grid()
+    if "host" not in args.skip:
+        result["host_overhead"] = bench_host_overhead()
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
