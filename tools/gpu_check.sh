@@ -8,7 +8,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/bench.log"
 start=$(date +%s)
-pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -80 "$OUT/build.log"; exit 1; }
+python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -80 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 python -m pytest -q -rs "${@:-tests}" > "$OUT/tests.log" 2>&1
 tests_rc=$?

@@ -2,6 +2,13 @@
 import torch
 
 from . import cpu, ops  # noqa: F401  (registers the CPU reference kernels and the fake kernels)
+from . import recipe
+from .autocast import fp8_autocast, fp8_model_init, get_fp8_recipe, is_fp8_enabled
+from .float8_tensor import Float8Tensor
+from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+
+__all__ = ["Float8Tensor", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm", "cuda_kernels_available",
+           "fp8_autocast", "fp8_model_init", "get_fp8_recipe", "is_fp8_enabled", "recipe"]
 
 __version__ = "0.1.0"
 

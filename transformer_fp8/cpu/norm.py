@@ -1,8 +1,8 @@
 """CPU reference kernels of the norm ops: LayerNorm / RMSNorm forward (optionally with FP8 output) and backward.
 
 Contract (the CUDA kernels in csrc/norm*.cu follow it too):
-  input [M, N] contiguous float32/float16/bfloat16; weight (and LayerNorm bias) [N] of input's dtype, or float32 with
-  16-bit input. All math in float32.
+  input [M, N] contiguous float32/float16/bfloat16; weight (and LayerNorm bias, of weight's dtype) [N] contiguous, of
+  input's dtype, or float32 with 16-bit input. All math in float32.
   LayerNorm: mean, rstd = 1 / sqrt(var + eps) (biased variance), y = (x - mean) * rstd * gamma' + beta.
   RMSNorm:   rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * gamma'.   gamma' = gamma + 1 if zero_centered_gamma.
   Output in input's dtype, or with fp8_dtype: out = saturate(y * scale) in FP8 (scale required), scale_inv (optional)
@@ -47,6 +47,8 @@ def _check_param(t, input, arg):
         raise ValueError(f"{arg}: expected shape ({input.shape[1]},), got {tuple(t.shape)}")
     if t.device != input.device:
         raise ValueError(f"{arg}: expected a tensor on {input.device}, got one on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{arg}: expected a contiguous tensor (got strides {t.stride()})")
 
 
 def _check_stat(t, input, arg):
@@ -104,6 +106,8 @@ def layernorm_fwd(input, weight, bias, eps, zero_centered_gamma=False, scale=Non
     _check_param(weight, input, "weight")
     if bias is not None:
         _check_param(bias, input, "bias")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias: expected dtype {weight.dtype} (the weight's), got {bias.dtype}")
     _check_fp8_args(input, scale, fp8_dtype, amax, scale_inv)
     x = input.float()
     mean = x.mean(dim=1)

@@ -1,0 +1,176 @@
+"""TransformerLayer forward+backward: ours (FP8 under fp8_autocast, and BF16 without) vs the same pre-LN layer in
+plain PyTorch BF16 (SDPA), eager and torch.compile; then attention alone, our DotProductAttention vs torch SDPA
+(default choice and each fused backend). Prints tables and writes JSON (--json).
+
+Configs (no mask, no dropout, sbhd): guide = hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4;
+gqa = the same with 8 GQA groups, kv_channels 128, seq 1024, batch 32, bias.
+"""
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import transformer_fp8 as te
+from transformer_fp8 import recipe
+from transformer_fp8.module.attention import DotProductAttention
+from transformer_fp8.module.transformer import TransformerLayer
+
+DEV, DT = "cuda", torch.bfloat16
+CONFIGS = {
+    "guide": dict(hidden=4096, ffn=16384, heads=32, groups=32, d=128, seq=2048, batch=4),
+    "gqa": dict(hidden=4096, ffn=16384, heads=32, groups=8, d=128, seq=1024, batch=32),
+}
+
+
+def gpu_time_ms(fn, warmup=3, iters=10):
+    """Median GPU time of fn() in ms (CUDA events around each call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_gib(fn):
+    """Peak memory of one fn() call above what was allocated before it (after a first call), in GiB."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+class TorchPreLNLayer(nn.Module):
+    """The BF16 layer a user already has: LayerNorm -> QKV -> SDPA -> proj, LayerNorm -> fc1 -> GELU -> fc2."""
+
+    def __init__(self, hidden, ffn, heads, groups, d):
+        super().__init__()
+        self.heads, self.groups, self.d = heads, groups, d
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, (heads + 2 * groups) * d)
+        self.proj = nn.Linear(heads * d, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+
+    def forward(self, x):  # x [s, b, hidden]
+        s, b, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split([self.heads * self.d, self.groups * self.d, self.groups * self.d], -1)
+        q, k, v = (t.reshape(s, b, -1, self.d).permute(1, 2, 0, 3) for t in (q, k, v))
+        ctx = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.groups != self.heads)
+        x = x + self.proj(ctx.permute(2, 0, 1, 3).reshape(s, b, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+
+
+def train_step(layer, x, dy, fp8=False):
+    def step():
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe.DelayedScaling()):
+            y = layer(x)
+        y.backward(dy)
+    return step
+
+
+def layer_rows(name, c, compile_torch):
+    x = torch.randn(c["seq"], c["batch"], c["hidden"], device=DEV, dtype=DT, requires_grad=True)
+    dy = torch.randn_like(x)
+    ours = TransformerLayer(c["hidden"], c["ffn"], c["heads"], num_gqa_groups=c["groups"], kv_channels=c["d"],
+                            hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="no_mask",
+                            params_dtype=DT, device=DEV)
+    plain = TorchPreLNLayer(c["hidden"], c["ffn"], c["heads"], c["groups"], c["d"]).to(DEV, DT)
+    variants = [("ours FP8", train_step(ours, x, dy, fp8=True)), ("ours BF16", train_step(ours, x, dy)),
+                ("torch BF16 eager", train_step(plain, x, dy))]
+    if compile_torch:
+        variants.append(("torch BF16 compile", train_step(torch.compile(plain), x, dy)))
+    rows = []
+    for variant, step in variants:
+        try:
+            ms, gib = gpu_time_ms(step), peak_gib(step)
+            rows.append(dict(config=name, variant=variant, ms=round(ms, 2), peak_gib=round(gib, 2)))
+        except Exception as err:  # report and go on with the other variants
+            rows.append(dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300]))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def attention_rows(name, c):
+    """fwd+bwd of attention alone at the config's shape: ours (sbhd in, [s, b, h*d] out) vs torch SDPA (bhsd)."""
+    s, b, h, g, d = c["seq"], c["batch"], c["heads"], c["groups"], c["d"]
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=DEV, dtype=DT, requires_grad=True)
+
+    q, k, v = leaf(s, b, h, d), leaf(s, b, g, d), leaf(s, b, g, d)
+    dy = torch.randn(s, b, h * d, device=DEV, dtype=DT)
+    dpa = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="no_mask")
+    qt, kt, vt = leaf(b, h, s, d), leaf(b, g, s, d), leaf(b, g, s, d)
+    dyt = torch.randn(b, h, s, d, device=DEV, dtype=DT)
+
+    def torch_sdpa(backend=None):
+        def step():
+            if backend is None:
+                out = F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=g != h)
+            else:
+                with sdpa_kernel(backend):
+                    out = F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=g != h)
+            out.backward(dyt)
+        return step
+
+    variants = [("ours DotProductAttention", lambda: dpa(q, k, v).backward(dy)), ("torch SDPA default", torch_sdpa())]
+    variants += [(f"torch SDPA {bk.name}", torch_sdpa(bk)) for bk in
+                 (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
+    flops = 4 * b * h * s * s * d * 3.5  # fwd 2 GEMMs, bwd 5: 3.5x the forward's 4*b*h*s*s*d
+    rows = []
+    for variant, step in variants:
+        try:
+            ms = gpu_time_ms(step)
+            rows.append(dict(config=name, variant=variant, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1)))
+        except Exception as err:
+            rows.append(dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300]))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def print_table(title, rows, cols):
+    print(f"\n{title}")
+    widths = [8 if c == "config" else 30 if c == "variant" else 9 for c in cols]
+    print(" | ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
+    for r in rows:
+        print(" | ".join(f"{str(r.get(c, '-')):>{w}}" for c, w in zip(cols, widths)))
+        if "error" in r:
+            print(f"    error: {r['error']}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--configs", default="guide,gqa")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    layers, attention = [], []
+    for name in args.configs.split(","):
+        layers += layer_rows(name, CONFIGS[name], not args.no_compile)
+        torch.cuda.empty_cache()
+        attention += attention_rows(name, CONFIGS[name])
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    print_table("TransformerLayer fwd+bwd", layers, ["config", "variant", "ms", "peak_gib"])
+    print_table("Attention alone fwd+bwd", attention, ["config", "variant", "ms", "tflops"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "layer": layers, "attention": attention}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+// CUDA kernels of activation_fwd, activation_bwd and dact_cast_transpose (contracts: csrc/ops.cpp): argument checks,
+// output allocation, launch on the current stream.
+#include <torch/library.h>
+
+#include "activation.h"
+#include "common.h"
+
+namespace tfp8 {
+namespace {
+
+Activation parse_activation(c10::string_view name) {
+  if (name == "gelu") return Activation::kGelu;
+  if (name == "relu") return Activation::kRelu;
+  if (name == "swiglu") return Activation::kSwiglu;
+  TORCH_CHECK(false, "activation: expected one of ('gelu', 'relu', 'swiglu'), got '", name, "'");
+}
+
+int64_t out_features(Activation act, int64_t in_features) {
+  return act == Activation::kSwiglu ? in_features / 2 : in_features;
+}
+
+void check_input(const at::Tensor& input, Activation act) {
+  check_cuda(input, "input");
+  check_high_precision(input, "input");
+  check_contiguous(input, "input");
+  TORCH_CHECK(input.dim() >= 1, "input: expected at least one dimension, got shape ", input.sizes());
+  TORCH_CHECK(act != Activation::kSwiglu || input.size(-1) % 2 == 0,
+              "input: swiglu expects an even last dimension [..., 2F], got shape ", input.sizes());
+}
+
+void check_grad_out(const at::Tensor& grad_out, const at::Tensor& input, Activation act) {
+  TORCH_CHECK(grad_out.scalar_type() == input.scalar_type(), "grad_out: expected dtype ", input.scalar_type(),
+              " (input's), got ", grad_out.scalar_type());
+  check_same_device(grad_out, input, "grad_out");
+  check_contiguous(grad_out, "grad_out");
+  std::vector<int64_t> expected = input.sizes().vec();
+  expected.back() = out_features(act, expected.back());
+  TORCH_CHECK(grad_out.sizes() == expected, "grad_out: expected shape ", expected, " for input ", input.sizes(),
+              ", got ", grad_out.sizes());
+}
+
+// The FP8 arguments: a scale is required, amax and scale_inv are optional; none of them without fp8_dtype.
+void check_fp8_arguments(const at::Tensor& input, const std::optional<at::Tensor>& scale,
+                         std::optional<at::ScalarType> fp8_dtype, const std::optional<at::Tensor>& amax,
+                         const std::optional<at::Tensor>& scale_inv) {
+  if (!fp8_dtype.has_value()) {
+    TORCH_CHECK(!scale.has_value(), "scale: given without fp8_dtype (only an FP8 output takes it)");
+    TORCH_CHECK(!amax.has_value(), "amax: given without fp8_dtype (only an FP8 output takes it)");
+    TORCH_CHECK(!scale_inv.has_value(), "scale_inv: given without fp8_dtype (only an FP8 output takes it)");
+    return;
+  }
+  check_fp8_dtype(*fp8_dtype, "fp8_dtype");
+  TORCH_CHECK(scale.has_value(), "scale: required when fp8_dtype is given");
+  check_scalar_f32(*scale, input, "scale");
+  check_optional_scalar_f32(amax, input, "amax");
+  check_optional_scalar_f32(scale_inv, input, "scale_inv");
+}
+
+at::Tensor activation_fwd(const at::Tensor& input, c10::string_view activation, const std::optional<at::Tensor>& scale,
+                          std::optional<at::ScalarType> fp8_dtype, const std::optional<at::Tensor>& amax,
+                          const std::optional<at::Tensor>& scale_inv) {
+  const Activation act = parse_activation(activation);
+  check_input(input, act);
+  check_fp8_arguments(input, scale, fp8_dtype, amax, scale_inv);
+  const c10::cuda::CUDAGuard guard(input.device());
+  std::vector<int64_t> out_shape = input.sizes().vec();
+  out_shape.back() = out_features(act, out_shape.back());
+  at::Tensor out = at::empty(out_shape, input.options().dtype(fp8_dtype.value_or(input.scalar_type())));
+  launch_activation_fwd(input.data_ptr(), to_dtype(input.scalar_type(), "input"), out.data_ptr(),
+                        to_dtype(out.scalar_type(), "fp8_dtype"), out.numel(), out_shape.back(), act,
+                        optional_ptr(scale), optional_ptr(amax), optional_ptr(scale_inv), current_stream());
+  return out;
+}
+
+at::Tensor activation_bwd(const at::Tensor& grad_out, const at::Tensor& input, c10::string_view activation) {
+  const Activation act = parse_activation(activation);
+  check_input(input, act);
+  check_grad_out(grad_out, input, act);
+  const c10::cuda::CUDAGuard guard(input.device());
+  at::Tensor grad_in = at::empty_like(input);
+  launch_activation_bwd(grad_out.data_ptr(), input.data_ptr(), grad_in.data_ptr(),
+                        to_dtype(input.scalar_type(), "input"), grad_out.numel(), grad_out.size(-1), act,
+                        current_stream());
+  return grad_in;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dact_cast_transpose(
+    const at::Tensor& grad_out, const at::Tensor& input, c10::string_view activation, const at::Tensor& scale,
+    at::ScalarType fp8_dtype, const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& scale_inv,
+    bool compute_dbias) {
+  const Activation act = parse_activation(activation);
+  check_input(input, act);
+  TORCH_CHECK(input.dim() == 2, "input: expected a 2-D tensor [M, F_in], got shape ", input.sizes());
+  check_grad_out(grad_out, input, act);
+  check_fp8_arguments(input, scale, fp8_dtype, amax, scale_inv);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const int64_t rows = input.size(0), in_cols = input.size(1), out_cols = grad_out.size(1);
+  at::Tensor q = at::empty({rows, in_cols}, input.options().dtype(fp8_dtype));
+  at::Tensor qT = at::empty({in_cols, rows}, input.options().dtype(fp8_dtype));
+  at::Tensor dbias = at::empty({compute_dbias ? in_cols : 0}, grad_out.options());
+  if (rows == 0 || out_cols == 0) {  // nothing to cast: still refresh scale_inv, and the sums of no rows are 0
+    if (scale_inv.has_value()) scale_inv->copy_(scale.reciprocal().reshape(scale_inv->sizes()));
+    dbias.zero_();
+    return {q, qT, dbias};
+  }
+  at::Tensor workspace;
+  if (compute_dbias) {
+    workspace = at::empty({dact_dbias_workspace_rows(rows), in_cols}, input.options().dtype(at::kFloat));
+  }
+  launch_dact_cast_transpose(grad_out.data_ptr(), input.data_ptr(), to_dtype(input.scalar_type(), "input"),
+                             static_cast<uint8_t*>(q.data_ptr()), static_cast<uint8_t*>(qT.data_ptr()),
+                             to_dtype(fp8_dtype, "fp8_dtype"), rows, out_cols, act, scale.data_ptr<float>(),
+                             optional_ptr(amax), optional_ptr(scale_inv),
+                             compute_dbias ? dbias.data_ptr() : nullptr,
+                             compute_dbias ? workspace.data_ptr<float>() : nullptr, current_stream());
+  return {q, qT, dbias};
+}
+
+}  // namespace
+}  // namespace tfp8
+
+TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m) {
+  m.impl("activation_fwd", &tfp8::activation_fwd);
+  m.impl("activation_bwd", &tfp8::activation_bwd);
+  m.impl("dact_cast_transpose", &tfp8::dact_cast_transpose);
+}

@@ -1,0 +1,148 @@
+// activation_fwd / activation_bwd: elementwise kernels, VEC elements per thread and step with 16-byte input accesses,
+// a grid-stride loop over a grid that fills the GPU.
+// GELU / ReLU index input and output alike. SwiGLU output element i = row * F + c reads gate at row * 2F + c and up at
+// row * 2F + F + c (F = out_cols), i.e. at i + row * F and i + row * F + F; its backward writes dgate and dup there.
+#include <algorithm>
+
+#include "activation_common.cuh"
+
+namespace tfp8 {
+namespace {
+
+using act::StorageT;
+constexpr int kThreads = 256;
+constexpr int kBlocksPerSm = 8;
+
+// Offset of the gate element of output element i in a SwiGLU input (i and out_cols as above).
+__device__ __forceinline__ int64_t swiglu_gate_offset(int64_t i, int64_t out_cols) { return i + (i / out_cols) * out_cols; }
+
+// VEC outputs per thread and step; a last partial vector (GELU / ReLU only) is handled element by element.
+template <Activation A, DType IN, DType OUT, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    activation_fwd_kernel(const StorageT<IN>* __restrict__ x, StorageT<OUT>* __restrict__ y, int64_t n,
+                          int64_t out_cols, const float* __restrict__ scale_ptr, float* amax, float* scale_inv) {
+  const float scale = act::is_fp8(OUT) ? *scale_ptr : 1.0f;
+  if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+  float local_amax = 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * VEC;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC; i < n; i += stride) {
+    const int count = static_cast<int>(min(static_cast<int64_t>(VEC), n - i));
+    float out[VEC];
+    if constexpr (A == Activation::kSwiglu) {
+      const int64_t gate_at = swiglu_gate_offset(i, out_cols);
+      float gate[VEC], up[VEC];
+      act::load_floats(x + gate_at, gate, count);
+      act::load_floats(x + gate_at + out_cols, up, count);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out[k] = act::swiglu_forward(gate[k], up[k]);
+    } else {
+      float in[VEC];
+      act::load_floats(x + i, in, count);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out[k] = act::forward<A>(in[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) local_amax = k < count ? act::max_abs(local_amax, out[k]) : local_amax;
+    act::store_floats<OUT>(y + i, out, scale, count);
+  }
+  if (amax != nullptr) act::block_amax_atomic(local_amax, amax);
+}
+
+template <Activation A, DType D, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    activation_bwd_kernel(const StorageT<D>* __restrict__ dy, const StorageT<D>* __restrict__ x,
+                          StorageT<D>* __restrict__ dx, int64_t n, int64_t out_cols) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * VEC;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC; i < n; i += stride) {
+    const int count = static_cast<int>(min(static_cast<int64_t>(VEC), n - i));
+    float grad[VEC];
+    act::load_floats(dy + i, grad, count);
+    if constexpr (A == Activation::kSwiglu) {
+      const int64_t gate_at = swiglu_gate_offset(i, out_cols);
+      float gate[VEC], up[VEC], dgate[VEC], dup[VEC];
+      act::load_floats(x + gate_at, gate, count);
+      act::load_floats(x + gate_at + out_cols, up, count);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) act::swiglu_backward(grad[k], gate[k], up[k], dgate[k], dup[k]);
+      act::store_floats<D>(dx + gate_at, dgate, 1.0f, count);
+      act::store_floats<D>(dx + gate_at + out_cols, dup, 1.0f, count);
+    } else {
+      float in[VEC], out[VEC];
+      act::load_floats(x + i, in, count);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out[k] = act::backward<A>(grad[k], in[k]);
+      act::store_floats<D>(dx + i, out, 1.0f, count);
+    }
+  }
+}
+
+// Elements per vector: one 16-byte access of T.
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
+
+// SwiGLU vectors must not straddle a row (gate and up are out_cols apart); GELU / ReLU read flat memory.
+bool rows_hold_whole_vectors(Activation act, int64_t out_cols, int vec) {
+  return act != Activation::kSwiglu || out_cols % vec == 0;
+}
+
+int64_t grid_size(int64_t n, int vec) {
+  const int64_t needed = (n + static_cast<int64_t>(kThreads) * vec - 1) / (static_cast<int64_t>(kThreads) * vec);
+  return std::max<int64_t>(1, std::min<int64_t>(needed, static_cast<int64_t>(act::sm_count()) * kBlocksPerSm));
+}
+
+}  // namespace
+
+void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dtype, int64_t out_elems,
+                           int64_t out_cols, Activation act, const float* scale, float* amax, float* scale_inv,
+                           cudaStream_t stream) {
+  act::with_activation(act, [&](auto a) {
+    act::with_high_precision(in_dtype, [&](auto in) {
+      constexpr Activation A = decltype(a)::value;
+      constexpr DType IN = decltype(in)::value;
+      using TI = StorageT<IN>;
+      auto launch = [&](auto out) {
+        constexpr DType OUT = decltype(out)::value;
+        using TO = StorageT<OUT>;
+        const auto* xp = static_cast<const TI*>(x);
+        auto* yp = static_cast<TO*>(y);
+        if (rows_hold_whole_vectors(act, out_cols, kVec<TI>) && act::aligned(x, 16) &&
+            act::aligned(y, kVec<TI> * sizeof(TO))) {
+          activation_fwd_kernel<A, IN, OUT, kVec<TI>><<<grid_size(out_elems, kVec<TI>), kThreads, 0, stream>>>(
+              xp, yp, out_elems, out_cols, scale, amax, scale_inv);
+        } else {
+          activation_fwd_kernel<A, IN, OUT, 1><<<grid_size(out_elems, 1), kThreads, 0, stream>>>(
+              xp, yp, out_elems, out_cols, scale, amax, scale_inv);
+        }
+      };
+      if (out_dtype == in_dtype) launch(in);
+      else act::with_fp8(out_dtype, launch);
+    });
+  });
+  TFP8_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_activation_bwd(const void* dy, const void* x, void* dx, DType dtype, int64_t out_elems, int64_t out_cols,
+                           Activation act, cudaStream_t stream) {
+  if (out_elems == 0) return;
+  act::with_activation(act, [&](auto a) {
+    act::with_high_precision(dtype, [&](auto d) {
+      constexpr Activation A = decltype(a)::value;
+      constexpr DType D = decltype(d)::value;
+      using T = StorageT<D>;
+      const auto* dyp = static_cast<const T*>(dy);
+      const auto* xp = static_cast<const T*>(x);
+      auto* dxp = static_cast<T*>(dx);
+      if (rows_hold_whole_vectors(act, out_cols, kVec<T>) && act::aligned(dy, 16) && act::aligned(x, 16) &&
+          act::aligned(dx, 16)) {
+        activation_bwd_kernel<A, D, kVec<T>><<<grid_size(out_elems, kVec<T>), kThreads, 0, stream>>>(
+            dyp, xp, dxp, out_elems, out_cols);
+      } else {
+        activation_bwd_kernel<A, D, 1><<<grid_size(out_elems, 1), kThreads, 0, stream>>>(dyp, xp, dxp, out_elems,
+                                                                                          out_cols);
+      }
+    });
+  });
+  TFP8_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace tfp8

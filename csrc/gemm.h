@@ -1,0 +1,43 @@
+// FP8 GEMM entry points without torch types (implemented in gemm_cublaslt.cpp and gemm_amax.cu).
+//
+// Row-major "TN": out [m, n] = epilogue((a * a_scale_inv) @ (b * b_scale_inv)^T) (+ out when accumulating),
+// a [m, k] and b [n, k] FP8 with k-contiguous rows. The caller pads: k % 16 == 0, ld_out % 16 == 0, every pointer
+// 16-byte aligned.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "kernel_common.cuh"
+
+namespace tfp8 {
+
+constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+
+struct Fp8GemmArgs {
+  const void* a;                     // [m, k], a_type (E4M3 or E5M2)
+  const void* b;                     // [n, k], b_type (not E5M2 when a_type is)
+  const float* a_scale_inv;          // device scalars
+  const float* b_scale_inv;
+  DType a_type, b_type;
+  int64_t m, n, k;
+  void* out;                         // [m, ld_out] of out_type; float32 and read too when accumulate
+  DType out_type;
+  int64_t ld_out;
+  const float* out_scale = nullptr;  // FP8 out: out = saturate(result * out_scale)
+  float* amax_scratch = nullptr;     // FP8 out, optional: receives max|result| (written, not max-accumulated)
+  const void* bias = nullptr;        // optional [n] of bias_type, added before the GELU
+  DType bias_type = DType::kBFloat16;
+  void* pre_gelu = nullptr;          // non-null: GELU epilogue, the pre-activation [m, ld_out] stored here
+  DType pre_gelu_type = DType::kBFloat16;
+  bool accumulate = false;           // out += result (beta = 1)
+  bool fast_accum = false;           // FP8 fast accumulation (no periodic promotion to float32)
+  void* workspace = nullptr;         // kGemmWorkspaceBytes on the device
+};
+
+// Enqueues the GEMM on `stream` (the current device's). Throws std::runtime_error when cuBLASLt refuses it.
+void fp8_gemm_cublaslt(const Fp8GemmArgs& args, cudaStream_t stream);
+
+// *amax = max(*amax, *value), both device scalars (value >= 0 or NaN).
+void launch_fold_amax(const float* value, float* amax, cudaStream_t stream);
+
+}  // namespace tfp8

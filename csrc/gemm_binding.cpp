@@ -1,0 +1,206 @@
+// CUDA kernels of fp8_gemm and fp8_gemm_accumulate (contracts in csrc/ops.cpp): argument checks, output allocation,
+// and zero padding of the shapes cuBLASLt's FP8 kernels cannot take (K and the output row length must be multiples
+// of 16, pointers 16-byte aligned). Padding is exact: zero K columns add nothing, extra output columns are sliced off.
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+#include "gemm.h"
+
+namespace tfp8 {
+namespace {
+
+constexpr int64_t kPad = 16;
+
+int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+void check_operand(const at::Tensor& t, const char* arg) {
+  check_cuda(t, arg);
+  check_fp8_dtype(t.scalar_type(), arg);
+  TORCH_CHECK(t.dim() == 2, arg, ": expected a 2-D tensor, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), arg, ": expected a K-contiguous row-major tensor, got strides ", t.strides());
+}
+
+void check_operands(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
+                    const at::Tensor& b_scale_inv) {
+  check_operand(a, "a");
+  check_operand(b, "b");
+  TORCH_CHECK(!(a.scalar_type() == at::kFloat8_e5m2 && b.scalar_type() == at::kFloat8_e5m2),
+              "a, b: E5M2 x E5M2 is not supported by the FP8 tensor cores; make one operand E4M3");
+  TORCH_CHECK(b.size(1) == a.size(1), "b: expected K = ", a.size(1), " columns (a is ", a.sizes(), "), got shape ",
+              b.sizes());
+  check_same_device(b, a, "b");
+  check_scalar_f32(a_scale_inv, a, "a_scale_inv");
+  check_scalar_f32(b_scale_inv, a, "b_scale_inv");
+}
+
+// cuBLASLt's FP8 GEMM: bias dtype = C dtype = the output's, BF16 for a float32 output, BF16 or FP16 for FP8 ones.
+bool bias_dtype_allowed(at::ScalarType bias, at::ScalarType out) {
+  if (out == at::kHalf) return bias == at::kHalf;
+  if (is_fp8(out)) return bias == at::kBFloat16 || bias == at::kHalf;
+  return bias == at::kBFloat16;
+}
+
+at::ScalarType pre_gelu_dtype(at::ScalarType out, const std::optional<at::Tensor>& bias) {
+  if (bias.has_value()) return bias->scalar_type();
+  return is_fp8(out) ? at::kBFloat16 : out;
+}
+
+// t [rows, cols] zero-padded to [rows_to, cols_to] in fresh (aligned) memory; t itself when that changes nothing.
+at::Tensor padded(const at::Tensor& t, int64_t rows_to, int64_t cols_to) {
+  if (t.size(0) == rows_to && t.size(1) == cols_to && aligned16(t)) return t;
+  at::Tensor out = at::zeros({rows_to, cols_to}, t.options().dtype(at::kByte));
+  out.narrow(0, 0, t.size(0)).narrow(1, 0, t.size(1)).copy_(t.view(at::kByte));
+  return out.view(t.scalar_type());
+}
+
+at::Tensor padded_bias(const at::Tensor& bias, int64_t n_to) {
+  if (bias.size(0) == n_to && bias.is_contiguous() && aligned16(bias)) return bias;
+  at::Tensor out = at::zeros({n_to}, bias.options());
+  out.narrow(0, 0, bias.size(0)).copy_(bias);
+  return out;
+}
+
+Fp8GemmArgs operand_args(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
+                         const at::Tensor& b_scale_inv, int64_t m, int64_t n, int64_t k, bool use_split_accumulator,
+                         const at::Tensor& workspace) {
+  Fp8GemmArgs args{};
+  args.a = a.data_ptr();
+  args.b = b.data_ptr();
+  args.a_scale_inv = a_scale_inv.data_ptr<float>();
+  args.b_scale_inv = b_scale_inv.data_ptr<float>();
+  args.a_type = to_dtype(a.scalar_type(), "a");
+  args.b_type = to_dtype(b.scalar_type(), "b");
+  args.m = m;
+  args.n = n;
+  args.k = k;
+  args.fast_accum = !use_split_accumulator;
+  args.workspace = workspace.data_ptr();
+  return args;
+}
+
+at::Tensor workspace_for(const at::Tensor& like) {
+  return at::empty({int64_t(kGemmWorkspaceBytes)}, like.options().dtype(at::kByte));
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
+                                            const at::Tensor& b_scale_inv, at::ScalarType out_dtype,
+                                            const std::optional<at::Tensor>& bias, bool gelu,
+                                            const std::optional<at::Tensor>& out_scale,
+                                            const std::optional<at::Tensor>& out_amax, bool use_split_accumulator) {
+  check_operands(a, a_scale_inv, b, b_scale_inv);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16 || is_fp8(out_dtype),
+              "out_dtype: expected float32, float16, bfloat16 or an FP8 dtype, got ", out_dtype);
+  const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
+  if (bias.has_value()) {
+    check_cuda(*bias, "bias");
+    TORCH_CHECK(bias_dtype_allowed(bias->scalar_type(), out_dtype), "bias: expected dtype ",
+                out_dtype == at::kHalf ? "torch.float16" : is_fp8(out_dtype) ? "torch.bfloat16 or torch.float16"
+                                                                            : "torch.bfloat16",
+                " for out_dtype ", out_dtype, ", got ", bias->scalar_type());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: expected shape (", n, ",), got ", bias->sizes());
+    check_same_device(*bias, a, "bias");
+  }
+  if (is_fp8(out_dtype)) {
+    TORCH_CHECK(out_scale.has_value(), "out_scale: required for an FP8 out_dtype (", out_dtype, ")");
+    check_scalar_f32(*out_scale, a, "out_scale");
+    check_optional_scalar_f32(out_amax, a, "out_amax");
+  } else {
+    TORCH_CHECK(!out_scale.has_value() && !out_amax.has_value(),
+                "out_scale, out_amax: only for an FP8 out_dtype, got out_dtype ", out_dtype);
+  }
+
+  const c10::cuda::CUDAGuard guard(a.device());
+  const at::ScalarType pre_dtype = pre_gelu_dtype(out_dtype, bias);
+  if (m == 0 || n == 0) {
+    return {at::empty({m, n}, a.options().dtype(out_dtype)),
+            gelu ? at::empty({m, n}, a.options().dtype(pre_dtype)) : at::empty({0}, a.options().dtype(pre_dtype))};
+  }
+  const int64_t k_pad = std::max(kPad, round_up(k, kPad)), n_pad = round_up(n, kPad);
+  const at::Tensor a_p = padded(a, m, k_pad), b_p = padded(b, n_pad, k_pad);
+  const at::Tensor workspace = workspace_for(a);
+  at::Tensor out = at::empty({m, n_pad}, a.options().dtype(out_dtype));
+  // cuBLASLt has no GELU_AUX_BIAS epilogue for a float32 output with a BF16 pre-activation: there the GEMM adds the
+  // bias and GELU runs after it (a rare combination; the fused epilogue serves every other one).
+  const bool fused_gelu = gelu && !(out_dtype == at::kFloat && bias.has_value());
+  at::Tensor pre_gelu = at::empty(fused_gelu ? std::vector<int64_t>{m, n_pad} : std::vector<int64_t>{0},
+                                  a.options().dtype(pre_dtype));
+  at::Tensor bias_p, amax_scratch;
+
+  Fp8GemmArgs args = operand_args(a_p, a_scale_inv, b_p, b_scale_inv, m, n_pad, k_pad, use_split_accumulator,
+                                  workspace);
+  args.out = out.data_ptr();
+  args.out_type = to_dtype(out_dtype, "out_dtype");
+  args.ld_out = n_pad;
+  if (bias.has_value()) {
+    bias_p = padded_bias(*bias, n_pad);
+    args.bias = bias_p.data_ptr();
+    args.bias_type = to_dtype(bias_p.scalar_type(), "bias");
+  }
+  if (fused_gelu) {
+    args.pre_gelu = pre_gelu.data_ptr();
+    args.pre_gelu_type = to_dtype(pre_dtype, "pre_gelu");
+  }
+  if (is_fp8(out_dtype)) {
+    args.out_scale = out_scale->data_ptr<float>();
+    if (out_amax.has_value()) {
+      amax_scratch = at::empty({1}, a.options().dtype(at::kFloat));
+      args.amax_scratch = amax_scratch.data_ptr<float>();
+    }
+  }
+  const cudaStream_t stream = current_stream();
+  fp8_gemm_cublaslt(args, stream);
+  if (amax_scratch.defined()) launch_fold_amax(amax_scratch.data_ptr<float>(), out_amax->data_ptr<float>(), stream);
+  if (gelu && !fused_gelu) {
+    pre_gelu = out.to(pre_dtype);
+    at::gelu_(out, "tanh");
+  }
+  if (n_pad != n) {
+    out = out.narrow(1, 0, n).contiguous();
+    if (gelu) pre_gelu = pre_gelu.narrow(1, 0, n).contiguous();
+  }
+  return {out, pre_gelu};
+}
+
+void fp8_gemm_accumulate(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
+                         const at::Tensor& b_scale_inv, const at::Tensor& out, bool use_split_accumulator) {
+  check_operands(a, a_scale_inv, b, b_scale_inv);
+  const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
+  check_cuda(out, "out");
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "out: expected a float32 tensor, got ", out.scalar_type());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "out: expected shape (", m, ", ", n, "), got ",
+              out.sizes());
+  check_contiguous(out, "out");
+  check_same_device(out, a, "out");
+  if (m == 0 || n == 0 || k == 0) return;
+
+  const c10::cuda::CUDAGuard guard(a.device());
+  const int64_t k_pad = round_up(k, kPad), n_pad = round_up(n, kPad);
+  const at::Tensor a_p = padded(a, m, k_pad), b_p = padded(b, n_pad, k_pad);
+  const bool in_place = n_pad == n && aligned16(out);
+  at::Tensor acc = in_place ? out : at::zeros({m, n_pad}, out.options());
+  if (!in_place) acc.narrow(1, 0, n).copy_(out);
+  const at::Tensor workspace = workspace_for(a);
+
+  Fp8GemmArgs args = operand_args(a_p, a_scale_inv, b_p, b_scale_inv, m, n_pad, k_pad, use_split_accumulator,
+                                  workspace);
+  args.out = acc.data_ptr();
+  args.out_type = DType::kFloat32;
+  args.ld_out = n_pad;
+  args.accumulate = true;
+  fp8_gemm_cublaslt(args, current_stream());
+  if (!in_place) out.copy_(acc.narrow(1, 0, n));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m) {
+  m.impl("fp8_gemm", &fp8_gemm);
+  m.impl("fp8_gemm_accumulate", &fp8_gemm_accumulate);
+}
+
+}  // namespace tfp8

@@ -1,0 +1,38 @@
+// Launchers of the quantize family's CUDA kernels (csrc/quantize_*.cu). Plain pointers, no torch.
+// Conventions: contiguous row-major data; q = saturate(float(x) * *scale) rounded to nearest even;
+// amax (may be null) is max-accumulated with max|x| (one atomic per block); scale_inv (may be null) receives
+// 1 / *scale.
+// Every launcher returns at once when there is nothing to do (no launch).
+#pragma once
+#include <cstdint>
+
+#include "kernel_common.cuh"
+
+namespace tfp8 {
+
+// x (n elements of in_type) -> q (n bytes of fp8_type).
+void launch_quantize(const void* x, uint8_t* q, int64_t n, DType in_type, DType fp8_type, const float* scale,
+                     float* amax, float* scale_inv, cudaStream_t stream);
+
+// q (n bytes of fp8_type) -> out (n elements of out_type) = float(q) * *scale_inv.
+void launch_dequantize(const uint8_t* q, void* out, int64_t n, DType fp8_type, DType out_type, const float* scale_inv,
+                       cudaStream_t stream);
+
+// amax = max(amax, max|x|) over n elements of in_type.
+void launch_compute_amax(const void* x, int64_t n, DType in_type, float* amax, cudaStream_t stream);
+
+// Rows of input that one cast-transpose tile covers: the dbias workspace holds one float32 row per tile row.
+constexpr int kTransposeTileRows = 128;
+inline int64_t dbias_workspace_rows(int64_t m) { return (m + kTransposeTileRows - 1) / kTransposeTileRows; }
+
+// x [m, n] -> q [m, n] (when q is not null) and qT [n, m] (when qT is not null).
+// With dbias (then workspace is float32 [dbias_workspace_rows(m), n]): dbias[j] = sum_i x[i, j] in float32,
+// written in in_type; m must be > 0.
+void launch_cast_transpose(const void* x, uint8_t* q, uint8_t* qT, int64_t m, int64_t n, DType in_type,
+                           DType fp8_type, const float* scale, float* amax, float* scale_inv, void* dbias,
+                           float* workspace, cudaStream_t stream);
+
+// Byte transpose: q [m, n] -> qT [n, m].
+void launch_fp8_transpose(const uint8_t* q, uint8_t* qT, int64_t m, int64_t n, cudaStream_t stream);
+
+}  // namespace tfp8

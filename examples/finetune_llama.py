@@ -1,0 +1,410 @@
+"""Train the same Llama model from the same seed in BF16 and in FP8 (transformer_fp8), and compare the two runs.
+
+Runs with no arguments and no network: on a GPU a small Llama (hidden 512, 8 layers, 8 heads / 4 KV heads) initialised
+locally; without CUDA a tiny one (hidden 64, 2 layers) whose FP8 GEMMs run on the CPU reference kernels (emulated FP8).
+Data: examples/data/corpus.txt through a byte-level tokenizer that needs no download.
+  --model DIR   a local Hugging Face checkpoint (from_pretrained, with its tokenizer through AutoTokenizer)
+  --data PATH   a local .txt (one document) or .jsonl (one document per line, field "text")
+
+The FP8 run is the BF16 run plus two things: `convert_linear_layers(model)` (every nn.Linear but lm_head becomes a
+transformer_fp8.Linear) and `fp8_autocast` around the forward. Parameters are BF16 in both runs; AdamW updates FP32
+master copies of them. --grad-accum N passes is_first_microbatch to the FP8 layers (weights cast once per step);
+--fuse-wgrad makes those layers accumulate their weight gradients into FP32 `weight.main_grad`, which the optimizer
+reads. Prints loss, tokens/s and peak GPU memory of each run; writes loss.png and summary.json under --out.
+Needs transformers (and optionally tqdm, matplotlib).
+"""
+import argparse
+import contextlib
+import gc
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+import transformer_fp8 as te
+from transformer_fp8.integrations import convert_linear_layers, microbatch
+
+DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
+PARAMS_DTYPE = torch.bfloat16
+# Model size and run length by device: (model config, seq_len, batch_size, steps)
+GPU_DEFAULTS = (dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                     intermediate_size=1408), 512, 8, 200)
+CPU_DEFAULTS = (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=176), 64, 4, 20)
+
+
+# --- data ------------------------------------------------------------------------------------------------------------
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255, plus BOS = 256 and EOS = 257."""
+    vocab_size = 258
+    bos_token_id = 256
+    eos_token_id = 257
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode("utf-8"))
+
+
+def read_documents(path):
+    """A .txt file is one document; a .jsonl file holds one document per line in its "text" field."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            return [json.loads(line)["text"] for line in f if line.strip()]
+    return [path.read_text(encoding="utf-8")]
+
+
+def tokenize(documents, tokenizer):
+    """One 1-D int64 tensor: the documents' token ids, each wrapped in BOS/EOS where the tokenizer has them."""
+    ids = []
+    for doc in documents:
+        ids += [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        ids += tokenizer.encode(doc, add_special_tokens=False)
+        ids += [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return torch.tensor(ids, dtype=torch.long)
+
+
+class RandomWindows:
+    """Batches [batch_size, seq_len] of random windows of a token stream, from a seeded generator (resumable)."""
+
+    def __init__(self, tokens, batch_size, seq_len, seed):
+        if tokens.numel() <= seq_len:
+            raise ValueError(f"data: {tokens.numel()} training tokens, need more than seq_len = {seq_len}")
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self):
+        starts = torch.randint(0, self.tokens.numel() - self.seq_len + 1, (self.batch_size,), generator=self.generator)
+        return torch.stack([self.tokens[s:s + self.seq_len] for s in starts.tolist()])
+
+    def state_dict(self):
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state["generator"])
+
+
+# --- model and optimizer ---------------------------------------------------------------------------------------------
+
+def build_model(args, model_config, vocab_size, device):
+    """The model, BF16, in train mode; the same weights on every call (seeded init or the checkpoint's)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=PARAMS_DTYPE)
+    else:
+        torch.manual_seed(args.seed)
+        config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=args.seq_len, **model_config,
+                             bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id)
+        model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    return model.to(device=device, dtype=PARAMS_DTYPE).train()
+
+
+def attach_main_grads(model):
+    """Give each weight of the FP8 layers built with fuse_wgrad_accumulation an FP32 `main_grad` (unless it has one)."""
+    for module in model.modules():
+        if getattr(module, "fuse_wgrad_accumulation", False) and getattr(module.weight, "main_grad", None) is None:
+            module.weight.main_grad = torch.zeros_like(module.weight, dtype=torch.float32)
+
+
+class MasterWeightAdamW:
+    """AdamW on FP32 master copies of (BF16) parameters, copied back into them after each step.
+
+    A parameter's gradient is its FP32 `main_grad` when it has one (layers with fuse_wgrad_accumulation write it and
+    produce no .grad), else its `.grad`.
+    """
+
+    def __init__(self, params, lr, weight_decay=0.01):
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.adamw = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+
+    def set_lr(self, lr):
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+
+    def step(self, max_grad_norm):
+        for p, master in zip(self.params, self.masters):
+            grad = p.main_grad if hasattr(p, "main_grad") else p.grad
+            master.grad = None if grad is None else grad.float()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.masters, max_grad_norm)
+        self.adamw.step()
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters):
+                p.copy_(master)
+        return grad_norm
+
+    def zero_grad(self):
+        for p, master in zip(self.params, self.masters):
+            p.grad = master.grad = None
+            if hasattr(p, "main_grad"):
+                p.main_grad.zero_()
+
+    def state_dict(self):
+        return {"masters": [m.detach().clone() for m in self.masters], "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state):
+        with torch.no_grad():
+            for master, saved in zip(self.masters, state["masters"]):
+                master.copy_(saved)
+            for p, master in zip(self.params, self.masters):
+                p.copy_(master)
+        self.adamw.load_state_dict(state["adamw"])
+
+
+def lr_at(step, args):
+    """Linear warmup over the first 5% of the steps, then cosine decay to 10% of --lr."""
+    warmup = max(1, args.steps // 20)
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, args.steps - warmup)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+# --- training --------------------------------------------------------------------------------------------------------
+
+def fp8_context(fp8):
+    if not fp8:
+        return contextlib.nullcontext()
+    fp8_recipe = te.recipe.DelayedScaling(fp8_format=te.recipe.Format.HYBRID, amax_history_len=16,
+                                          amax_compute_algo="max")
+    return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
+
+
+@torch.no_grad()
+def evaluate(model, tokens, args, fp8, device, max_batches=8):
+    """Mean loss over consecutive non-overlapping windows of the held-out tokens (None if there are too few)."""
+    n = min(tokens.numel() // args.seq_len, max_batches * args.batch_size)
+    if n == 0:
+        return None
+    windows = tokens[:n * args.seq_len].view(n, args.seq_len)
+    model.eval()
+    losses = []
+    for batch in windows.split(args.batch_size):
+        batch = batch.to(device)
+        with fp8_context(fp8):
+            losses.append(model(input_ids=batch, labels=batch).loss.float())
+    model.train()
+    return torch.stack(losses).mean().item()
+
+
+class Progress:
+    """A tqdm bar over the steps, or a plain print every `every` steps when tqdm is missing."""
+
+    def __init__(self, start, total, desc, every):
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=start, desc=desc, unit="step")
+        except ImportError:
+            self.bar = None
+        self.desc, self.total, self.every = desc, total, every
+
+    def update(self, step, loss):
+        """step: the step just finished (0-based); loss: a function that gives its loss (a host sync: called rarely)."""
+        last = step + 1 == self.total
+        if self.bar is not None:
+            self.bar.update(1)
+            if step % self.every == 0 or last:
+                self.bar.set_postfix(loss=f"{loss():.4f}")
+        elif step % self.every == 0 or last:
+            print(f"[{self.desc}] step {step + 1}/{self.total}  loss {loss():.4f}", flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def checkpoint_path(folder, precision, step):
+    return Path(folder) / f"{precision}-step{step:06d}.pt"
+
+
+def latest_checkpoint(folder, precision):
+    paths = sorted(Path(folder).glob(f"{precision}-step*.pt"))
+    if not paths:
+        raise FileNotFoundError(f"--resume: no {precision}-step*.pt checkpoint in {folder}")
+    return paths[-1]
+
+
+def train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, device):
+    """One run (precision "bf16" or "fp8"); returns its summary (losses per step, tokens/s, peak memory, ...)."""
+    fp8 = precision == "fp8"
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(args, model_config, tokenizer.vocab_size, device)
+    if fp8:
+        convert_linear_layers(model, params_dtype=PARAMS_DTYPE, fuse_wgrad_accumulation=args.fuse_wgrad)
+        if args.fuse_wgrad:
+            attach_main_grads(model)
+    optimizer = MasterWeightAdamW(model.parameters(), lr=args.lr)
+    batches = RandomWindows(train_tokens, args.batch_size, args.seq_len, args.seed)
+    losses, start = [], 0
+    if args.resume:
+        path = latest_checkpoint(args.resume, precision)
+        state = torch.load(path, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        batches.load_state_dict(state["batches"])
+        losses, start = state["losses"], state["step"]
+        print(f"[{precision}] resumed from {path} at step {start}")
+
+    step_losses = []  # device tensors: no host sync per step
+    progress = Progress(start, args.steps, precision, every=max(1, args.steps // 20))
+    timed_from, t0 = min(start + 1, args.steps - 1), None  # the first step (allocations, cuBLAS init) is not timed
+    for step in range(start, args.steps):
+        if step == timed_from:
+            synchronize(device)
+            t0 = time.perf_counter()
+        optimizer.set_lr(lr_at(step, args))
+        step_loss = torch.zeros((), device=device)
+        for micro in range(args.grad_accum):
+            batch = batches.next().to(device)
+            with fp8_context(fp8), microbatch(model, is_first=micro == 0):
+                loss = model(input_ids=batch, labels=batch).loss
+            (loss / args.grad_accum).backward()
+            step_loss += loss.detach().float() / args.grad_accum
+        optimizer.step(args.max_grad_norm)
+        optimizer.zero_grad()
+        step_losses.append(step_loss)
+        progress.update(step, lambda: step_loss.item())
+        if args.save and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            torch.save({"step": step + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "batches": batches.state_dict(), "losses": losses + torch.stack(step_losses).tolist()},
+                       checkpoint_path(args.save, precision, step + 1))
+    synchronize(device)
+    elapsed = time.perf_counter() - t0 if t0 is not None else None
+    progress.close()
+
+    losses = losses + torch.stack(step_losses).tolist() if step_losses else losses
+    timed_steps = args.steps - timed_from
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
+    summary = {
+        "precision": precision,
+        "losses": losses,
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,  # mean of the last 10 steps
+        "eval_loss": evaluate(model, eval_tokens, args, fp8, device),
+        "tokens_per_s": tokens_per_step * timed_steps / elapsed if elapsed else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "fp8_linear_layers": sum(isinstance(m, te.Linear) for m in model.modules()),
+    }
+    del model, optimizer
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return summary
+
+
+# --- reporting -------------------------------------------------------------------------------------------------------
+
+def plot_losses(runs, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no loss plot (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs.values():
+        ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=run["precision"].upper(), linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("Llama fine-tuning: BF16 vs FP8 (transformer_fp8)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"loss curves: {path}")
+
+
+def print_table(runs):
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    print(f"{'run':<6}{'final loss':>12}{'eval loss':>11}{'tokens/s':>12}{'peak GiB':>10}")
+    for run in runs.values():
+        print(f"{run['precision']:<6}{fmt(run['final_loss'], '.4f'):>12}{fmt(run['eval_loss'], '.4f'):>11}"
+              f"{fmt(run['tokens_per_s'], ',.0f'):>12}{fmt(run['peak_memory_gib'], '.2f'):>10}")
+
+
+# --- entry point -----------------------------------------------------------------------------------------------------
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="local Hugging Face checkpoint directory (default: a small Llama, random init)")
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="local .txt or .jsonl (field 'text')")
+    p.add_argument("--precision", choices=("both", "bf16", "fp8"), default="both")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if available); cpu trains a tiny model")
+    p.add_argument("--steps", type=int, help="optimizer steps (default 200 on GPU, 20 on CPU)")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch (default 8 on GPU, 4 on CPU)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 512 on GPU, 64 on CPU)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 1e-3 from scratch, 2e-5 with --model)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--fuse-wgrad", action="store_true",
+                   help="FP8 layers accumulate weight gradients into FP32 main_grad (fuse_wgrad_accumulation)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", help="folder for checkpoints (<precision>-step<N>.pt), written every --save-every "
+                                  "steps and after the last")
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--resume", help="folder of --save checkpoints: each run continues from its latest one up to "
+                                    "--steps (pass the same arguments as the first run)")
+    p.add_argument("--out", default="finetune_out", help="folder for summary.json and loss.png")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise SystemExit("finetune_llama.py needs transformers: pip install transformers")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model_config, seq_len, batch_size, steps = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+    args.seq_len, args.batch_size = args.seq_len or seq_len, args.batch_size or batch_size
+    args.steps = args.steps or steps
+    args.lr = args.lr or (2e-5 if args.model else 1e-3)
+    if device.type == "cpu":
+        print("No CUDA device: training a tiny Llama (hidden 64, 2 layers) on the CPU; the FP8 run goes through the "
+              "CPU reference kernels (emulated FP8, slow: for checking, not for speed)." if not args.model else
+              "Training on the CPU: the FP8 run goes through the CPU reference kernels (emulated FP8, slow).")
+    elif not te.cuda_kernels_available() and args.precision != "bf16":
+        raise SystemExit("transformer_fp8 was built without its CUDA kernels: rebuild it with nvcc (tools/setup.sh)")
+
+    if args.model:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    else:
+        tokenizer = ByteTokenizer()
+    tokens = tokenize(read_documents(args.data), tokenizer)
+    n_eval = min(tokens.numel() // 10, 8 * args.batch_size * args.seq_len)
+    train_tokens, eval_tokens = tokens[:tokens.numel() - n_eval], tokens[tokens.numel() - n_eval:]
+    print(f"data: {args.data}: {train_tokens.numel():,} training / {eval_tokens.numel():,} held-out tokens; "
+          f"{args.steps} steps x {args.grad_accum} x {args.batch_size} x {args.seq_len} tokens on {device}")
+
+    if args.save:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
+    precisions = ("bf16", "fp8") if args.precision == "both" else (args.precision,)
+    runs = {p: train(p, args, model_config, tokenizer, train_tokens, eval_tokens, device) for p in precisions}
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print_table(runs)
+    plot_losses(runs, out / "loss.png")
+    summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "args": {k: v for k, v in vars(args).items()}, "runs": runs}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"summary: {out / 'summary.json'}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""fuse_wgrad_accumulation (wgrad into weight.main_grad) and is_first_microbatch weight caching."""
+import pytest
+import torch
+
+import transformer_fp8 as te
+from tests.module.helpers import DEVICES, RECIPES, randomize_vectors
+from tests.utils import rel_error
+
+MODULES = {
+    "Linear": lambda **kw: te.Linear(64, 32, **kw),
+    "LayerNormLinear": lambda **kw: te.LayerNormLinear(64, 32, **kw),
+    "LayerNormMLP": lambda **kw: te.LayerNormMLP(64, 96, **kw),
+}
+
+
+def weight_names(m):
+    return [n for n, p in m.named_parameters() if p.dim() == 2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(MODULES))
+@pytest.mark.parametrize("fp8", [True, False])
+def test_main_grad_accumulates_over_microbatches(device, name, fp8):
+    kw = dict(params_dtype=torch.bfloat16, device=device)
+    fused, plain = MODULES[name](fuse_wgrad_accumulation=True, **kw), MODULES[name](**kw)
+    randomize_vectors(plain)
+    fused.load_state_dict(plain.state_dict())
+    for n in weight_names(fused):
+        fused.get_parameter(n).main_grad = torch.zeros(fused.get_parameter(n).shape, device=device)
+    recipe = RECIPES["current-HYBRID"]  # same scales in both modules at every step
+    for _ in range(2):
+        x = torch.randn(24, 64, dtype=torch.bfloat16, device=device)
+        for m in (fused, plain):
+            with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+                out = m(x)
+            out.float().pow(2).sum().backward()
+    for n in weight_names(fused):
+        weight = fused.get_parameter(n)
+        assert weight.grad is None
+        assert weight.main_grad.dtype == torch.float32
+        assert rel_error(weight.main_grad, plain.get_parameter(n).grad) < (0.02 if fp8 else 1e-2), n
+    for n, p in fused.named_parameters():
+        if p.dim() == 1:
+            assert p.grad is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [True, False])
+def test_missing_main_grad_is_a_clear_error(device, fp8):
+    m = te.Linear(64, 32, fuse_wgrad_accumulation=True, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(16, 64, dtype=torch.bfloat16, device=device)
+    with pytest.raises(RuntimeError, match="main_grad"):
+        with te.fp8_autocast(enabled=fp8):
+            out = m(x)
+        out.sum().backward()
+
+
+def count_weight_casts(monkeypatch, module):
+    """Patch cast_transpose to count casts whose input is one of the module's weights."""
+    ptrs = {p.data_ptr() for n, p in module.named_parameters() if p.dim() == 2}
+    original, count = te.ops.tfp8.cast_transpose, [0]
+
+    def spy(input, *args, **kwargs):
+        count[0] += input.data_ptr() in ptrs
+        return original(input, *args, **kwargs)
+
+    monkeypatch.setattr(te.ops.tfp8, "cast_transpose", spy)
+    return count
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(MODULES))
+@pytest.mark.parametrize("recipe_name", ["delayed-HYBRID", "current-E4M3"])
+def test_first_microbatch_caches_the_fp8_weight(device, name, recipe_name, monkeypatch):
+    m = MODULES[name](params_dtype=torch.bfloat16, device=device)
+    casts = count_weight_casts(monkeypatch, m)
+    n_weights = len(weight_names(m))
+    x = torch.randn(20, 64, dtype=torch.bfloat16, device=device)
+    with te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]):
+        first = m(x, is_first_microbatch=True)
+        assert casts[0] == n_weights
+        with torch.no_grad():
+            m.get_parameter(weight_names(m)[0]).mul_(2)  # a cached weight ignores this until the next True
+        second = m(x, is_first_microbatch=False)
+        assert casts[0] == n_weights
+        third = m(x)
+        assert casts[0] == 2 * n_weights
+    if recipe_name.startswith("delayed"):  # the input's scale did not move inside the autocast: same bytes
+        assert torch.equal(first, second)
+    assert rel_error(second, first) < 0.05 and rel_error(third, first) > 0.1
+    (second.float().sum() + first.float().sum()).backward()  # backward through the cached copies (with transpose)

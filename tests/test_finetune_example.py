@@ -1,0 +1,93 @@
+"""examples/finetune_llama.py end to end on the CPU with a tiny model: summary, losses, grad accumulation with fused
+wgrad, checkpoint resume, .jsonl data."""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_llama.py"
+TINY = ["--device", "cpu", "--seq-len", "32", "--batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("finetune_llama", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_runs_both_precisions_and_writes_its_summary(example, tmp_path):
+    example.main(["--device", "cpu", "--steps", "3", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    bf16, fp8 = summary["runs"]["bf16"], summary["runs"]["fp8"]
+    for run in (bf16, fp8):
+        assert len(run["losses"]) == 3 and all(math.isfinite(x) for x in run["losses"])
+        assert math.isfinite(run["eval_loss"]) and run["tokens_per_s"] > 0
+    assert bf16["fp8_linear_layers"] == 0 and fp8["fp8_linear_layers"] == 14  # 7 per layer, lm_head excluded
+    assert bf16["losses"][0] == pytest.approx(math.log(258), rel=0.05)  # random init over the 258 byte tokens
+    assert bf16["losses"][-1] < bf16["losses"][0]
+    for a, b in zip(bf16["losses"], fp8["losses"]):  # same init, same batches: FP8 tracks BF16
+        assert abs(a - b) < 0.02 * a
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_resume_continues_exactly_with_grad_accum_and_fused_wgrad(example, tmp_path):
+    args = TINY + ["--precision", "fp8", "--steps", "4", "--grad-accum", "2", "--fuse-wgrad"]
+    full = example.main(args + ["--save", str(tmp_path / "ck"), "--save-every", "2", "--out", str(tmp_path / "a")])
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["fp8-step000002.pt", "fp8-step000004.pt"]
+    (tmp_path / "ck" / "fp8-step000004.pt").unlink()
+    resumed = example.main(args + ["--resume", str(tmp_path / "ck"), "--out", str(tmp_path / "b")])
+    assert resumed["runs"]["fp8"]["losses"] == full["runs"]["fp8"]["losses"]
+    assert resumed["runs"]["fp8"]["eval_loss"] == full["runs"]["fp8"]["eval_loss"]
+
+
+def test_jsonl_documents_are_wrapped_in_bos_eos(example, tmp_path):
+    data = tmp_path / "docs.jsonl"
+    docs = ["first document " * 8, "second, longer document " * 8]
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tokenizer = example.ByteTokenizer()
+    tokens = example.tokenize(example.read_documents(data), tokenizer).tolist()
+    assert tokens == [256, *docs[0].encode(), 257, 256, *docs[1].encode(), 257]
+    summary = example.main(TINY + ["--data", str(data), "--precision", "bf16", "--steps", "2",
+                                   "--out", str(tmp_path / "out")])
+    assert list(summary["runs"]) == ["bf16"] and len(summary["runs"]["bf16"]["losses"]) == 2
+
+
+def test_data_too_short_for_a_sequence_is_reported(example, tmp_path):
+    data = tmp_path / "short.txt"
+    data.write_text("too short")
+    with pytest.raises(ValueError, match="data: .* need more than seq_len"):
+        example.main(TINY + ["--data", str(data), "--precision", "bf16", "--steps", "1", "--out", str(tmp_path)])
+
+
+def save_tiny_checkpoint(folder, text):
+    """A local Hugging Face checkpoint: a tiny Llama and a word-level tokenizer trained on `text`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    word_level = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def test_local_checkpoint_and_its_tokenizer(example, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    save_tiny_checkpoint(tmp_path / "ckpt", example.DEFAULT_DATA.read_text(encoding="utf-8"))
+    summary = example.main(TINY + ["--model", str(tmp_path / "ckpt"), "--steps", "2", "--lr", "1e-3",
+                                   "--out", str(tmp_path / "out")])
+    assert summary["runs"]["fp8"]["fp8_linear_layers"] == 7
+    for run in summary["runs"].values():
+        assert all(math.isfinite(x) for x in run["losses"])

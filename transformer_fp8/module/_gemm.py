@@ -1,0 +1,84 @@
+"""Pieces of an FP8 GEMM's backward shared by the modules, and the high-precision linear with main_grad fusion.
+
+For y = x Wᵀ (x [M, K], W [N, K], dy [M, N]); GEMMs are TN (both operands K-major):
+  dgrad dx [M, K] = fp8_gemm(dy [M, N], Wᵀ [K, N]);  wgrad dW [N, K] = fp8_gemm(dyᵀ [N, M], xᵀ [K, M]).
+"""
+import torch
+import torch.nn.functional as F
+
+from .. import autocast
+from ..ops import tfp8
+from ..recipe import FP8_MAX
+from .base import cast_transpose
+
+
+def fp8_gemm_bias(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
+    """out [M, N] = a bᵀ (+ bias [N]) in out_dtype. The bias rides in the GEMM epilogue for 16-bit outputs (cast to
+    out_dtype); a float32 output gets it added afterwards in float32 (cuBLASLt takes no float32 bias there)."""
+    if bias is None or out_dtype != torch.float32:
+        bias = bias.to(out_dtype) if bias is not None and bias.dtype != out_dtype else bias
+        return tfp8.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)[0]
+    return tfp8.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype)[0].add_(bias)
+
+
+def cast_grad_output(dy, module, slot, with_dbias, rowwise, transpose):
+    """dy [M, N] -> (q [M, N], qT [N, M], scale_inv [1], dbias [N] or None) in backward slot `slot` of `module`."""
+    state, fp8_dtype = module.fp8_bwd, module.bwd_dtype
+    if not with_dbias:
+        return (*cast_transpose(dy, state, slot, fp8_dtype, module.fp8_current, rowwise, transpose), None)
+    scale_inv = torch.empty(1, dtype=torch.float32, device=dy.device)
+    amax = state.amaxes[slot]
+    if module.fp8_current:
+        state.set_current_scale(dy, slot, FP8_MAX[fp8_dtype])
+        amax = None
+    q, qt, dbias = tfp8.cast_transpose_dbias(dy, state.scales[slot], fp8_dtype, amax, scale_inv)
+    return q, qt, scale_inv, dbias
+
+
+def register_backward(module, ctx):
+    """Queue the module's gradient state for the update after this backward (delayed scaling only)."""
+    if not module.fp8_current:
+        autocast.register_backward(module.fp8_bwd, ctx.recipe, ctx.group)
+
+
+def gemm_grads(module, weight, dy_fp8, w_t, x_t, dx_dtype, need_dgrad, need_wgrad):
+    """dgrad and wgrad of one GEMM from FP8 operands, each given as (data, scale_inv).
+    dy_fp8 = (q, qT, scale_inv). With fuse_wgrad_accumulation the wgrad goes into weight.main_grad (FP32)
+    and None is returned for it."""
+    dq, dqt, dsinv = dy_fp8
+    dx = tfp8.fp8_gemm(dq, dsinv, w_t[0], w_t[1], dx_dtype)[0] if need_dgrad else None
+    dw = None
+    if need_wgrad:
+        if module.fuse_wgrad_accumulation:
+            tfp8.fp8_gemm_accumulate(dqt, dsinv, x_t[0], x_t[1], module._main_grad(weight))
+        else:
+            dw = tfp8.fp8_gemm(dqt, dsinv, x_t[0], x_t[1], weight.dtype)[0]
+    return dx, dw
+
+
+class LinearMainGrad(torch.autograd.Function):
+    """High-precision y = x Wᵀ + b whose weight gradient is accumulated (FP32) into weight.main_grad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):
+        ctx.save_for_backward(x, weight)
+        ctx.module = module
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dy = grad.reshape(-1, grad.shape[-1])
+        dx = (grad @ weight) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            main_grad = ctx.module._main_grad(weight)
+            main_grad.add_(dy.float().t() @ x.reshape(-1, x.shape[-1]).float())
+        dbias = dy.sum(0) if ctx.needs_input_grad[2] else None
+        return dx, None, dbias, None
+
+
+def high_precision_linear(module, x, weight, bias):
+    """F.linear, or LinearMainGrad when the module fuses wgrad accumulation and a weight gradient is needed."""
+    if module.fuse_wgrad_accumulation and weight.requires_grad and torch.is_grad_enabled():
+        return LinearMainGrad.apply(x, weight, bias, module)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,254 @@
+"""Attention modules with Transformer Engine's names and defaults.
+
+DotProductAttention runs PyTorch's fused SDPA kernels on CUDA, in the order cuDNN fused attention, FlashAttention,
+memory-efficient attention. It never falls back to the unfused math path silently: when no fused kernel takes a
+case it warns once, with the reasons PyTorch gives, and only then runs math attention. On CPU it is the float32
+math reference. MultiheadAttention = one fused QKV projection (Linear, or LayerNormLinear with input_layernorm),
+optional RoPE on q and k, DotProductAttention, output projection.
+"""
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .layernorm_linear import LayerNormLinear
+from .linear import Linear
+from .rope import apply_rotary_pos_emb
+
+ATTN_MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
+QKV_FORMATS = ("sbhd", "bshd")
+FUSED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+MAX_HEAD_DIM = 256
+NO_KERNEL_ERRORS = ("No available kernel", "No viable backend")  # what SDPA raises when no allowed backend fits
+_warned_cases = set()
+
+
+def _check_choice(value, choices, arg):
+    if value not in choices:
+        raise ValueError(f"{arg}: expected one of {choices}, got {value!r}")
+
+
+def _sdpa_mask(attention_mask, attn_mask_type, sq, skv, device):
+    """TE mask convention (bool, True = masked out) -> (SDPA attn_mask with True = attend, or None; is_causal)."""
+    if attn_mask_type in ("no_mask", "causal"):
+        if attention_mask is not None:
+            raise ValueError(f"attention_mask: must be None with attn_mask_type={attn_mask_type!r}")
+        return None, attn_mask_type == "causal"
+    if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        got = None if attention_mask is None else f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
+        raise ValueError(f"attention_mask: expected a bool [b, 1, 1 or s_q, s_kv] tensor (True = masked out) with "
+                         f"attn_mask_type={attn_mask_type!r}, got {got}")
+    if attention_mask.shape[-1] != skv or attention_mask.shape[-2] not in (1, sq):
+        raise ValueError(f"attention_mask: expected [b, 1, 1 or {sq}, {skv}], got {tuple(attention_mask.shape)}")
+    allowed = ~attention_mask.to(device)
+    if attn_mask_type == "padding_causal":
+        allowed = allowed & torch.ones(sq, skv, dtype=torch.bool, device=device).tril()
+    return allowed, False
+
+
+def _expand_kv(t, groups):
+    return t.repeat_interleave(groups, dim=1)
+
+
+def _math_attention(q, k, v, reasons, **kw):
+    """Unfused attention, after one warning per distinct case that says why no fused kernel took it."""
+    case = (q.dtype, q.shape[-1], kw["attn_mask"] is not None, kw["is_causal"], kw["dropout_p"] > 0)
+    if case not in _warned_cases:
+        _warned_cases.add(case)
+        why = "; ".join(dict.fromkeys(reasons)) or "no reason given"
+        warnings.warn(f"DotProductAttention: no fused attention kernel (cuDNN, FlashAttention, memory-efficient) "
+                      f"takes q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}: using unfused math attention. "
+                      f"Reasons: {why}", stacklevel=4)
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **kw)
+
+
+def _try_fused(q, k, v, enable_gqa, kw):
+    """SDPA restricted to the fused backends (in FUSED_BACKENDS order), or None when none of them takes the case."""
+    try:
+        with sdpa_kernel(FUSED_BACKENDS, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa, **kw)
+    except RuntimeError as err:
+        if not any(msg in str(err) for msg in NO_KERNEL_ERRORS):
+            raise
+        return None
+
+
+def _fused_attention(q, k, v, **kw):
+    """SDPA on q [b, hq, sq, d], k/v [b, hkv, skv, d] through the fused CUDA backends: GQA natively, else with k/v
+    expanded to hq heads, else (warned) math."""
+    groups = q.shape[1] // k.shape[1]
+    out = _try_fused(q, k, v, groups > 1, kw)
+    if out is None and groups > 1:
+        out = _try_fused(q, _expand_kv(k, groups), _expand_kv(v, groups), False, kw)
+    if out is not None:
+        return out
+    with warnings.catch_warnings(record=True) as caught:  # SDPA warns its reasons when no allowed backend fits
+        warnings.simplefilter("always")
+        _try_fused(q, k, v, groups > 1, kw)
+    return _math_attention(q, k, v, [str(w.message).strip() for w in caught], **kw)
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None):
+    """q [b, hq, sq, d], k/v [b, hkv, skv, d] (hq % hkv == 0) -> [b, hq, sq, d_v] in q's dtype.
+
+    CUDA: fused kernels in bf16/fp16 (float32 inputs are cast to bf16 around the kernel). CPU: float32 math.
+    attn_mask: bool, True = attend, broadcastable to [b, hq, sq, skv].
+    """
+    kw = dict(attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+    dtype = q.dtype
+    if q.device.type != "cuda":
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=q.shape[1] != k.shape[1],
+                                             **kw)
+        return out.to(dtype)
+    if dtype not in (torch.float16, torch.bfloat16):
+        q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    return _fused_attention(q, k, v, **kw).to(dtype)
+
+
+class DotProductAttention(nn.Module):
+    """softmax(q kᵀ * softmax_scale + mask) v over heads, q/k/v in qkv_format ("sbhd": [s, b, h, d], "bshd":
+    [b, s, h, d]); k and v have num_gqa_groups heads (GQA/MQA). Output [s, b, h * d] (sbhd) or [b, s, h * d] (bshd).
+
+    attn_mask_type: "no_mask", "causal" (top-left aligned), "padding", "padding_causal"; the padding types take
+    attention_mask, bool [b, 1, 1, s_kv] (or [b, 1, s_q, s_kv]) with True = masked out (TE's convention).
+    Dropout on the attention probabilities in training mode only.
+    """
+
+    def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
+                 attn_mask_type="causal", qkv_format="sbhd", softmax_scale=None, layer_number=None,
+                 attention_type="self", tp_size=1, tp_group=None, sequence_parallel=False):
+        super().__init__()
+        _check_choice(attn_mask_type, ATTN_MASK_TYPES, "attn_mask_type")
+        _check_choice(qkv_format, QKV_FORMATS, "qkv_format")
+        check_no_tensor_parallel(tp_size, tp_group)
+        num_gqa_groups = num_gqa_groups or num_attention_heads
+        if num_attention_heads % num_gqa_groups:
+            raise ValueError(f"num_gqa_groups: must divide num_attention_heads={num_attention_heads}, "
+                             f"got {num_gqa_groups}")
+        if not 0 < kv_channels <= MAX_HEAD_DIM:
+            raise ValueError(f"kv_channels: expected 1..{MAX_HEAD_DIM}, got {kv_channels}")
+        self.num_attention_heads, self.num_gqa_groups, self.kv_channels = num_attention_heads, num_gqa_groups, \
+            kv_channels
+        self.attention_dropout, self.attn_mask_type, self.qkv_format = attention_dropout, attn_mask_type, qkv_format
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
+        self.layer_number, self.attention_type = layer_number, attention_type
+
+    def _check_qkv(self, q, k, v, fmt):
+        for name, t, heads in (("query_layer", q, self.num_attention_heads), ("key_layer", k, self.num_gqa_groups),
+                               ("value_layer", v, self.num_gqa_groups)):
+            if t.dim() != 4 or t.shape[2] != heads or t.shape[3] != self.kv_channels:
+                raise ValueError(f"{name}: expected a 4-D {fmt} tensor with {heads} heads of {self.kv_channels} "
+                                 f"channels, got {tuple(t.shape)}")
+            if t.dtype != q.dtype or t.device != q.device:
+                raise TypeError(f"{name}: expected {q.dtype} on {q.device} (as query_layer), got {t.dtype} on "
+                                f"{t.device}")
+        batch_dim = 1 if fmt == "sbhd" else 0
+        if k.shape[:2] != v.shape[:2] or k.shape[batch_dim] != q.shape[batch_dim]:
+            raise ValueError(f"key_layer/value_layer: batch and sequence dims must match ({fmt}), got q "
+                             f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, attn_mask_type=None,
+                qkv_format=None):
+        fmt = qkv_format or self.qkv_format
+        mask_type = attn_mask_type or self.attn_mask_type
+        _check_choice(fmt, QKV_FORMATS, "qkv_format")
+        _check_choice(mask_type, ATTN_MASK_TYPES, "attn_mask_type")
+        self._check_qkv(query_layer, key_layer, value_layer, fmt)
+        to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if fmt == "sbhd" else (lambda t: t.transpose(1, 2))
+        q, k, v = to_bhsd(query_layer), to_bhsd(key_layer), to_bhsd(value_layer)
+        attn_mask, is_causal = _sdpa_mask(attention_mask, mask_type, q.shape[2], k.shape[2], q.device)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        out = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
+                                           scale=self.softmax_scale)  # [b, h, sq, d]
+        b, h, sq, d = out.shape
+        out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
+        return out.reshape(*out.shape[:2], h * d)
+
+
+def check_no_tensor_parallel(tp_size, tp_group):
+    size = tp_group.size() if tp_group is not None else tp_size
+    if size != 1:
+        raise NotImplementedError(f"tp_size/tp_group: tensor parallelism is not supported yet, got size {size}")
+
+
+class MultiheadAttention(nn.Module):
+    """Self-attention block: [LayerNorm/RMSNorm +] fused QKV GEMM, RoPE on q and k, attention, output GEMM.
+
+    hidden_states [s, b, hidden] ("sbhd") or [b, s, hidden] ("bshd") -> same shape. The QKV weight has
+    (h + 2 * g) * kv_channels rows (g = num_gqa_groups): with qkv_weight_interleaved they are ordered per group
+    [q heads of the group, k, v] (TE's default), else [all q | all k | all v]. fuse_qkv_params is accepted: the QKV
+    weight is always one parameter. Returns out, then bias (return_bias), then the norm output
+    (return_layernorm_output), as TE does.
+    """
+
+    def __init__(self, hidden_size, num_attention_heads, kv_channels=None, attention_dropout=0.1,
+                 layernorm_epsilon=1e-5, init_method=None, output_layer_init_method=None, layer_number=None,
+                 attn_mask_type="causal", tp_group=None, tp_size=1, num_gqa_groups=None,
+                 fuse_wgrad_accumulation=False, sequence_parallel=False, params_dtype=None, return_bias=False,
+                 return_layernorm_output=False, input_layernorm=False, attention_type="self",
+                 set_parallel_mode=False, fuse_qkv_params=False, zero_centered_gamma=False,
+                 qkv_weight_interleaved=True, bias=True, normalization="LayerNorm", device="cuda",
+                 attn_input_format=None, qkv_format="sbhd"):
+        super().__init__()
+        if attention_type != "self":
+            raise NotImplementedError(f"attention_type: only 'self' is supported, got {attention_type!r}")
+        if return_layernorm_output and not input_layernorm:
+            raise ValueError("return_layernorm_output: needs input_layernorm=True")
+        check_no_tensor_parallel(tp_size, tp_group)
+        self.qkv_format = attn_input_format or qkv_format
+        kv_channels = kv_channels or hidden_size // num_attention_heads
+        num_gqa_groups = num_gqa_groups or num_attention_heads
+        self.heads, self.groups, self.head_dim = num_attention_heads, num_gqa_groups, kv_channels
+        self.qkv_weight_interleaved = qkv_weight_interleaved
+        self.input_layernorm, self.return_layernorm_output = input_layernorm, return_layernorm_output
+        self.return_bias = return_bias
+        common = dict(bias=bias, params_dtype=params_dtype, device=device,
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        qkv_features = (num_attention_heads + 2 * num_gqa_groups) * kv_channels
+        if input_layernorm:
+            self.layernorm_qkv = LayerNormLinear(
+                hidden_size, qkv_features, eps=layernorm_epsilon, normalization=normalization,
+                zero_centered_gamma=zero_centered_gamma, return_layernorm_output=return_layernorm_output,
+                init_method=init_method, **common)
+        else:
+            self.qkv = Linear(hidden_size, qkv_features, init_method=init_method, **common)
+        self.core_attention = DotProductAttention(
+            num_attention_heads, kv_channels, num_gqa_groups=num_gqa_groups, attention_dropout=attention_dropout,
+            attn_mask_type=attn_mask_type, qkv_format=self.qkv_format, layer_number=layer_number)
+        self.proj = Linear(num_attention_heads * kv_channels, hidden_size, init_method=output_layer_init_method,
+                           return_bias=return_bias, **common)
+
+    def _split_qkv(self, qkv):
+        """[*lead, (h + 2g) * d] -> q [*lead, h, d], k and v [*lead, g, d]."""
+        lead, d, h, g = qkv.shape[:-1], self.head_dim, self.heads, self.groups
+        if self.qkv_weight_interleaved:
+            per_group = qkv.view(*lead, g, h // g + 2, d)
+            return per_group[..., :-2, :].reshape(*lead, h, d), per_group[..., -2, :], per_group[..., -1, :]
+        q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
+        return q.view(*lead, h, d), k.view(*lead, g, d), v.view(*lead, g, d)
+
+    def forward(self, hidden_states, attention_mask=None, attn_mask_type=None, is_first_microbatch=None,
+                rotary_pos_emb=None):
+        """rotary_pos_emb: freqs [s, 1, 1, rot_dim] from RotaryPositionEmbedding, or a (q_freqs, k_freqs) pair."""
+        layernorm_output = None
+        if self.input_layernorm:
+            qkv = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+            if self.return_layernorm_output:
+                qkv, layernorm_output = qkv
+        else:
+            qkv = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+        q, k, v = self._split_qkv(qkv)
+        if rotary_pos_emb is not None:
+            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format)
+            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format)
+        context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
+        out = self.proj(context, is_first_microbatch=is_first_microbatch)
+        outputs = (*out,) if self.return_bias else (out,)
+        if self.return_layernorm_output:
+            outputs += (layernorm_output,)
+        return outputs if len(outputs) > 1 else outputs[0]

@@ -1,0 +1,93 @@
+"""LayerNormLinear: y = norm(x) Wᵀ + b, the norm emitting FP8 straight into the GEMM inside fp8_autocast.
+
+Parameters: layer_norm_weight / layer_norm_bias [in] (bias only for LayerNorm), weight [out, in], bias [out].
+FP8 forward slots: 0 normalised input, 1 weight; backward slot: 0 grad_output.
+Returns out, (out, bias) with return_bias, (out, ln_out) with return_layernorm_output, (out, bias, ln_out) with both.
+"""
+import torch
+
+from .. import autocast
+from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
+from .base import FP8ModuleBase, check_choice, check_input, check_positive
+from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_bwd, norm_to_fp8
+
+
+class _FP8LayerNormLinear(torch.autograd.Function):
+    """Saves x (high precision, for the norm backward), mean/rstd, and the FP8 norm(x)ᵀ and Wᵀ."""
+
+    @staticmethod
+    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, module, training, is_first_microbatch):
+        ctx.set_materialize_grads(False)
+        need_dgrad = training and any(ctx.needs_input_grad[:3])
+        need_wgrad = training and ctx.needs_input_grad[3]
+        x = inp.reshape(-1, inp.shape[-1])
+        lnq, lnqt, lnsinv, ln_out, mean, rstd = norm_to_fp8(module, x, need_wgrad, module.return_layernorm_output)
+        wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
+        out = fp8_gemm_bias(lnq, lnsinv, wq, wsinv, inp.dtype, bias)
+        if training:
+            ctx.save_for_backward(x, mean, rstd, ln_weight, lnqt, lnsinv, wqt, wsinv)
+            ctx.weight = weight  # for main_grad and its dtype; its values are not used (the FP8 copies are)
+            ctx.module, ctx.recipe, ctx.group = module, autocast.STATE.recipe, autocast.STATE.group
+            ctx.need, ctx.inp_shape = (need_dgrad, need_wgrad), inp.shape
+        out = out.view(*inp.shape[:-1], out.shape[-1])
+        return out, (ln_out.view(inp.shape) if ln_out is not None else inp.new_empty(0))
+
+    @staticmethod
+    def backward(ctx, grad, grad_ln_out):
+        x, mean, rstd, ln_weight, lnqt, lnsinv, wqt, wsinv = ctx.saved_tensors
+        module, (need_dgrad, need_wgrad) = ctx.module, ctx.need
+        dx = dgamma = dbeta = dw = dbias = None
+        d_ln = None
+        if grad is not None:
+            dy = grad.reshape(-1, grad.shape[-1]).contiguous()
+            dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, ctx.needs_input_grad[4], need_dgrad, need_wgrad)
+            register_backward(module, ctx)
+            d_ln, dw = gemm_grads(module, ctx.weight, (dq, dqt, dsinv), (wqt, wsinv), (lnqt, lnsinv), x.dtype,
+                                  need_dgrad, need_wgrad)
+        if grad_ln_out is not None and need_dgrad:
+            d_ln = grad_ln_out.reshape(x.shape) if d_ln is None else d_ln + grad_ln_out.reshape(x.shape)
+        if d_ln is not None:
+            dx, dgamma, dbeta = norm_bwd(module.normalization, d_ln.contiguous(), x, mean, rstd, ln_weight,
+                                         module.zero_centered_gamma)
+            dx = dx.view(ctx.inp_shape)
+        return dx, dgamma, dbeta, dw, dbias, None, None, None
+
+
+class LayerNormLinear(FP8ModuleBase):
+    """LayerNormLinear(in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm" | "RMSNorm",
+    zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None, device="cuda", init_method=None,
+    fuse_wgrad_accumulation=False, return_bias=False). forward(inp [..., in], is_first_microbatch=None)."""
+
+    def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
+                 zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None, device="cuda",
+                 init_method=None, fuse_wgrad_accumulation=False, return_bias=False):
+        check_positive(in_features=in_features, out_features=out_features)
+        check_choice("normalization", normalization, NORMALIZATIONS)
+        super().__init__(1, params_dtype, device, fuse_wgrad_accumulation)
+        self.in_features, self.out_features, self.eps = in_features, out_features, float(eps)
+        self.normalization, self.zero_centered_gamma = normalization, bool(zero_centered_gamma)
+        self.return_layernorm_output, self.return_bias = bool(return_layernorm_output), bool(return_bias)
+        init_norm_params(self, in_features, normalization, self.zero_centered_gamma, "layer_norm_")
+        self.weight = self._weight_param((out_features, in_features), init_method)
+        self.bias = self._vector_param(out_features, 0.0) if bias else None
+
+    def forward(self, inp, is_first_microbatch=None):
+        check_input(inp, self.in_features)
+        inp = inp.contiguous()
+        bias = None if self.return_bias else self.bias
+        state = autocast.STATE
+        if state.enabled:
+            self._fp8_begin(state)
+            out, ln_out = _FP8LayerNormLinear.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.weight,
+                                                    bias, self, torch.is_grad_enabled(), is_first_microbatch)
+        else:
+            ln_out = _NormFunction.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.normalization,
+                                         self.eps, self.zero_centered_gamma)
+            out = high_precision_linear(self, ln_out, self.weight, bias)
+        outputs = (out,) + ((self.bias,) if self.return_bias else ()) + \
+            ((ln_out,) if self.return_layernorm_output else ())
+        return outputs if len(outputs) > 1 else out
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"normalization={self.normalization}")

@@ -1,0 +1,101 @@
+"""LayerNorm and RMSNorm modules on our norm kernels (high precision in and out), and the norm helpers the fused
+modules share. Parameters: `weight` [hidden] (and `bias` [hidden] for LayerNorm); zero_centered_gamma stores
+gamma - 1 (initialised to 0)."""
+import torch
+import torch.nn as nn
+
+from ..ops import tfp8
+from .base import cast_transpose, check_dtype, check_input, check_positive, fp8_output_args
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def norm_fwd(normalization, x, weight, bias, eps, zero_centered_gamma, scale=None, fp8_dtype=None, amax=None,
+             scale_inv=None):
+    """x [M, N] -> (out [M, N] in x's dtype or fp8_dtype, mean [M] or None, rstd [M])."""
+    if normalization == "LayerNorm":
+        return tfp8.layernorm_fwd(x, weight, bias, eps, zero_centered_gamma, scale, fp8_dtype, amax, scale_inv)
+    out, rstd = tfp8.rmsnorm_fwd(x, weight, eps, zero_centered_gamma, scale, fp8_dtype, amax, scale_inv)
+    return out, None, rstd
+
+
+def norm_bwd(normalization, grad, x, mean, rstd, weight, zero_centered_gamma):
+    """-> (dx [M, N], dgamma [N], dbeta [N] or None)."""
+    if normalization == "LayerNorm":
+        return tfp8.layernorm_bwd(grad, x, mean, rstd, weight, zero_centered_gamma)
+    dx, dgamma = tfp8.rmsnorm_bwd(grad, x, rstd, weight, zero_centered_gamma)
+    return dx, dgamma, None
+
+
+def init_norm_params(module, hidden_size, normalization, zero_centered_gamma, prefix):
+    """Register `<prefix>weight` (ones, or zeros when zero-centered) and, for LayerNorm, `<prefix>bias` (zeros)."""
+    kwargs = {"dtype": module.params_dtype, "device": module._device}
+    gamma = torch.zeros if zero_centered_gamma else torch.ones
+    module.register_parameter(prefix + "weight", nn.Parameter(gamma(hidden_size, **kwargs)))
+    bias = nn.Parameter(torch.zeros(hidden_size, **kwargs)) if normalization == "LayerNorm" else None
+    module.register_parameter(prefix + "bias", bias)
+
+
+class _NormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalization, eps, zero_centered_gamma):
+        x2d = x.reshape(-1, x.shape[-1])
+        out, mean, rstd = norm_fwd(normalization, x2d, weight, bias, eps, zero_centered_gamma)
+        ctx.save_for_backward(x2d, mean, rstd, weight)
+        ctx.normalization, ctx.zero_centered_gamma = normalization, zero_centered_gamma
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2d, mean, rstd, weight = ctx.saved_tensors
+        dx, dgamma, dbeta = norm_bwd(ctx.normalization, grad.reshape(x2d.shape).contiguous(), x2d, mean, rstd, weight,
+                                     ctx.zero_centered_gamma)
+        return dx.view(grad.shape), dgamma, dbeta, None, None, None
+
+
+class _Norm(nn.Module):
+    normalization = None
+
+    def __init__(self, hidden_size, eps=1e-5, zero_centered_gamma=False, params_dtype=None, device="cuda"):
+        super().__init__()
+        check_positive(hidden_size=hidden_size)
+        self.hidden_size, self.eps, self.zero_centered_gamma = hidden_size, float(eps), bool(zero_centered_gamma)
+        self.params_dtype, self._device = check_dtype(params_dtype), torch.device(device)
+        init_norm_params(self, hidden_size, self.normalization, self.zero_centered_gamma, "")
+
+    def forward(self, inp):
+        check_input(inp, self.hidden_size)
+        return _NormFunction.apply(inp.contiguous(), self.weight, self.bias, self.normalization, self.eps,
+                                   self.zero_centered_gamma)
+
+    def extra_repr(self):
+        return f"{self.hidden_size}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
+
+
+class LayerNorm(_Norm):
+    """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last dim; `weight` = gamma, `bias` = beta."""
+
+    normalization = "LayerNorm"
+
+
+class RMSNorm(_Norm):
+    """y = x / sqrt(mean(x^2) + eps) * gamma over the last dim; `weight` = gamma."""
+
+    normalization = "RMSNorm"
+
+
+def norm_to_fp8(module, x, need_transpose, keep_high_precision):
+    """Normalise x [M, K] into FP8 forward slot 0 of `module`: (q [M, K], qT [K, M] or None, scale_inv [1],
+    high-precision output or None, mean or None, rstd). Delayed scaling: the norm kernel emits FP8 directly;
+    current scaling (or when the high-precision output is wanted): norm, then one cast(-transpose)."""
+    args = (module.normalization, x, module.layer_norm_weight, module.layer_norm_bias, module.eps,
+            module.zero_centered_gamma)
+    if module.fp8_current or keep_high_precision:
+        out, mean, rstd = norm_fwd(*args)
+        q, qt, scale_inv = cast_transpose(out, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
+                                          transpose=need_transpose)
+        return q, (qt if need_transpose else None), scale_inv, out, mean, rstd
+    fp8_args = fp8_output_args(module.fp8_fwd, 0, module.fwd_dtype)
+    q, mean, rstd = norm_fwd(*args, *fp8_args)
+    qt = tfp8.fp8_transpose(q) if need_transpose else None
+    return q, qt, fp8_args[3], None, mean, rstd

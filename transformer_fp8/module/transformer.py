@@ -1,0 +1,56 @@
+"""TransformerLayer: a pre-LN encoder block with Transformer Engine's arguments.
+
+    a = x + dropout(MultiheadAttention(norm1(x)))        (residual = norm1(x) with
+    y = a + dropout(LayerNormMLP(norm2(a)))               apply_residual_connection_post_layernorm)
+
+hidden_states [s, b, hidden] ("sbhd") or [b, s, hidden] ("bshd") -> same shape and dtype. Under fp8_autocast every
+GEMM runs in FP8; attention runs in BF16/FP16 through fused kernels (FP32 activations are cast around it).
+"""
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import MultiheadAttention, check_no_tensor_parallel
+from .layernorm_mlp import LayerNormMLP
+
+
+class TransformerLayer(nn.Module):
+    """Self-attention + MLP block. Not supported yet: tensor parallelism (tp_size/tp_group of size > 1),
+    output_layernorm, layer_type="decoder", drop_path_rate > 0."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups=None,
+                 layernorm_epsilon=1e-5, hidden_dropout=0.1, attention_dropout=0.1, init_method=None,
+                 output_layer_init_method=None, layer_number=None, kv_channels=None, self_attn_mask_type="causal",
+                 tp_group=None, tp_size=1, params_dtype=None, seq_length=None, micro_batch_size=None,
+                 sequence_parallel=False, apply_residual_connection_post_layernorm=False, output_layernorm=False,
+                 layer_type="encoder", drop_path_rate=0.0, set_parallel_mode=False, fuse_qkv_params=False,
+                 fuse_wgrad_accumulation=False, zero_centered_gamma=False, qkv_weight_interleaved=True, bias=True,
+                 activation="gelu", normalization="LayerNorm", device="cuda", attn_input_format="sbhd"):
+        super().__init__()
+        if output_layernorm or layer_type != "encoder" or drop_path_rate:
+            raise NotImplementedError("output_layernorm, layer_type='decoder' and drop_path_rate are not supported")
+        check_no_tensor_parallel(tp_size, tp_group)
+        self.hidden_dropout = hidden_dropout
+        self.post_ln_residual = apply_residual_connection_post_layernorm
+        common = dict(params_dtype=params_dtype, device=device, bias=bias, normalization=normalization,
+                      zero_centered_gamma=zero_centered_gamma, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        self.self_attention = MultiheadAttention(
+            hidden_size, num_attention_heads, kv_channels=kv_channels, num_gqa_groups=num_gqa_groups,
+            attention_dropout=attention_dropout, layernorm_epsilon=layernorm_epsilon, init_method=init_method,
+            output_layer_init_method=output_layer_init_method, layer_number=layer_number,
+            attn_mask_type=self_attn_mask_type, input_layernorm=True,
+            return_layernorm_output=apply_residual_connection_post_layernorm, fuse_qkv_params=fuse_qkv_params,
+            qkv_weight_interleaved=qkv_weight_interleaved, attn_input_format=attn_input_format, **common)
+        mlp_extra = dict(return_layernorm_output=True) if apply_residual_connection_post_layernorm else {}
+        self.layernorm_mlp = LayerNormMLP(
+            hidden_size, ffn_hidden_size, eps=layernorm_epsilon, activation=activation, init_method=init_method,
+            output_layer_init_method=output_layer_init_method, **mlp_extra, **common)
+
+    def forward(self, hidden_states, attention_mask=None, self_attn_mask_type=None, rotary_pos_emb=None,
+                is_first_microbatch=None):
+        attn = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type,
+                                   is_first_microbatch=is_first_microbatch, rotary_pos_emb=rotary_pos_emb)
+        attn_out, residual = attn if self.post_ln_residual else (attn, hidden_states)
+        hidden = residual + F.dropout(attn_out, self.hidden_dropout, self.training)
+        mlp = self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch)
+        mlp_out, residual = mlp if self.post_ln_residual else (mlp, hidden)
+        return residual + F.dropout(mlp_out, self.hidden_dropout, self.training)
