@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -18,11 +19,31 @@ int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / mult
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
+// Error messages format integers with std::to_string: in the device build, streaming integers (shapes, strides)
+// into TORCH_CHECK crashed the process, while messages made of strings and dtypes were raised cleanly.
+std::string dims(at::IntArrayRef values) {
+  std::string text = "(";
+  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text + (values.size() == 1 ? ",)" : ")");
+}
+
+void check_on_device_of(const at::Tensor& t, const at::Tensor& data, const char* arg) {
+  TORCH_CHECK(t.device() == data.device(), arg, ": expected a tensor on ", data.device().str(), ", got one on ",
+              t.device().str());
+}
+
+// scale_inv / out_scale / out_amax: one float32 element on the operands' device.
+void check_scalar(const at::Tensor& t, const at::Tensor& data, const char* arg) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, arg, ": expected a float32 tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.numel() == 1, arg, ": expected one element, got shape ", dims(t.sizes()));
+  check_on_device_of(t, data, arg);
+}
+
 void check_operand(const at::Tensor& t, const char* arg) {
   check_cuda(t, arg);
   check_fp8_dtype(t.scalar_type(), arg);
-  TORCH_CHECK(t.dim() == 2, arg, ": expected a 2-D tensor, got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), arg, ": expected a K-contiguous row-major tensor, got strides ", t.strides());
+  TORCH_CHECK(t.dim() == 2, arg, ": expected a 2-D tensor, got shape ", dims(t.sizes()));
+  TORCH_CHECK(t.is_contiguous(), arg, ": expected a K-contiguous row-major tensor, got strides ", dims(t.strides()));
 }
 
 void check_operands(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
@@ -31,11 +52,11 @@ void check_operands(const at::Tensor& a, const at::Tensor& a_scale_inv, const at
   check_operand(b, "b");
   TORCH_CHECK(!(a.scalar_type() == at::kFloat8_e5m2 && b.scalar_type() == at::kFloat8_e5m2),
               "a, b: E5M2 x E5M2 is not supported by the FP8 tensor cores; make one operand E4M3");
-  TORCH_CHECK(b.size(1) == a.size(1), "b: expected K = ", a.size(1), " columns (a is ", a.sizes(), "), got shape ",
-              b.sizes());
-  check_same_device(b, a, "b");
-  check_scalar_f32(a_scale_inv, a, "a_scale_inv");
-  check_scalar_f32(b_scale_inv, a, "b_scale_inv");
+  TORCH_CHECK(b.size(1) == a.size(1), "b: expected K = ", std::to_string(a.size(1)), " columns (a is ",
+              dims(a.sizes()), "), got shape ", dims(b.sizes()));
+  check_on_device_of(b, a, "b");
+  check_scalar(a_scale_inv, a, "a_scale_inv");
+  check_scalar(b_scale_inv, a, "b_scale_inv");
 }
 
 // cuBLASLt's FP8 GEMM: bias dtype = C dtype = the output's, BF16 for a float32 output, BF16 or FP16 for FP8 ones.
@@ -102,13 +123,14 @@ std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tenso
                 out_dtype == at::kHalf ? "torch.float16" : is_fp8(out_dtype) ? "torch.bfloat16 or torch.float16"
                                                                             : "torch.bfloat16",
                 " for out_dtype ", out_dtype, ", got ", bias->scalar_type());
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: expected shape (", n, ",), got ", bias->sizes());
-    check_same_device(*bias, a, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: expected shape (", std::to_string(n), ",), got ",
+                dims(bias->sizes()));
+    check_on_device_of(*bias, a, "bias");
   }
   if (is_fp8(out_dtype)) {
     TORCH_CHECK(out_scale.has_value(), "out_scale: required for an FP8 out_dtype (", out_dtype, ")");
-    check_scalar_f32(*out_scale, a, "out_scale");
-    check_optional_scalar_f32(out_amax, a, "out_amax");
+    check_scalar(*out_scale, a, "out_scale");
+    if (out_amax.has_value()) check_scalar(*out_amax, a, "out_amax");
   } else {
     TORCH_CHECK(!out_scale.has_value() && !out_amax.has_value(),
                 "out_scale, out_amax: only for an FP8 out_dtype, got out_dtype ", out_dtype);
@@ -172,10 +194,10 @@ void fp8_gemm_accumulate(const at::Tensor& a, const at::Tensor& a_scale_inv, con
   const int64_t m = a.size(0), n = b.size(0), k = a.size(1);
   check_cuda(out, "out");
   TORCH_CHECK(out.scalar_type() == at::kFloat, "out: expected a float32 tensor, got ", out.scalar_type());
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "out: expected shape (", m, ", ", n, "), got ",
-              out.sizes());
-  check_contiguous(out, "out");
-  check_same_device(out, a, "out");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "out: expected shape ", dims({m, n}), ", got ",
+              dims(out.sizes()));
+  TORCH_CHECK(out.is_contiguous(), "out: expected a contiguous tensor, got strides ", dims(out.strides()));
+  check_on_device_of(out, a, "out");
   if (m == 0 || n == 0 || k == 0) return;
 
   const c10::cuda::CUDAGuard guard(a.device());

@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(bwd_max_threads_per_row<kVecs>()) norm_bwd_reg
         dbeta[v][i] += d;
       }
     }
-    sums = row_sum(sums, partials);
+    sums = row_reduce(sums, partials);
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       if (!in_row[v]) continue;
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kGeneralThreads) norm_bwd_general(NormBwdParam
       const float xhat = terms.xhat(to_float<T>(x[c])), g = terms.g(to_float<T>(dy[c]), to_float<W>(weight[c]));
       sums = sums + make_float2(g, g * xhat);
     }
-    sums = row_sum(sums, partials);
+    sums = row_reduce(sums, partials);
     T* dx = static_cast<T*>(p.dx) + row * p.cols;
     for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
       const float xhat = terms.xhat(to_float<T>(x[c])), d = to_float<T>(dy[c]);

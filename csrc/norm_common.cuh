@@ -45,28 +45,51 @@ __device__ __forceinline__ float max_nonneg(float a, float b) {  // NaN-propagat
   return __int_as_float(max(__float_as_int(a), __float_as_int(b)));
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+__device__ __forceinline__ float warp_reduce(float v) {
   for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
 }
 
-__device__ __forceinline__ float2 warp_sum(float2 v) {
-  return make_float2(warp_sum(v.x), warp_sum(v.y));
+__device__ __forceinline__ float2 warp_reduce(float2 v) {
+  return make_float2(warp_reduce(v.x), warp_reduce(v.y));
 }
 
 __device__ __forceinline__ float2 operator+(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 
-// Sum of v over the threads of this row (threadIdx.y); every thread of the row gets the same bits. Every thread of
-// the CTA must call it (it synchronises the CTA unless a row is one warp). partials: [kMaxRowsPerCta][32].
+// Count, mean and sum of squared deviations of some values; two such merge exactly as the union (Chan et al.).
+struct MeanM2 {
+  float n, mean, m2;
+};
+
+__device__ __forceinline__ MeanM2 merge(MeanM2 a, MeanM2 b) {
+  const float n = a.n + b.n;
+  if (n == 0.f) return a;
+  const float f = b.n / n, delta = b.mean - a.mean;
+  return {n, a.mean + delta * f, a.m2 + b.m2 + delta * delta * a.n * f};
+}
+
+// Merged over the warp. Each pair merges (lower lane, upper lane) in that order, so every lane gets the same bits.
+__device__ __forceinline__ MeanM2 warp_reduce(MeanM2 v) {
+  for (int off = 16; off > 0; off /= 2) {
+    const MeanM2 other{__shfl_xor_sync(0xffffffffu, v.n, off), __shfl_xor_sync(0xffffffffu, v.mean, off),
+                       __shfl_xor_sync(0xffffffffu, v.m2, off)};
+    v = (threadIdx.x & off) ? merge(other, v) : merge(v, other);
+  }
+  return v;
+}
+
+// Sum (for MeanM2: merge) of v over the threads of this row (threadIdx.y); every thread of the row gets the same
+// bits. Every thread of the CTA must call it (it synchronises the CTA unless a row is one warp).
+// partials: [kMaxRowsPerCta][32].
 template <typename V>
-__device__ __forceinline__ V row_sum(V v, V (*partials)[32]) {
-  v = warp_sum(v);
+__device__ __forceinline__ V row_reduce(V v, V (*partials)[32]) {
+  v = warp_reduce(v);
   if (blockDim.x == 32) return v;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) partials[threadIdx.y][warp] = v;
   __syncthreads();
   v = lane < static_cast<int>(blockDim.x / 32) ? partials[threadIdx.y][lane] : V{};
-  v = warp_sum(v);
+  v = warp_reduce(v);
   __syncthreads();
   return v;
 }

@@ -1,7 +1,8 @@
 // LayerNorm / RMSNorm forward, optionally with FP8 output and amax (contract in norm.h).
-// Statistics are two-pass in float32 over the row held in registers: mean, then the mean of squared deviations
-// (RMSNorm: the mean of squares). y is computed as ((x - mean) * rstd) * gamma' + beta without fused multiply-adds,
-// in the CPU reference's order, so FP8 bytes match it except where mean / rstd differ in their last bit.
+// Statistics in float32. Registers path: one row reduction, of per-thread (count, mean, sum of squared deviations)
+// merged pairwise for LayerNorm (exact two-pass within a thread, Chan's update across threads), of squares for RMSNorm.
+// General path: two-pass over the row in memory. y is computed as ((x - mean) * rstd) * gamma' + beta without fused
+// multiply-adds, in the CPU reference's order, so FP8 bytes match it except where mean / rstd differ in a last bit.
 #include "norm.h"
 #include "norm_common.cuh"
 
@@ -43,7 +44,7 @@ template <typename T, typename W, DType kOut, bool kLayerNorm, int kVecs>
 __global__ void __launch_bounds__(1024) norm_fwd_registers(NormFwdParams p) {
   constexpr int kVec = vec_elems<T>();
   using Io = FwdIo<T, W, kOut>;
-  __shared__ float partials[kMaxRowsPerCta][32];
+  __shared__ std::conditional_t<kLayerNorm, MeanM2, float> partials[kMaxRowsPerCta][32];
   const T* input = static_cast<const T*>(p.input);
   const W* weight = static_cast<const W*>(p.weight);
   const W* bias = static_cast<const W*>(p.bias);
@@ -56,37 +57,57 @@ __global__ void __launch_bounds__(1024) norm_fwd_registers(NormFwdParams p) {
        base += static_cast<int64_t>(gridDim.x) * blockDim.y) {
     const int64_t row = base + threadIdx.y;
     const bool valid_row = row < p.rows;
+    const T* x_row = input + row * p.cols;
     Vec<T, kVec> x[kVecs];  // kept in the input's type: half the registers of float for 16-bit inputs
     bool in_row[kVecs];
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
-      const int64_t col = (static_cast<int64_t>(v) * blockDim.x + threadIdx.x) * kVec;
+      const int col = (v * blockDim.x + threadIdx.x) * kVec;  // a row here has at most 1024 * kVecs * kVec columns
       in_row[v] = valid_row && col < p.cols;
-      if (in_row[v]) x[v] = *reinterpret_cast<const Vec<T, kVec>*>(input + row * p.cols + col);
-      else
+      if (in_row[v]) {
+        x[v] = *reinterpret_cast<const Vec<T, kVec>*>(x_row + col);
+      } else {
 #pragma unroll
         for (int i = 0; i < kVec; ++i) x[v].v[i] = from_float<T>(0.f);
+      }
     }
 
-    float mean = 0.f;
+    // One row reduction. LayerNorm: each thread's (count, mean, m2), two-pass over its registers, merged over the row.
+    // RMSNorm: the sum of squares.
+    float mean = 0.f, var;
     if constexpr (kLayerNorm) {
-      float sum = 0.f;
+      MeanM2 local{0.f, 0.f, 0.f};
 #pragma unroll
-      for (int v = 0; v < kVecs; ++v)
+      for (int v = 0; v < kVecs; ++v) {
+        if (!in_row[v]) continue;
+        local.n += kVec;
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) sum += to_float<T>(x[v].v[i]);
-      mean = row_sum(sum, partials) / cols_f;
-    }
-    float sq = 0.f;
+        for (int i = 0; i < kVec; ++i) local.mean += to_float<T>(x[v].v[i]);
+      }
+      local.mean = local.n > 0.f ? local.mean / local.n : 0.f;
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v)
-      if (in_row[v])
+      for (int v = 0; v < kVecs; ++v) {
+        if (!in_row[v]) continue;
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
-          const float d = to_float<T>(x[v].v[i]) - mean;
-          sq += d * d;
+          const float d = to_float<T>(x[v].v[i]) - local.mean;
+          local.m2 += d * d;
         }
-    const float rstd = 1.f / sqrtf(row_sum(sq, partials) / cols_f + p.eps);
+      }
+      const MeanM2 row_stats = row_reduce(local, partials);
+      mean = row_stats.mean;
+      var = row_stats.m2 / cols_f;
+    } else {
+      float sq = 0.f;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        if (!in_row[v]) continue;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) sq += to_float<T>(x[v].v[i]) * to_float<T>(x[v].v[i]);
+      }
+      var = row_reduce(sq, partials) / cols_f;
+    }
+    const float rstd = 1.f / sqrtf(var + p.eps);
     if (valid_row && threadIdx.x == 0) {
       if constexpr (kLayerNorm) p.mean[row] = mean;
       p.rstd[row] = rstd;
@@ -95,14 +116,15 @@ __global__ void __launch_bounds__(1024) norm_fwd_registers(NormFwdParams p) {
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       if (!in_row[v]) continue;
-      const int64_t col = (static_cast<int64_t>(v) * blockDim.x + threadIdx.x) * kVec;
+      const int col = (v * blockDim.x + threadIdx.x) * kVec;
       float gamma[kVec], beta[kVec] = {};
       load_floats(weight + col, gamma);
       if (bias != nullptr) load_floats(bias + col, beta);
       Vec<typename Io::Out, kVec> y;
 #pragma unroll
       for (int i = 0; i < kVec; ++i)
-        y.v[i] = Io::normalize(to_float<T>(x[v].v[i]), mean, rstd, gamma[i], beta[i], bias != nullptr, p.gamma_offset, scale, amax);
+        y.v[i] = Io::normalize(to_float<T>(x[v].v[i]), mean, rstd, gamma[i], beta[i], bias != nullptr,
+                               p.gamma_offset, scale, amax);
       *reinterpret_cast<Vec<typename Io::Out, kVec>*>(out + row * p.cols + col) = y;
     }
   }
@@ -127,14 +149,14 @@ __global__ void __launch_bounds__(kGeneralThreads) norm_fwd_general(NormFwdParam
     if constexpr (kLayerNorm) {
       float sum = 0.f;
       for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) sum += to_float<T>(x[c]);
-      mean = row_sum(sum, partials) / cols_f;
+      mean = row_reduce(sum, partials) / cols_f;
     }
     float sq = 0.f;
     for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
       const float d = to_float<T>(x[c]) - mean;
       sq += d * d;
     }
-    const float rstd = 1.f / sqrtf(row_sum(sq, partials) / cols_f + p.eps);
+    const float rstd = 1.f / sqrtf(row_reduce(sq, partials) / cols_f + p.eps);
     if (threadIdx.x == 0) {
       if constexpr (kLayerNorm) p.mean[row] = mean;
       p.rstd[row] = rstd;

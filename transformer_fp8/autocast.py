@@ -108,16 +108,17 @@ def _finish_backward():
 
 
 def update_scaling_states(entries, forward):
-    """Reduce the newest amaxes over each group (if the recipe asks) and run one fused update per recipe."""
+    """Reduce the newest amaxes over each group (if the recipe asks) and run one fused update per recipe and device.
+    Entries are grouped by recipe and group identity (one object per fp8_autocast in the usual loop)."""
     per_group, per_recipe = {}, {}
     for scaling_state, recipe, group in entries:
         scaling_state.pending = False
         if recipe.reduce_amax:
-            per_group.setdefault(group, []).append(scaling_state)
-        per_recipe.setdefault((recipe, scaling_state.scale.device), []).append(scaling_state)
-    for group, states in per_group.items():
+            per_group.setdefault(id(group), (group, []))[1].append(scaling_state)
+        per_recipe.setdefault((id(recipe), scaling_state.device), (recipe, []))[1].append(scaling_state)
+    for group, states in per_group.values():
         _all_reduce_amax(states, group)
-    for (recipe, _), states in per_recipe.items():
+    for recipe, states in per_recipe.values():
         fp8_dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
         tfp8.delayed_scaling_update([s.amax_history for s in states], [s.scale for s in states],
                                     [s.scale_inv for s in states], FP8_MAX[fp8_dtype], float(recipe.margin),

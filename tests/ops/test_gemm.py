@@ -1,4 +1,4 @@
-"""fp8_gemm / fp8_gemm_accumulate: CPU reference vs float64, CUDA kernel vs CPU reference, float64 and torch._scaled_mm."""
+"""fp8_gemm, fp8_gemm_accumulate: CPU reference vs float64; CUDA vs CPU reference, float64 and torch._scaled_mm."""
 import pytest
 import torch
 
@@ -257,7 +257,11 @@ def test_cuda_fp8_output_and_amax(m, k, n, dtypes, out_dtype, epilogue):
     except RuntimeError as e:  # cuBLASLt does not take every combination: it must say so, naming the dtypes
         assert "not supported" in str(e) and str(out_dtype).split(".")[-1] in str(e)
         pytest.skip(f"cuBLASLt: {e}")
-    assert mismatch_fraction(out.cpu(), ref_out) <= 0.02
+    # cuBLASLt's GELU differs from torch's in the far negative tail (values near 0, or -0 against 0), which the FP8
+    # scale turns into byte mismatches; compare the bytes of the outputs above 1% of the largest.
+    significant = ref_out.float().abs() >= 0.01 * ref_out.float().abs().max() if gelu else slice(None)
+    out_bytes, ref_bytes = out.cpu().view(torch.uint8), ref_out.view(torch.uint8)
+    assert mismatch_fraction(out_bytes[significant], ref_bytes[significant]) <= 0.02
     assert rel_error(dequantized(out, out_scale), f64) <= FP8_RTOL[out_dtype]
     assert amax.item() == pytest.approx(cpu_kwargs["out_amax"].item(), rel=1e-3)
     # amax is max-accumulated: a larger value stays

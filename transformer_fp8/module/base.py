@@ -27,6 +27,7 @@ class ScalingState:
 
     def _make_views(self):
         n = self.scale.numel()
+        self.device = self.scale.device
         self.scales = [self.scale[i:i + 1] for i in range(n)]
         self.scale_invs = [self.scale_inv[i:i + 1] for i in range(n)]
         self.amaxes = [self.amax_history[0, i:i + 1] for i in range(n)]
@@ -76,7 +77,7 @@ def cast_transpose(x, state, i, fp8_dtype, current, rowwise=True, transpose=True
 
 def fp8_output_args(state, i, fp8_dtype):
     """(scale, fp8_dtype, amax, scale_inv snapshot) for an op that emits FP8 into slot i (delayed scaling)."""
-    return state.scales[i], fp8_dtype, state.amaxes[i], torch.empty(1, dtype=torch.float32, device=state.scale.device)
+    return state.scales[i], fp8_dtype, state.amaxes[i], torch.empty(1, dtype=torch.float32, device=state.device)
 
 
 def check_dtype(params_dtype):
