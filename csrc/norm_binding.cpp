@@ -85,6 +85,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Tensor& input,
   at::Tensor rstd = at::empty({input.size(0)}, stat_options);
 
   NormFwdParams p{};
+  p.layernorm = layernorm;
   p.input = input.data_ptr();
   p.weight = weight.data_ptr();
   p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
@@ -139,6 +140,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& grad_o
   at::Tensor dbeta = mean.has_value() ? at::empty_like(weight) : at::empty({0}, weight.options());
 
   NormBwdParams p{};
+  p.layernorm = mean.has_value();
   p.grad_out = grad_out.data_ptr();
   p.input = input.data_ptr();
   p.mean = mean.has_value() ? mean->data_ptr<float>() : nullptr;

@@ -38,8 +38,8 @@ __device__ __forceinline__ RowTerms row_terms(const NormBwdParams& p, int64_t ro
 }
 
 template <typename T, typename W, bool kLayerNorm, int kVecs>
-__global__ void __launch_bounds__(bwd_max_threads_per_row<kVecs>()) norm_bwd_registers(NormBwdParams p, float* partial_dgamma,
-                                                                           float* partial_dbeta) {
+__global__ void __launch_bounds__(bwd_max_threads_per_row<kVecs>())
+    norm_bwd_registers(NormBwdParams p, float* partial_dgamma, float* partial_dbeta) {
   constexpr int kVec = vec_elems<T>();
   __shared__ float2 partials[kMaxRowsPerCta][32];
   __shared__ float column_sums[bwd_max_threads_per_row<kVecs>() * kVec];  // >= blockDim.x * blockDim.y * kVec
@@ -186,7 +186,8 @@ BwdPlan plan_typed(const NormBwdParams& p) {
   BwdPlan out{norm_bwd_registers<T, W, kLayerNorm, 1>, plan.block, 0};
   if (!plan.registers) {
     plan = plan_rows(p.rows, p.cols, vec_elems<T>(), kBwdWideVecs, bwd_max_threads_per_row<kBwdWideVecs>(), aligned);
-    out.kernel = plan.registers ? norm_bwd_registers<T, W, kLayerNorm, kBwdWideVecs> : norm_bwd_general<T, W, kLayerNorm>;
+    out.kernel = plan.registers ? norm_bwd_registers<T, W, kLayerNorm, kBwdWideVecs>
+                                : norm_bwd_general<T, W, kLayerNorm>;
   }
   out.block = plan.block;
   // The general path's partial rows are as long as its (long or odd) rows: one CTA a multiprocessor keeps them few.
@@ -199,7 +200,7 @@ void dispatch_bwd(const NormBwdParams& p, F&& f) {
   dispatch_input_weight(p.input_dtype, p.weight_dtype, [&](auto t, auto w) {
     using T = typename decltype(t)::type;
     using W = typename decltype(w)::type;
-    if (p.mean != nullptr) f(plan_typed<T, W, true>(p), w);
+    if (p.layernorm) f(plan_typed<T, W, true>(p), w);
     else f(plan_typed<T, W, false>(p), w);
   });
 }
@@ -208,7 +209,7 @@ void dispatch_bwd(const NormBwdParams& p, F&& f) {
 
 int64_t norm_bwd_workspace_size(const NormBwdParams& p) {
   int64_t size = 0;
-  dispatch_bwd(p, [&](const BwdPlan& plan, auto) { size = (p.mean != nullptr ? 2 : 1) * plan.grid * p.cols; });
+  dispatch_bwd(p, [&](const BwdPlan& plan, auto) { size = (p.layernorm ? 2 : 1) * plan.grid * p.cols; });
   return size;
 }
 
@@ -218,7 +219,7 @@ void launch_norm_bwd(const NormBwdParams& p, float* workspace, cudaStream_t stre
     float* partial_dbeta = workspace + static_cast<int64_t>(plan.grid) * p.cols;
     plan.kernel<<<plan.grid, plan.block, 0, stream>>>(p, workspace, partial_dbeta);
     TFP8_CUDA_CHECK(cudaGetLastError());
-    const dim3 grid(static_cast<unsigned>((p.cols + 31) / 32), p.mean != nullptr ? 2 : 1);
+    const dim3 grid(static_cast<unsigned>((p.cols + 31) / 32), p.layernorm ? 2 : 1);
     reduce_partials<W><<<grid, dim3(32, kReduceRows), 0, stream>>>(workspace, plan.grid, p.cols,
                                                                    static_cast<W*>(p.dgamma), static_cast<W*>(p.dbeta));
     TFP8_CUDA_CHECK(cudaGetLastError());

@@ -56,31 +56,9 @@ __device__ __forceinline__ float2 warp_reduce(float2 v) {
 
 __device__ __forceinline__ float2 operator+(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 
-// Count, mean and sum of squared deviations of some values; two such merge exactly as the union (Chan et al.).
-struct MeanM2 {
-  float n, mean, m2;
-};
-
-__device__ __forceinline__ MeanM2 merge(MeanM2 a, MeanM2 b) {
-  const float n = a.n + b.n;
-  if (n == 0.f) return a;
-  const float f = b.n / n, delta = b.mean - a.mean;
-  return {n, a.mean + delta * f, a.m2 + b.m2 + delta * delta * a.n * f};
-}
-
-// Merged over the warp. Each pair merges (lower lane, upper lane) in that order, so every lane gets the same bits.
-__device__ __forceinline__ MeanM2 warp_reduce(MeanM2 v) {
-  for (int off = 16; off > 0; off /= 2) {
-    const MeanM2 other{__shfl_xor_sync(0xffffffffu, v.n, off), __shfl_xor_sync(0xffffffffu, v.mean, off),
-                       __shfl_xor_sync(0xffffffffu, v.m2, off)};
-    v = (threadIdx.x & off) ? merge(other, v) : merge(v, other);
-  }
-  return v;
-}
-
-// Sum (for MeanM2: merge) of v over the threads of this row (threadIdx.y); every thread of the row gets the same
-// bits. Every thread of the CTA must call it (it synchronises the CTA unless a row is one warp).
-// partials: [kMaxRowsPerCta][32].
+// Sum of v over the threads of this row (threadIdx.y); every thread of the row gets the same bits (the xor butterfly
+// adds the same pairs on every lane). Every thread of the CTA must call it (it synchronises the CTA unless a row is one
+// warp). partials: [kMaxRowsPerCta][32].
 template <typename V>
 __device__ __forceinline__ V row_reduce(V v, V (*partials)[32]) {
   v = warp_reduce(v);

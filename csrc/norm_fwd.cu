@@ -1,8 +1,9 @@
 // LayerNorm / RMSNorm forward, optionally with FP8 output and amax (contract in norm.h).
-// Statistics in float32. Registers path: one row reduction, of per-thread (count, mean, sum of squared deviations)
-// merged pairwise for LayerNorm (exact two-pass within a thread, Chan's update across threads), of squares for RMSNorm.
-// General path: two-pass over the row in memory. y is computed as ((x - mean) * rstd) * gamma' + beta without fused
-// multiply-adds, in the CPU reference's order, so FP8 bytes match it except where mean / rstd differ in a last bit.
+// Statistics are two-pass in float32 (over the row held in registers, or re-read from memory on the general path):
+// the mean, then the mean of squared deviations (RMSNorm: the mean of squares). A one-reduction merge of per-thread
+// (count, mean, m2) was measured slower on H100 (the merge's divisions sit on the row's critical path).
+// y is computed as ((x - mean) * rstd) * gamma' + beta without fused multiply-adds, in the CPU reference's order, so
+// FP8 bytes match it except where mean / rstd differ in a last bit.
 #include "norm.h"
 #include "norm_common.cuh"
 
@@ -44,7 +45,7 @@ template <typename T, typename W, DType kOut, bool kLayerNorm, int kVecs>
 __global__ void __launch_bounds__(1024) norm_fwd_registers(NormFwdParams p) {
   constexpr int kVec = vec_elems<T>();
   using Io = FwdIo<T, W, kOut>;
-  __shared__ std::conditional_t<kLayerNorm, MeanM2, float> partials[kMaxRowsPerCta][32];
+  __shared__ float partials[kMaxRowsPerCta][32];
   const T* input = static_cast<const T*>(p.input);
   const W* weight = static_cast<const W*>(p.weight);
   const W* bias = static_cast<const W*>(p.bias);
@@ -72,42 +73,26 @@ __global__ void __launch_bounds__(1024) norm_fwd_registers(NormFwdParams p) {
       }
     }
 
-    // One row reduction. LayerNorm: each thread's (count, mean, m2), two-pass over its registers, merged over the row.
-    // RMSNorm: the sum of squares.
-    float mean = 0.f, var;
+    float mean = 0.f;  // RMSNorm: 0, so the squared deviations below are the squares
     if constexpr (kLayerNorm) {
-      MeanM2 local{0.f, 0.f, 0.f};
+      float sum = 0.f;  // the zeros outside the row add nothing
 #pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        if (!in_row[v]) continue;
-        local.n += kVec;
+      for (int v = 0; v < kVecs; ++v)
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) local.mean += to_float<T>(x[v].v[i]);
-      }
-      local.mean = local.n > 0.f ? local.mean / local.n : 0.f;
-#pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        if (!in_row[v]) continue;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          const float d = to_float<T>(x[v].v[i]) - local.mean;
-          local.m2 += d * d;
-        }
-      }
-      const MeanM2 row_stats = row_reduce(local, partials);
-      mean = row_stats.mean;
-      var = row_stats.m2 / cols_f;
-    } else {
-      float sq = 0.f;
-#pragma unroll
-      for (int v = 0; v < kVecs; ++v) {
-        if (!in_row[v]) continue;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) sq += to_float<T>(x[v].v[i]) * to_float<T>(x[v].v[i]);
-      }
-      var = row_reduce(sq, partials) / cols_f;
+        for (int i = 0; i < kVec; ++i) sum += to_float<T>(x[v].v[i]);
+      mean = row_reduce(sum, partials) / cols_f;
     }
-    const float rstd = 1.f / sqrtf(var + p.eps);
+    float sq = 0.f;
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      if (!in_row[v]) continue;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float d = to_float<T>(x[v].v[i]) - mean;
+        sq += d * d;
+      }
+    }
+    const float rstd = 1.f / sqrtf(row_reduce(sq, partials) / cols_f + p.eps);
     if (valid_row && threadIdx.x == 0) {
       if constexpr (kLayerNorm) p.mean[row] = mean;
       p.rstd[row] = rstd;
@@ -192,7 +177,7 @@ void launch_norm_fwd(const NormFwdParams& p, cudaStream_t stream) {
     using W = typename decltype(w)::type;
     auto with_out = [&](auto out) {
       constexpr DType kOut = decltype(out)::value;
-      if (p.mean != nullptr) launch_typed<T, W, kOut, true>(p, stream);
+      if (p.layernorm) launch_typed<T, W, kOut, true>(p, stream);
       else launch_typed<T, W, kOut, false>(p, stream);
     };
     if (p.out_dtype == DType::kE4M3) with_out(std::integral_constant<DType, DType::kE4M3>{});

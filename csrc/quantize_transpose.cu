@@ -104,7 +104,8 @@ constexpr int min_blocks_per_sm() {
 
 // T = uint8_t: a plain byte transpose (no cast, no amax). Otherwise a cast with scale to FP8 format F.
 template <typename T, DType F, bool kDbias>
-__global__ void __launch_bounds__(kThreads, (min_blocks_per_sm<T, kDbias>())) cast_transpose_kernel(const T* __restrict__ x, const TransposeArgs a) {
+__global__ void __launch_bounds__(kThreads, (min_blocks_per_sm<T, kDbias>()))
+    cast_transpose_kernel(const T* __restrict__ x, const TransposeArgs a) {
   constexpr bool kRaw = std::is_same_v<T, uint8_t>;
   __shared__ alignas(16) uint8_t tile[kTileM * kTileN];
   const int64_t m0 = int64_t{blockIdx.y} * kTileM, n0 = int64_t{blockIdx.x} * kTileN;

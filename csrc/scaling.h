@@ -15,8 +15,7 @@ struct ScalingUpdateTable {
   float* scale_inv[kCapacity];
   int32_t history_len[kCapacity];
   int32_t slots[kCapacity];
-  int32_t count;      // entries in use
-  int32_t max_slots;  // max of slots[0 .. count)
+  int32_t count;  // entries in use
 };
 
 // For every slot of every entry: newest = history[0] (NaN / Inf -> 0); amax = max(newest, history[1 ..]) when use_max,

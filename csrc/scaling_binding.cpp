@@ -56,7 +56,7 @@ void delayed_scaling_update(at::TensorList amax_histories, at::TensorList scales
   const float fp8_max_f = static_cast<float>(fp8_max), pow2_margin = static_cast<float>(std::pow(2.0, margin));
   const bool use_max = amax_compute_algo == "max";
   ScalingUpdateTable table;
-  table.count = table.max_slots = 0;
+  table.count = 0;
   for (size_t i = 0; i < amax_histories.size(); ++i) {
     const int32_t slots = static_cast<int32_t>(amax_histories[i].size(1));
     if (slots == 0) continue;
@@ -66,10 +66,9 @@ void delayed_scaling_update(at::TensorList amax_histories, at::TensorList scales
     table.scale_inv[e] = scale_invs[i].data_ptr<float>();
     table.history_len[e] = static_cast<int32_t>(amax_histories[i].size(0));
     table.slots[e] = slots;
-    table.max_slots = std::max(table.max_slots, slots);
     if (table.count == ScalingUpdateTable::kCapacity) {
       launch_delayed_scaling_update(table, fp8_max_f, pow2_margin, use_max, stream);
-      table.count = table.max_slots = 0;
+      table.count = 0;
     }
   }
   launch_delayed_scaling_update(table, fp8_max_f, pow2_margin, use_max, stream);

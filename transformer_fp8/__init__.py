@@ -5,14 +5,18 @@ from . import cpu, ops  # noqa: F401  (registers the CPU reference kernels and t
 from . import recipe
 from .autocast import fp8_autocast, fp8_model_init, get_fp8_recipe, is_fp8_enabled
 from .float8_tensor import Float8Tensor
-from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .module import (DotProductAttention, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm,
+                     RotaryPositionEmbedding, TransformerLayer, apply_rotary_pos_emb)
 
-__all__ = ["Float8Tensor", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm", "cuda_kernels_available",
-           "fp8_autocast", "fp8_model_init", "get_fp8_recipe", "is_fp8_enabled", "recipe"]
+__all__ = ["DotProductAttention", "Float8Tensor", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear",
+           "MultiheadAttention", "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "apply_rotary_pos_emb",
+           "cuda_kernels_available", "fp8_autocast", "fp8_model_init", "get_fp8_recipe", "is_fp8_enabled", "recipe"]
 
 __version__ = "0.1.0"
 
 
-def cuda_kernels_available() -> bool:
-    """True when the extension was built with its CUDA kernels (and so can run on a GPU)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("transformer_fp8::quantize", "CUDA")
+def cuda_kernels_available(which=all) -> bool:
+    """True when the extension was built with its CUDA kernels (and so can run on a GPU).
+    `which=any` asks whether some op family has them (a partial TFP8_ONLY build)."""
+    ops_ = ("quantize", "fp8_gemm", "layernorm_fwd", "activation_fwd", "delayed_scaling_update")
+    return which(torch._C._dispatch_has_kernel_for_dispatch_key(f"transformer_fp8::{op}", "CUDA") for op in ops_)
