@@ -7,6 +7,7 @@ TFP8_ONLY=quantize,gemm restricts the CUDA build to those op families (a quick p
 import glob
 import os
 import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
@@ -37,11 +38,21 @@ def cudnn_dirs():
     return [os.path.join(root, "include")], [os.path.join(root, "lib")]
 
 
+def link_without_symbolic_functions():
+    """Some Pythons (Debian/Ubuntu builds) link extensions with -Bsymbolic-functions. With a newer g++ than the one that
+    built torch, the libstdc++ stream templates instantiated in our library then bind to our own copies, which crash
+    when formatting numbers into torch's error messages (seen on the H100 image: g++ 13.3). Link without it."""
+    ldshared = sysconfig.get_config_var("LDSHARED") or ""
+    if "LDSHARED" not in os.environ and "-Bsymbolic-functions" in ldshared:
+        os.environ["LDSHARED"] = ldshared.replace("-Wl,-Bsymbolic-functions", "")
+
+
 def extension():
     if os.environ.get("TFP8_FORCE_CPU") == "1" or CUDA_HOME is None:
         print("transformer_fp8: no CUDA toolkit found (or TFP8_FORCE_CPU=1): building the CPU-only extension")
         return CppExtension("transformer_fp8._C", ["csrc/ops.cpp"], extra_compile_args={"cxx": ["-O2"]})
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+    link_without_symbolic_functions()
     cudnn_include, cudnn_lib = cudnn_dirs()
     return CUDAExtension(
         "transformer_fp8._C",

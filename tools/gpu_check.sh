@@ -6,7 +6,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/bench.log"
+{ nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader; g++ --version | head -1;
+  python -c "import sysconfig as s; print('LDSHARED', s.get_config_var('LDSHARED'))"; } | tee "$OUT/bench.log"
 start=$(date +%s)
 python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -80 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
