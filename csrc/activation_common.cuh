@@ -104,18 +104,6 @@ __device__ __forceinline__ float max_abs(float running, float x) {
   return __int_as_float(max(__float_as_int(running), __float_as_int(fabsf(x))));
 }
 
-// amax = max(amax, max over the block of value): one atomic per block. Every thread of the block must call it.
-__device__ __forceinline__ void block_amax_atomic(float value, float* amax) {
-  __shared__ float warp_max[32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, num_warps = (blockDim.x + 31) / 32;
-  value = warp_max_nonneg(value);
-  if (lane == 0) warp_max[warp] = value;
-  __syncthreads();
-  if (warp == 0) {
-    value = warp_max_nonneg(lane < num_warps ? warp_max[lane] : 0.0f);
-    if (lane == 0) atomic_max_nonneg(amax, value);
-  }
-}
 
 // ------------------------------------------------------------------------------------------------------- host side
 __host__ __device__ inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

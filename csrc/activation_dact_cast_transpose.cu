@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();
     }
   }
-  if (amax != nullptr) act::block_amax_atomic(local_amax, amax);
+  if (amax != nullptr) block_amax_atomic(local_amax, amax);
 }
 
 // dbias[c] = sum over the workspace rows of column c, in float32, written in D.

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < VEC; ++k) local_amax = k < count ? act::max_abs(local_amax, out[k]) : local_amax;
     act::store_floats<OUT>(y + i, out, scale, count);
   }
-  if (amax != nullptr) act::block_amax_atomic(local_amax, amax);
+  if (amax != nullptr) block_amax_atomic(local_amax, amax);
 }
 
 template <Activation A, DType D, int VEC>

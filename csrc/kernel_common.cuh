@@ -63,6 +63,20 @@ __device__ __forceinline__ float warp_max_nonneg(float v) {
   }
   return v;
 }
+
+// amax = max(amax, max over the block of v) with one atomic per block (any 1-D/2-D block of whole warps).
+// Every thread of the block must call it.
+__device__ __forceinline__ void block_amax_atomic(float v, float* amax) {
+  __shared__ float warp_max[32];
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, lane = tid % 32, warp = tid / 32;
+  v = warp_max_nonneg(v);
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = warp_max_nonneg(lane < static_cast<int>(blockDim.x * blockDim.y / 32) ? warp_max[lane] : 0.f);
+    if (lane == 0) atomic_max_nonneg(amax, v);
+  }
+}
 #endif
 
 }  // namespace tfp8

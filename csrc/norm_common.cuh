@@ -72,18 +72,6 @@ __device__ __forceinline__ V row_reduce(V v, V (*partials)[32]) {
   return v;
 }
 
-// amax = max(amax, max over the CTA of v), one atomic per CTA. Every thread of the CTA must call it.
-__device__ __forceinline__ void cta_amax_atomic(float v, float* amax) {
-  __shared__ float warp_max[32];
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x, lane = tid % 32, warp = tid / 32;
-  v = warp_max_nonneg(v);
-  if (lane == 0) warp_max[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = warp_max_nonneg(lane < static_cast<int>(blockDim.x * blockDim.y / 32) ? warp_max[lane] : 0.f);
-    if (lane == 0) atomic_max_nonneg(amax, v);
-  }
-}
 
 // ---------------------------------------------------------------- host side
 

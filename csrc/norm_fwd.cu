@@ -36,7 +36,7 @@ struct FwdIo {
 // After the rows: amax of the CTA into *amax, and scale_inv = 1 / scale from one thread.
 template <bool kFp8>
 __device__ __forceinline__ void finish_fwd(const NormFwdParams& p, float scale, float amax) {
-  if (p.amax != nullptr && p.rows > 0) cta_amax_atomic(amax, p.amax);
+  if (p.amax != nullptr && p.rows > 0) block_amax_atomic(amax, p.amax);
   if (kFp8 && p.scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0 && threadIdx.y == 0)
     *p.scale_inv = 1.f / scale;
 }

@@ -9,6 +9,18 @@ def check_fp8_dtype(dtype, arg):
         raise ValueError(f"{arg}: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
 
 
+def check_scalar_f32(t, data, arg):
+    """scale / scale_inv / amax: one float32 element on the data's device (None passes)."""
+    if t is None:
+        return
+    if t.dtype != torch.float32:
+        raise TypeError(f"{arg}: expected a float32 tensor, got {t.dtype}")
+    if t.numel() != 1:
+        raise ValueError(f"{arg}: expected one element, got shape {tuple(t.shape)}")
+    if t.device != data.device:
+        raise ValueError(f"{arg}: expected a tensor on {data.device}, got one on {t.device}")
+
+
 def saturating_cast(x_f32, fp8_dtype):
     """float32 -> FP8 with saturation to the format's max and round-to-nearest-even (NaN stays NaN)."""
     m = FP8_MAX[fp8_dtype]

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ._common import accumulate_amax, check_fp8_dtype, register, saturating_cast
+from ._common import accumulate_amax, check_fp8_dtype, check_scalar_f32, register, saturating_cast
 
 ACTIVATIONS = ("gelu", "relu", "swiglu")
 HIGH_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
@@ -33,15 +33,6 @@ def _check_input(input, activation, arg="input"):
         raise ValueError(f"{arg}: expected a contiguous tensor (got strides {input.stride()})")
     if activation == "swiglu" and input.shape[-1] % 2 != 0:
         raise ValueError(f"{arg}: swiglu expects an even last dimension [..., 2F], got shape {tuple(input.shape)}")
-
-
-def _check_scalar_f32(t, data, arg):
-    if t.dtype != torch.float32:
-        raise TypeError(f"{arg}: expected a float32 tensor, got {t.dtype}")
-    if t.numel() != 1:
-        raise ValueError(f"{arg}: expected one element, got shape {tuple(t.shape)}")
-    if t.device != data.device:
-        raise ValueError(f"{arg}: expected a tensor on {data.device}, got one on {t.device}")
 
 
 def _check_grad(grad_out, input, activation):
@@ -103,7 +94,7 @@ def activation_fwd(input, activation, scale=None, fp8_dtype=None, amax=None, sca
         raise ValueError("scale: required when fp8_dtype is given")
     for t, arg in ((scale, "scale"), (amax, "amax"), (scale_inv, "scale_inv")):
         if t is not None:
-            _check_scalar_f32(t, input, arg)
+            check_scalar_f32(t, input, arg)
     return _quantize(act_forward(input.float(), activation), scale, fp8_dtype, amax, scale_inv)
 
 
@@ -126,7 +117,7 @@ def dact_cast_transpose(grad_out, input, activation, scale, fp8_dtype, amax=None
     check_fp8_dtype(fp8_dtype, "fp8_dtype")
     for t, arg in ((scale, "scale"), (amax, "amax"), (scale_inv, "scale_inv")):
         if t is not None:
-            _check_scalar_f32(t, input, arg)
+            check_scalar_f32(t, input, arg)
     dx = act_backward(grad_out.float(), input.float(), activation)
     q = _quantize(dx, scale, fp8_dtype, amax, scale_inv)
     dbias = dx.sum(dim=0).to(grad_out.dtype) if compute_dbias else grad_out.new_empty((0,))

@@ -6,7 +6,7 @@ the reference.
 """
 import torch
 
-from ._common import FP8_MAX, accumulate_amax, check_fp8_dtype, register, saturating_cast
+from ._common import FP8_MAX, accumulate_amax, check_fp8_dtype, check_scalar_f32, register, saturating_cast
 
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, *FP8_MAX)
 
@@ -27,15 +27,6 @@ def pre_gelu_dtype(out_dtype, bias):
     return torch.bfloat16 if out_dtype in FP8_MAX else out_dtype
 
 
-def _check_scalar_f32(t, data, arg):
-    if t.dtype != torch.float32:
-        raise ValueError(f"{arg}: expected a float32 tensor, got {t.dtype}")
-    if t.numel() != 1:
-        raise ValueError(f"{arg}: expected one element, got shape {tuple(t.shape)}")
-    if t.device != data.device:
-        raise ValueError(f"{arg}: expected a tensor on {data.device}, got one on {t.device}")
-
-
 def _check_operand(t, arg):
     check_fp8_dtype(t.dtype, arg)
     if t.dim() != 2:
@@ -54,8 +45,8 @@ def check_operands(a, a_scale_inv, b, b_scale_inv):
         raise ValueError(f"b: expected K = {a.shape[1]} columns (a is {tuple(a.shape)}), got shape {tuple(b.shape)}")
     if b.device != a.device:
         raise ValueError(f"b: expected a tensor on {a.device}, got one on {b.device}")
-    _check_scalar_f32(a_scale_inv, a, "a_scale_inv")
-    _check_scalar_f32(b_scale_inv, a, "b_scale_inv")
+    check_scalar_f32(a_scale_inv, a, "a_scale_inv")
+    check_scalar_f32(b_scale_inv, a, "b_scale_inv")
 
 
 def check_epilogue(a, b, out_dtype, bias, out_scale, out_amax):
@@ -73,9 +64,9 @@ def check_epilogue(a, b, out_dtype, bias, out_scale, out_amax):
     if out_dtype in FP8_MAX:
         if out_scale is None:
             raise ValueError(f"out_scale: required for an FP8 out_dtype ({out_dtype})")
-        _check_scalar_f32(out_scale, a, "out_scale")
+        check_scalar_f32(out_scale, a, "out_scale")
         if out_amax is not None:
-            _check_scalar_f32(out_amax, a, "out_amax")
+            check_scalar_f32(out_amax, a, "out_amax")
     elif out_scale is not None or out_amax is not None:
         raise ValueError(f"out_scale, out_amax: only for an FP8 out_dtype, got out_dtype {out_dtype}")
 

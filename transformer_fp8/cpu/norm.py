@@ -11,7 +11,7 @@ Contract (the CUDA kernels in csrc/norm*.cu follow it too):
 """
 import torch
 
-from ._common import accumulate_amax, check_fp8_dtype, register, saturating_cast
+from ._common import accumulate_amax, check_fp8_dtype, check_scalar_f32, register, saturating_cast
 
 _HIGH_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -61,17 +61,6 @@ def _check_stat(t, input, arg):
         raise ValueError(f"{arg}: expected a tensor on {input.device}, got one on {t.device}")
 
 
-def _check_scalar_f32(t, input, arg):
-    if t is None:
-        return
-    if t.dtype != torch.float32:
-        raise TypeError(f"{arg}: expected a float32 tensor, got {t.dtype}")
-    if t.numel() != 1:
-        raise ValueError(f"{arg}: expected one element, got shape {tuple(t.shape)}")
-    if t.device != input.device:
-        raise ValueError(f"{arg}: expected a tensor on {input.device}, got one on {t.device}")
-
-
 def _check_fp8_args(input, scale, fp8_dtype, amax, scale_inv):
     if fp8_dtype is None:
         if scale is not None or scale_inv is not None:
@@ -81,7 +70,7 @@ def _check_fp8_args(input, scale, fp8_dtype, amax, scale_inv):
         if scale is None:
             raise ValueError("scale: required when fp8_dtype is given")
     for t, arg in ((scale, "scale"), (amax, "amax"), (scale_inv, "scale_inv")):
-        _check_scalar_f32(t, input, arg)
+        check_scalar_f32(t, input, arg)
 
 
 def _gamma(weight, zero_centered_gamma):

@@ -2,7 +2,7 @@
 cast-transpose (+dbias) and FP8 transpose. Math in float32; q = saturate(x * scale), round to nearest even."""
 import torch
 
-from ._common import accumulate_amax, check_fp8_dtype, register, saturating_cast
+from ._common import accumulate_amax, check_fp8_dtype, check_scalar_f32, register, saturating_cast
 
 HIGH_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -19,24 +19,12 @@ def _check_2d(t, arg):
         raise ValueError(f"{arg}: expected a 2-D tensor [M, N], got shape {tuple(t.shape)}")
 
 
-def _check_scalar_f32(t, data, arg):
-    """scale / scale_inv / amax: one float32 element on the data's device."""
-    if t is None:
-        return
-    if t.dtype != torch.float32:
-        raise TypeError(f"{arg}: expected a float32 tensor, got {t.dtype}")
-    if t.numel() != 1:
-        raise ValueError(f"{arg}: expected one element, got shape {tuple(t.shape)}")
-    if t.device != data.device:
-        raise ValueError(f"{arg}: expected a tensor on {data.device}, got one on {t.device}")
-
-
 def _check_cast_args(input, scale, fp8_dtype, amax, scale_inv, arg="input"):
     _check_high_precision(input, arg)
     check_fp8_dtype(fp8_dtype, "fp8_dtype")
-    _check_scalar_f32(scale, input, "scale")
-    _check_scalar_f32(amax, input, "amax")
-    _check_scalar_f32(scale_inv, input, "scale_inv")
+    check_scalar_f32(scale, input, "scale")
+    check_scalar_f32(amax, input, "amax")
+    check_scalar_f32(scale_inv, input, "scale_inv")
 
 
 def _cast(input, scale, fp8_dtype, amax, scale_inv):
@@ -66,7 +54,7 @@ def dequantize(input, scale_inv, out_dtype):
         raise TypeError(f"out_dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {out_dtype}")
     if not input.is_contiguous():
         raise ValueError(f"input: expected a contiguous tensor (got strides {input.stride()})")
-    _check_scalar_f32(scale_inv, input, "scale_inv")
+    check_scalar_f32(scale_inv, input, "scale_inv")
     return (input.float() * scale_inv.reshape(())).to(out_dtype)
 
 
@@ -74,7 +62,7 @@ def dequantize(input, scale_inv, out_dtype):
 def compute_amax(input, amax):
     """amax = max(amax, max|input|) in place."""
     _check_high_precision(input, "input")
-    _check_scalar_f32(amax, input, "amax")
+    check_scalar_f32(amax, input, "amax")
     accumulate_amax(amax, input)
 
 
