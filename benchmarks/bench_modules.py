@@ -4,8 +4,10 @@
    (hidden, ffn) = (4096, 16384) and (2048, 8192); ours in FP8 (DelayedScaling, HYBRID) vs torch BF16 eager and
    torch.compile.
 2. Inference grid: forward under no_grad with cached FP8 weights (is_first_microbatch=False), M in {128, 256, 512},
-   K, N in {1280, 5120, 10240, 20480}, vs BF16 nn.Linear.
-3. Host (CPU) time of one Linear forward+backward at a tiny shape vs nn.Linear.
+   K, N in {1280, 5120, 10240, 20480}, vs BF16 nn.Linear: the FP8 path forced (fp8_min_gemm_size=0) and the default
+   (small-shape automatic path: high precision below base.FP8_MIN_GEMM_SIZE). Time per call of 100 back-to-back calls
+   inside one no_grad + fp8_autocast context, as in a model's forward.
+3. Host (CPU) time of one Linear forward+backward at a tiny shape vs nn.Linear, the FP8 path forced.
 Prints tables and writes JSON (--json).
 """
 import argparse
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 import transformer_fp8 as te
 from transformer_fp8 import recipe
+from transformer_fp8.module import base
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -38,6 +41,20 @@ def gpu_time_ms(fn, warmup=5, iters=20):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def loop_time_ms(fn, warmup=10, iters=100):
+    """Time per call of `iters` back-to-back calls between two CUDA events (the GPU runs ahead of the host when
+    the kernels are longer than the host work; otherwise this measures the host time per call)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def peak_gib(fn):
@@ -71,9 +88,9 @@ def module_pairs(hidden, ffn):
     ]
 
 
-def train_step(module, x, dy, fp8):
+def train_step(module, x, dy, fp8, fp8_recipe=recipe.DelayedScaling()):
     def step():
-        with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe.DelayedScaling()):
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe):
             y = module(x)
         y.backward(dy)
     return step
@@ -113,29 +130,34 @@ def bench_inference_grid():
     sizes = [1280, 5120, 10240, 20480]
     for k in sizes:
         for n in sizes:
-            ours = te.Linear(k, n, params_dtype=DT, device=DEV)
+            forced = te.Linear(k, n, params_dtype=DT, device=DEV, fp8_min_gemm_size=0)
+            auto = te.Linear(k, n, params_dtype=DT, device=DEV)
             ref = nn.Linear(k, n, device=DEV, dtype=DT)
             for m in (128, 256, 512):
                 x = torch.randn(m, k, device=DEV, dtype=DT)
-                with torch.no_grad(), te.fp8_autocast():
-                    ours(x, is_first_microbatch=True)
 
-                def fp8_fwd():
+                def fwd(module):
+                    return lambda: module(x, is_first_microbatch=False)
+
+                for module in (forced, auto):
                     with torch.no_grad(), te.fp8_autocast():
-                        ours(x, is_first_microbatch=False)
-
-                def bf16_fwd():
-                    with torch.no_grad():
-                        ref(x)
-
-                t_fp8, t_bf16 = gpu_time_ms(fp8_fwd, iters=50), gpu_time_ms(bf16_fwd, iters=50)
-                rows.append({"M": m, "K": k, "N": n, "fp8_ms": t_fp8, "bf16_ms": t_bf16, "ratio": t_fp8 / t_bf16})
-            del ours, ref
-    worst = max(rows, key=lambda r: r["ratio"])
-    print(f"{'M':>5} {'K':>6} {'N':>6} {'fp8 ms':>8} {'bf16 ms':>8} {'fp8/bf16':>8}")
-    for r in rows:
-        print(f"{r['M']:5d} {r['K']:6d} {r['N']:6d} {r['fp8_ms']:8.4f} {r['bf16_ms']:8.4f} {r['ratio']:8.2f}")
-    print(f"worst fp8/bf16 time ratio: {worst['ratio']:.2f} at M={worst['M']} K={worst['K']} N={worst['N']}")
+                        module(x, is_first_microbatch=True)
+                # As in a model's forward, one no_grad + fp8_autocast context covers many layer calls.
+                with torch.no_grad(), te.fp8_autocast():
+                    t_fp8, t_auto = loop_time_ms(fwd(forced)), loop_time_ms(fwd(auto))
+                with torch.no_grad():
+                    t_bf16 = loop_time_ms(lambda: ref(x))
+                rows.append({"M": m, "K": k, "N": n, "MKN": m * k * n, "fp8_ms": t_fp8, "auto_ms": t_auto,
+                             "bf16_ms": t_bf16, "ratio": t_fp8 / t_bf16, "auto_ratio": t_auto / t_bf16})
+            del forced, auto, ref
+    print(f"{'M':>5} {'K':>6} {'N':>6} {'M*K*N':>9} {'fp8 ms':>8} {'auto ms':>8} {'bf16 ms':>8} {'fp8/bf16':>8} "
+          f"{'auto/bf16':>9}")
+    for r in sorted(rows, key=lambda r: r["MKN"]):
+        print(f"{r['M']:5d} {r['K']:6d} {r['N']:6d} {r['MKN']:9.2e} {r['fp8_ms']:8.4f} {r['auto_ms']:8.4f} "
+              f"{r['bf16_ms']:8.4f} {r['ratio']:8.2f} {r['auto_ratio']:9.2f}")
+    for key, what in (("ratio", "FP8 forced"), ("auto_ratio", f"default (threshold {base.FP8_MIN_GEMM_SIZE:.2e})")):
+        worst = max(rows, key=lambda r: r[key])
+        print(f"worst {what} / bf16 time ratio: {worst[key]:.2f} at M={worst['M']} K={worst['K']} N={worst['N']}")
     return rows
 
 
@@ -153,7 +175,7 @@ def host_time_us(step, iters=200):
 
 
 def bench_host_overhead(tokens=16, hidden=64):
-    ours = te.Linear(hidden, hidden, params_dtype=DT, device=DEV)
+    ours = te.Linear(hidden, hidden, params_dtype=DT, device=DEV, fp8_min_gemm_size=0)  # the FP8 path itself
     ref = nn.Linear(hidden, hidden, device=DEV, dtype=DT)
     x = torch.randn(tokens, hidden, device=DEV, dtype=DT, requires_grad=True)
     dy = torch.randn(tokens, hidden, device=DEV, dtype=DT)

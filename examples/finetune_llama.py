@@ -1,13 +1,16 @@
 """Train the same Llama model from the same seed in BF16 and in FP8 (transformer_fp8), and compare the two runs.
 
-Runs with no arguments and no network: on a GPU a small Llama (hidden 512, 8 layers, 8 heads / 4 KV heads) initialised
-locally; without CUDA a tiny one (hidden 64, 2 layers) whose FP8 GEMMs run on the CPU reference kernels (emulated FP8).
+Runs with no arguments and no network: on a GPU a Llama of 0.36B parameters (hidden 2048, 8 layers, 16 heads / 4 KV
+heads, sequences of 1024) initialised locally; without CUDA a tiny one (hidden 64, 2 layers) whose FP8 GEMMs run on the
+CPU reference kernels (emulated FP8).
 Data: examples/data/corpus.txt through a byte-level tokenizer that needs no download.
   --model DIR   a local Hugging Face checkpoint (from_pretrained, with its tokenizer through AutoTokenizer)
   --data PATH   a local .txt (one document) or .jsonl (one document per line, field "text")
 
-The FP8 run is the BF16 run plus two things: `convert_linear_layers(model)` (every nn.Linear but lm_head becomes a
-transformer_fp8.Linear) and `fp8_autocast` around the forward. Parameters are BF16 in both runs; AdamW updates FP32
+The FP8 run is the BF16 run plus two things: a conversion and `fp8_autocast` around the forward. The conversion is
+--fp8-layers transformer (default): `convert_llama(model)`, each LlamaDecoderLayer becomes a transformer_fp8
+TransformerLayer (fused norm + FP8 GEMMs, fused attention); or --fp8-layers linear: `convert_linear_layers(model)`,
+every nn.Linear but lm_head becomes a transformer_fp8.Linear. Parameters are BF16 in both runs; AdamW updates FP32
 master copies of them. --grad-accum N passes is_first_microbatch to the FP8 layers (weights cast once per step);
 --fuse-wgrad makes those layers accumulate their weight gradients into FP32 `weight.main_grad`, which the optimizer
 reads. Prints loss, tokens/s and peak GPU memory of each run; writes loss.png and summary.json under --out.
@@ -24,13 +27,13 @@ from pathlib import Path
 import torch
 
 import transformer_fp8 as te
-from transformer_fp8.integrations import convert_linear_layers, microbatch
+from transformer_fp8.integrations import convert_linear_layers, convert_llama, microbatch
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 PARAMS_DTYPE = torch.bfloat16
 # Model size and run length by device: (model config, seq_len, batch_size, steps)
-GPU_DEFAULTS = (dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                     intermediate_size=1408), 512, 8, 200)
+GPU_DEFAULTS = (dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                     intermediate_size=5632), 1024, 16, 200)
 CPU_DEFAULTS = (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=176), 64, 4, 20)
 
@@ -103,11 +106,30 @@ def build_model(args, model_config, vocab_size, device):
     return model.to(device=device, dtype=PARAMS_DTYPE).train()
 
 
+def convert_to_fp8(model, args):
+    """The FP8 run's conversion (--fp8-layers); with --fuse-wgrad the GEMM weights get FP32 `main_grad`s."""
+    if args.fp8_layers == "transformer":
+        convert_llama(model, params_dtype=PARAMS_DTYPE, fuse_wgrad_accumulation=args.fuse_wgrad)
+    else:
+        convert_linear_layers(model, params_dtype=PARAMS_DTYPE, fuse_wgrad_accumulation=args.fuse_wgrad)
+    if args.fuse_wgrad:
+        attach_main_grads(model)
+
+
+def fp8_module_counts(model):
+    """{class name: count} of the transformer_fp8 modules inside model (empty for the BF16 run)."""
+    names = [type(m).__name__ for m in model.modules() if type(m).__module__.startswith("transformer_fp8.")]
+    return {name: names.count(name) for name in sorted(set(names))}
+
+
 def attach_main_grads(model):
-    """Give each weight of the FP8 layers built with fuse_wgrad_accumulation an FP32 `main_grad` (unless it has one)."""
+    """Give each GEMM weight (2-D parameter) of the FP8 modules built with fuse_wgrad_accumulation an FP32
+    `main_grad` (unless it has one)."""
     for module in model.modules():
-        if getattr(module, "fuse_wgrad_accumulation", False) and getattr(module.weight, "main_grad", None) is None:
-            module.weight.main_grad = torch.zeros_like(module.weight, dtype=torch.float32)
+        if getattr(module, "fuse_wgrad_accumulation", False):
+            for weight in module.parameters(recurse=False):
+                if weight.dim() == 2 and getattr(weight, "main_grad", None) is None:
+                    weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
 
 
 class MasterWeightAdamW:
@@ -241,9 +263,7 @@ def train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, d
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(args, model_config, tokenizer.vocab_size, device)
     if fp8:
-        convert_linear_layers(model, params_dtype=PARAMS_DTYPE, fuse_wgrad_accumulation=args.fuse_wgrad)
-        if args.fuse_wgrad:
-            attach_main_grads(model)
+        convert_to_fp8(model, args)
     optimizer = MasterWeightAdamW(model.parameters(), lr=args.lr)
     batches = RandomWindows(train_tokens, args.batch_size, args.seq_len, args.seed)
     losses, start = [], 0
@@ -293,7 +313,7 @@ def train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, d
         "eval_loss": evaluate(model, eval_tokens, args, fp8, device),
         "tokens_per_s": tokens_per_step * timed_steps / elapsed if elapsed else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-        "fp8_linear_layers": sum(isinstance(m, te.Linear) for m in model.modules()),
+        "fp8_modules": fp8_module_counts(model),
     }
     del model, optimizer
     gc.collect()
@@ -342,12 +362,16 @@ def parse_args(argv):
     p.add_argument("--model", help="local Hugging Face checkpoint directory (default: a small Llama, random init)")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="local .txt or .jsonl (field 'text')")
     p.add_argument("--precision", choices=("both", "bf16", "fp8"), default="both")
+    p.add_argument("--fp8-layers", choices=("transformer", "linear"), default="transformer",
+                   help="FP8 run: replace each LlamaDecoderLayer by our TransformerLayer (default), or only swap the "
+                        "nn.Linear layers for our Linear")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available); cpu trains a tiny model")
     p.add_argument("--steps", type=int, help="optimizer steps (default 200 on GPU, 20 on CPU)")
-    p.add_argument("--batch-size", type=int, help="sequences per micro-batch (default 8 on GPU, 4 on CPU)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 512 on GPU, 64 on CPU)")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch (default 16 on GPU, 4 on CPU)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024 on GPU, 64 on CPU)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 1e-3 from scratch, 2e-5 with --model)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default from scratch: 3e-4 on GPU, 1e-3 on CPU; "
+                                              "2e-5 with --model)")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--fuse-wgrad", action="store_true",
                    help="FP8 layers accumulate weight gradients into FP32 main_grad (fuse_wgrad_accumulation)")
@@ -371,7 +395,7 @@ def main(argv=None):
     model_config, seq_len, batch_size, steps = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     args.seq_len, args.batch_size = args.seq_len or seq_len, args.batch_size or batch_size
     args.steps = args.steps or steps
-    args.lr = args.lr or (2e-5 if args.model else 1e-3)
+    args.lr = args.lr or (2e-5 if args.model else 3e-4 if device.type == "cuda" else 1e-3)
     if device.type == "cpu":
         print("No CUDA device: training a tiny Llama (hidden 64, 2 layers) on the CPU; the FP8 run goes through the "
               "CPU reference kernels (emulated FP8, slow: for checking, not for speed)." if not args.model else

@@ -24,3 +24,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def _fp8_at_every_size(monkeypatch):
+    """The FP8 modules take their FP8 path at every GEMM size in tests (no small-shape automatic path); tests of that
+    path set the threshold themselves."""
+    monkeypatch.setattr("transformer_fp8.module.base.FP8_MIN_GEMM_SIZE", 0)

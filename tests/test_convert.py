@@ -8,9 +8,16 @@ import transformer_fp8 as te
 from tests.utils import FP8_RTOL, rel_error
 from transformer_fp8 import recipe
 from transformer_fp8.integrations import convert_linear_layers, microbatch
+from transformer_fp8.module import base
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 FP8_RECIPE = recipe.DelayedScaling(amax_history_len=4)
+
+
+@pytest.fixture(autouse=True)
+def always_fp8(monkeypatch):
+    """These models are small: without this, CUDA runs would take the modules' small-shape high-precision path."""
+    monkeypatch.setattr(base, "FP8_MIN_GEMM_SIZE", 0, raising=False)
 
 
 class Block(nn.Module):

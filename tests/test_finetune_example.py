@@ -28,7 +28,10 @@ def test_runs_both_precisions_and_writes_its_summary(example, tmp_path):
     for run in (bf16, fp8):
         assert len(run["losses"]) == 3 and all(math.isfinite(x) for x in run["losses"])
         assert math.isfinite(run["eval_loss"]) and run["tokens_per_s"] > 0
-    assert bf16["fp8_linear_layers"] == 0 and fp8["fp8_linear_layers"] == 14  # 7 per layer, lm_head excluded
+    assert bf16["fp8_modules"] == {}
+    per_layer = {"LlamaTransformerLayer": 1, "TransformerLayer": 1, "MultiheadAttention": 1, "LayerNormLinear": 1,
+                 "DotProductAttention": 1, "Linear": 1, "LayerNormMLP": 1}
+    assert fp8["fp8_modules"] == {name: 2 * n for name, n in per_layer.items()}  # the tiny model has 2 layers
     assert bf16["losses"][0] == pytest.approx(math.log(258), rel=0.05)  # random init over the 258 byte tokens
     assert bf16["losses"][-1] < bf16["losses"][0]
     for a, b in zip(bf16["losses"], fp8["losses"]):  # same init, same batches: FP8 tracks BF16
@@ -37,9 +40,13 @@ def test_runs_both_precisions_and_writes_its_summary(example, tmp_path):
         assert (tmp_path / "loss.png").stat().st_size > 0
 
 
-def test_resume_continues_exactly_with_grad_accum_and_fused_wgrad(example, tmp_path):
-    args = TINY + ["--precision", "fp8", "--steps", "4", "--grad-accum", "2", "--fuse-wgrad"]
+@pytest.mark.parametrize("fp8_layers", ["transformer", "linear"])
+def test_resume_continues_exactly_with_grad_accum_and_fused_wgrad(example, tmp_path, fp8_layers):
+    args = TINY + ["--precision", "fp8", "--fp8-layers", fp8_layers, "--steps", "4", "--grad-accum", "2",
+                   "--fuse-wgrad"]
     full = example.main(args + ["--save", str(tmp_path / "ck"), "--save-every", "2", "--out", str(tmp_path / "a")])
+    modules = full["runs"]["fp8"]["fp8_modules"]
+    assert modules == {"Linear": 14} if fp8_layers == "linear" else modules["TransformerLayer"] == 2  # lm_head: BF16
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["fp8-step000002.pt", "fp8-step000004.pt"]
     (tmp_path / "ck" / "fp8-step000004.pt").unlink()
     resumed = example.main(args + ["--resume", str(tmp_path / "ck"), "--out", str(tmp_path / "b")])
@@ -88,6 +95,6 @@ def test_local_checkpoint_and_its_tokenizer(example, tmp_path, monkeypatch):
     save_tiny_checkpoint(tmp_path / "ckpt", example.DEFAULT_DATA.read_text(encoding="utf-8"))
     summary = example.main(TINY + ["--model", str(tmp_path / "ckpt"), "--steps", "2", "--lr", "1e-3",
                                    "--out", str(tmp_path / "out")])
-    assert summary["runs"]["fp8"]["fp8_linear_layers"] == 7
+    assert summary["runs"]["fp8"]["fp8_modules"]["TransformerLayer"] == 1
     for run in summary["runs"].values():
         assert all(math.isfinite(x) for x in run["losses"])

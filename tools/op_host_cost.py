@@ -1,5 +1,8 @@
 """Host (CPU) cost per call of each op on tiny CUDA tensors: issue many calls, no sync inside, divide.
-A diagnostic for the per-call floor of the modules (run on the device)."""
+A diagnostic for the per-call floor of the modules (run on the device): then te.Linear's FP8 path (forced) against
+nn.Linear, and where its host time goes (cProfile by function, torch.profiler by op)."""
+import cProfile
+import pstats
 import time
 
 import torch
@@ -43,7 +46,8 @@ def main():
         "activation_fwd gelu": lambda: tfp8.activation_fwd(x, "gelu"),
         "delayed_scaling_update x1": lambda: tfp8.delayed_scaling_update([hist], [sc], [si], 448.0, 0.0, "max"),
     }
-    lin = te.Linear(64, 64, params_dtype=torch.bfloat16)
+    lin = te.Linear(64, 64, params_dtype=torch.bfloat16, fp8_min_gemm_size=0)
+    auto = te.Linear(64, 64, params_dtype=torch.bfloat16)
     xg = x.clone().requires_grad_()
 
     def linear_fwd_bwd():
@@ -55,12 +59,21 @@ def main():
         with torch.no_grad(), te.fp8_autocast():
             lin(x)
 
+    def auto_fwd_bwd():
+        with te.fp8_autocast():
+            y = auto(xg)
+        y.sum().backward()
+
     cases["te.Linear fwd+bwd"] = linear_fwd_bwd
+    cases["te.Linear fwd+bwd auto path"] = auto_fwd_bwd
     cases["te.Linear fwd no_grad"] = linear_fwd_nograd
     ref = torch.nn.Linear(64, 64, device=d, dtype=torch.bfloat16)
     cases["nn.Linear fwd+bwd"] = lambda: ref(xg).sum().backward()
     for name, fn in cases.items():
         print(f"{name:28s} {per_call_us(fn, 500 if 'Linear' in name else 2000):8.1f} us", flush=True)
+    profile = cProfile.Profile()
+    profile.runcall(lambda: [linear_fwd_bwd() for _ in range(200)])
+    pstats.Stats(profile).sort_stats("tottime").print_stats(30)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             linear_fwd_bwd()

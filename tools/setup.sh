@@ -12,7 +12,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q numpy pytest ninja expecttest setuptools wheel
 # for the examples and notebooks (the package itself needs none of them)
-"$PY" -m pip install -q transformers tqdm matplotlib
+"$PY" -m pip install -q transformers tqdm matplotlib nbclient nbformat ipykernel
 
 if command -v nvcc >/dev/null 2>&1; then
   nvcc_major=$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')

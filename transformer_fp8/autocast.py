@@ -107,28 +107,73 @@ def _finish_backward():
     update_scaling_states(entries, forward=False)
 
 
+class _UpdatePlan:
+    """How one list of registered (state, recipe, group) entries is updated: the states grouped for the amax
+    reduction (per group) and for the fused update (per recipe and device). Built once and reused while a step
+    registers the same entries (the usual training loop), so an exit does no grouping work."""
+
+    def __init__(self, entries, forward):
+        self.key = entries
+        per_group, per_recipe = {}, {}
+        for scaling_state, recipe, group in entries:
+            if recipe.reduce_amax:
+                per_group.setdefault(id(group), (group, []))[1].append(scaling_state)
+            per_recipe.setdefault((id(recipe), scaling_state.device), (recipe, []))[1].append(scaling_state)
+        self.reductions = list(per_group.values())
+        self.updates = []
+        for recipe, states in per_recipe.values():
+            fp8_dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
+            self.updates.append((states, (FP8_MAX[fp8_dtype], float(recipe.margin), recipe.amax_compute_algo)))
+        self.states = [entry[0] for entry in entries]
+
+
+_plans = {True: None, False: None}  # the last plan of forward and of backward updates
+
+
+def _distributed_initialized():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def forget_update_plans():
+    _plans[True] = _plans[False] = None
+
+
 def update_scaling_states(entries, forward):
     """Reduce the newest amaxes over each group (if the recipe asks) and run one fused update per recipe and device.
-    Entries are grouped by recipe and group identity (one object per fp8_autocast in the usual loop)."""
-    per_group, per_recipe = {}, {}
-    for scaling_state, recipe, group in entries:
-        scaling_state.pending = False
-        if recipe.reduce_amax:
-            per_group.setdefault(id(group), (group, []))[1].append(scaling_state)
-        per_recipe.setdefault((id(recipe), scaling_state.device), (recipe, []))[1].append(scaling_state)
-    for group, states in per_group.values():
-        _all_reduce_amax(states, group)
-    for recipe, states in per_recipe.values():
-        fp8_dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
+    A forward update also gives the states new scale_inv snapshots (see renew_scale_inv_snapshots)."""
+    plan = _plans[forward]
+    if plan is None or plan.key != entries:
+        plan = _plans[forward] = _UpdatePlan(entries, forward)
+    for state in plan.states:
+        state.pending = False
+    if plan.reductions and _distributed_initialized():
+        for group, states in plan.reductions:
+            _all_reduce_amax(states, group)
+    for states, args in plan.updates:
         tfp8.delayed_scaling_update([s.amax_history for s in states], [s.scale for s in states],
-                                    [s.scale_inv for s in states], FP8_MAX[fp8_dtype], float(recipe.margin),
-                                    recipe.amax_compute_algo)
+                                    [s.scale_inv for s in states], *args)
+        if forward:
+            renew_scale_inv_snapshots(states)
+
+
+def renew_scale_inv_snapshots(states):
+    """Give every slot of `states` (ScalingStates on one device) a new scale_inv snapshot: a one-element view, 16 bytes
+    from the next (cuBLASLt's scale pointers need that alignment), of one new buffer. The casts write 1/scale into
+    it; FP8 tensors saved or cached with an older snapshot keep the scale they were cast with. Two host calls for all
+    states, no launch."""
+    counts = [len(s.scale_inv_slots) for s in states]
+    total = sum(counts)
+    views = torch.empty_strided((total,), (4,), dtype=torch.float32, device=states[0].device).split_with_sizes(
+        [1] * total)  # (Tensor.split is a Python wrapper: twice the host time)
+    start = 0
+    for state, n in zip(states, counts):
+        state.scale_invs, start = views[start:start + n], start + n
 
 
 def _all_reduce_amax(states, group):
     """MAX all-reduce of the row-0 amaxes of `states` over `group` (None: the default group), in one collective."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+    if dist.get_world_size(group) <= 1:
         return
     rows = [s.amax_history[0] for s in states]
     flat = torch.cat(rows)

@@ -26,19 +26,20 @@ def cast_grad_output(dy, module, slot, with_dbias, rowwise, transpose):
     state, fp8_dtype = module.fp8_bwd, module.bwd_dtype
     if not with_dbias:
         return (*cast_transpose(dy, state, slot, fp8_dtype, module.fp8_current, rowwise, transpose), None)
+    if not module.fp8_current:
+        scale_inv = state.scale_invs[slot]
+        q, qt, dbias = tfp8.cast_transpose_dbias(dy, state.scales[slot], fp8_dtype, state.amaxes[slot], scale_inv)
+        return q, qt, scale_inv, dbias
     scale_inv = torch.empty(1, dtype=torch.float32, device=dy.device)
-    amax = state.amaxes[slot]
-    if module.fp8_current:
-        state.set_current_scale(dy, slot, FP8_MAX[fp8_dtype])
-        amax = None
-    q, qt, dbias = tfp8.cast_transpose_dbias(dy, state.scales[slot], fp8_dtype, amax, scale_inv)
+    state.set_current_scale(dy, slot, FP8_MAX[fp8_dtype])
+    q, qt, dbias = tfp8.cast_transpose_dbias(dy, state.scales[slot], fp8_dtype, None, scale_inv)
     return q, qt, scale_inv, dbias
 
 
-def register_backward(module, ctx):
+def register_backward(module, recipe, group):
     """Queue the module's gradient state for the update after this backward (delayed scaling only)."""
     if not module.fp8_current:
-        autocast.register_backward(module.fp8_bwd, ctx.recipe, ctx.group)
+        autocast.register_backward(module.fp8_bwd, recipe, group)
 
 
 def gemm_grads(module, weight, dy_fp8, w_t, x_t, dx_dtype, need_dgrad, need_wgrad):

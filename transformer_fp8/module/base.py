@@ -3,6 +3,12 @@
 Forward slots per GEMM: (input, weight); backward slots per GEMM: (grad_output). A `ScalingState` holds one set:
 float32 amax_history [H, n] (row 0: this step's amax, max-accumulated by the casts), scale [n] (starts at 1),
 scale_inv [n]. H is the recipe's amax_history_len (1 for current scaling).
+Delayed scaling: each cast also writes 1/scale into its slot's `scale_invs[i]`, a one-element, 16-byte aligned
+(cuBLASLt's scale pointers need it) snapshot that the GEMMs read and that FP8 tensors are saved or cached with. The
+forward update gives the forward slots new snapshots (autocast.renew_scale_inv_snapshots), so a saved or cached tensor
+keeps the scale it was cast with; gradient snapshots are reused (nothing outlives the backward that casts them).
+Snapshots share one buffer (and so one autograd version counter): autograd Functions keep them as ctx attributes, not
+through save_for_backward, whose version check would trip on writes to the other slots.
 """
 import math
 
@@ -13,6 +19,13 @@ from .. import autocast
 from ..float8_tensor import Float8Tensor
 from ..ops import tfp8
 from ..recipe import FP8_MAX, Float8CurrentScaling
+
+# Small-shape automatic path: inside fp8_autocast, a module on a CUDA input whose GEMM work M*K*N (summed over its
+# GEMMs) is below this runs its high-precision path instead: there FP8's extra casts and launches cost more than the
+# GEMM saves. H100, no_grad Linear with cached FP8 weights vs BF16 nn.Linear (benchmarks/bench_modules.py): FP8 takes
+# 1.0-1.5x the time at M*K*N ~ 1.3e10, 0.8-1.2x at 2.7e10, 0.70-0.93x at 5.4e10, ~0.7x from 1.1e11.
+# Set per module with `fp8_min_gemm_size=` (0 always uses FP8), or change this default.
+FP8_MIN_GEMM_SIZE = 2 ** 35
 
 
 class ScalingState:
@@ -26,12 +39,12 @@ class ScalingState:
         self._make_views()
 
     def _make_views(self):
-        n = self.scale.numel()
         self.device = self.scale.device
-        self.scales = [self.scale[i:i + 1] for i in range(n)]
-        self.scale_invs = [self.scale_inv[i:i + 1] for i in range(n)]
-        self.amaxes = [self.amax_history[0, i:i + 1] for i in range(n)]
-        self.histories = [self.amax_history[:, i:i + 1] for i in range(n)]
+        self.scales = self.scale.split(1)
+        self.scale_inv_slots = self.scale_inv.split(1)
+        self.amaxes = self.amax_history[0].split(1)
+        self.histories = self.amax_history.split(1, dim=1)
+        autocast.renew_scale_inv_snapshots([self])
 
     @property
     def history_len(self):
@@ -42,6 +55,7 @@ class ScalingState:
             self.amax_history, self.scale, self.scale_inv = (
                 t.to(device) for t in (self.amax_history, self.scale, self.scale_inv))
             self._make_views()
+            autocast.forget_update_plans()  # they group states by device
 
     def state_dict(self):
         return {"amax_history": self.amax_history, "scale": self.scale, "scale_inv": self.scale_inv}
@@ -59,25 +73,29 @@ class ScalingState:
     def set_current_scale(self, x, i, fp8_max):
         """Current scaling: slot i's scale from amax(x) (the update re-zeroes the amax slot)."""
         tfp8.compute_amax(x, self.amaxes[i])
-        tfp8.delayed_scaling_update([self.histories[i]], [self.scales[i]], [self.scale_invs[i]], fp8_max, 0.0,
+        tfp8.delayed_scaling_update([self.histories[i]], [self.scales[i]], [self.scale_inv_slots[i]], fp8_max, 0.0,
                                     "most_recent")
 
 
 def cast_transpose(x, state, i, fp8_dtype, current, rowwise=True, transpose=True):
     """x [M, N] -> (q [M, N] or empty, qT [N, M] or empty, scale_inv [1]) with slot i of `state`.
-    The returned scale_inv is a fresh snapshot: the update may change the state's scale_inv before it is used."""
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
-    if current:
-        state.set_current_scale(x, i, FP8_MAX[fp8_dtype])
-        q, qt = tfp8.cast_transpose(x, state.scales[i], fp8_dtype, rowwise, transpose, None, scale_inv)
-    else:
+    Delayed scaling: the cast writes scale_inv into the slot's snapshot state.scale_invs[i]. Current scaling sets the
+    slot's scale from amax(x) first and the cast writes a fresh scale_inv (the slot's next cast may come before the
+    backward that reads this one)."""
+    if not current:
+        scale_inv = state.scale_invs[i]
         q, qt = tfp8.cast_transpose(x, state.scales[i], fp8_dtype, rowwise, transpose, state.amaxes[i], scale_inv)
+        return q, qt, scale_inv
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    state.set_current_scale(x, i, FP8_MAX[fp8_dtype])
+    q, qt = tfp8.cast_transpose(x, state.scales[i], fp8_dtype, rowwise, transpose, None, scale_inv)
     return q, qt, scale_inv
 
 
 def fp8_output_args(state, i, fp8_dtype):
-    """(scale, fp8_dtype, amax, scale_inv snapshot) for an op that emits FP8 into slot i (delayed scaling)."""
-    return state.scales[i], fp8_dtype, state.amaxes[i], torch.empty(1, dtype=torch.float32, device=state.device)
+    """(scale, fp8_dtype, amax, scale_inv) for an op that emits FP8 into slot i (delayed scaling); scale_inv is the
+    slot's snapshot state.scale_invs[i] (see cast_transpose)."""
+    return state.scales[i], fp8_dtype, state.amaxes[i], state.scale_invs[i]
 
 
 def check_dtype(params_dtype):
@@ -114,10 +132,17 @@ def default_init(weight):
 class FP8ModuleBase(nn.Module):
     """Base of the FP8 modules. Subclasses call `_fp8_begin(autocast.STATE)` at the start of an FP8 forward."""
 
-    def __init__(self, num_gemms, params_dtype, device, fuse_wgrad_accumulation):
+    def __init__(self, num_gemms, params_dtype, device, fuse_wgrad_accumulation, gemm_n, fp8_min_gemm_size):
+        """gemm_n: sum of the module's GEMM output widths, so that M*K*N summed over its GEMMs = inp.numel() * gemm_n.
+        fp8_min_gemm_size: None (FP8_MIN_GEMM_SIZE, read at each call) or an int >= 0 (see FP8_MIN_GEMM_SIZE)."""
         super().__init__()
+        if fp8_min_gemm_size is not None and (isinstance(fp8_min_gemm_size, bool) or
+                                              not isinstance(fp8_min_gemm_size, int) or fp8_min_gemm_size < 0):
+            raise ValueError(f"fp8_min_gemm_size: expected None or an int >= 0, got {fp8_min_gemm_size!r}")
         self.params_dtype = check_dtype(params_dtype)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        self.fp8_min_gemm_size, self._gemm_n = fp8_min_gemm_size, gemm_n
+        self._fp8_params = autocast.STATE.model_init  # Float8Tensor weights: always the FP8 path
         self._device = torch.device(device)
         self._n_fwd, self._n_bwd = 2 * num_gemms, num_gemms
         self.fp8_fwd = self.fp8_bwd = None
@@ -138,6 +163,14 @@ class FP8ModuleBase(nn.Module):
         return nn.Parameter(torch.full((size,), float(value), dtype=self.params_dtype, device=self._device))
 
     # --- per-call FP8 setup ---
+    def _runs_fp8(self, inp):
+        """Inside fp8_autocast (the caller checks): False when the small-shape automatic path applies (CUDA input,
+        high-precision weights, inp.numel() * gemm_n < fp8_min_gemm_size), True otherwise."""
+        if self._fp8_params or not inp.is_cuda:
+            return True
+        threshold = FP8_MIN_GEMM_SIZE if self.fp8_min_gemm_size is None else self.fp8_min_gemm_size
+        return inp.numel() * self._gemm_n >= threshold
+
     def _fp8_begin(self, state):
         """Adopt the active recipe and queue the forward state for the update (delayed scaling)."""
         recipe = state.recipe
@@ -162,7 +195,8 @@ class FP8ModuleBase(nn.Module):
 
     # --- weights ---
     def _fp8_weight(self, name, weight, slot, need_transpose, is_first_microbatch):
-        """FP8 copy of a weight [N, K]: (q [N, K], qT [K, N] or None, scale_inv [1]).
+        """FP8 copy of a weight [N, K]: (q [N, K], qT [K, N] or None, scale_inv [1]). Call inside an autograd
+        Function's forward (grad mode off: the weight goes to the cast as it is).
         is_first_microbatch True: cast and cache; False: reuse the cache (no cast); None: cast, no cache."""
         if is_first_microbatch is False:
             cached = self._weight_cache.get(name)
@@ -175,7 +209,7 @@ class FP8ModuleBase(nn.Module):
             q, scale_inv = weight._data, weight._scale_inv
             qt = tfp8.fp8_transpose(q) if need_transpose else None
         else:
-            q, qt, scale_inv = cast_transpose(weight.detach(), self.fp8_fwd, slot, self.fwd_dtype, self.fp8_current,
+            q, qt, scale_inv = cast_transpose(weight, self.fp8_fwd, slot, self.fwd_dtype, self.fp8_current,
                                               transpose=need_transpose)
             qt = qt if need_transpose else None
         if is_first_microbatch is not None:

@@ -25,23 +25,25 @@ class _FP8LayerNormLinear(torch.autograd.Function):
         wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
         out = fp8_gemm_bias(lnq, lnsinv, wq, wsinv, inp.dtype, bias)
         if training:
-            ctx.save_for_backward(x, mean, rstd, ln_weight, lnqt, lnsinv, wqt, wsinv)
+            ctx.save_for_backward(x, mean, rstd, ln_weight, lnqt, wqt)
+            ctx.scale_invs = (lnsinv, wsinv)  # snapshots: outside save_for_backward (see base.py)
             ctx.weight = weight  # for main_grad and its dtype; its values are not used (the FP8 copies are)
-            ctx.module, ctx.recipe, ctx.group = module, autocast.STATE.recipe, autocast.STATE.group
+            ctx.module, ctx.fp8_state = module, (autocast.STATE.recipe, autocast.STATE.group)
             ctx.need, ctx.inp_shape = (need_dgrad, need_wgrad), inp.shape
         out = out.view(*inp.shape[:-1], out.shape[-1])
         return out, (ln_out.view(inp.shape) if ln_out is not None else inp.new_empty(0))
 
     @staticmethod
     def backward(ctx, grad, grad_ln_out):
-        x, mean, rstd, ln_weight, lnqt, lnsinv, wqt, wsinv = ctx.saved_tensors
+        x, mean, rstd, ln_weight, lnqt, wqt = ctx.saved_tensors
+        lnsinv, wsinv = ctx.scale_invs
         module, (need_dgrad, need_wgrad) = ctx.module, ctx.need
         dx = dgamma = dbeta = dw = dbias = None
         d_ln = None
         if grad is not None:
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
             dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, ctx.needs_input_grad[4], need_dgrad, need_wgrad)
-            register_backward(module, ctx)
+            register_backward(module, *ctx.fp8_state)
             d_ln, dw = gemm_grads(module, ctx.weight, (dq, dqt, dsinv), (wqt, wsinv), (lnqt, lnsinv), x.dtype,
                                   need_dgrad, need_wgrad)
         if grad_ln_out is not None and need_dgrad:
@@ -56,14 +58,15 @@ class _FP8LayerNormLinear(torch.autograd.Function):
 class LayerNormLinear(FP8ModuleBase):
     """LayerNormLinear(in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm" | "RMSNorm",
     zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None, device="cuda", init_method=None,
-    fuse_wgrad_accumulation=False, return_bias=False). forward(inp [..., in], is_first_microbatch=None)."""
+    fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None).
+    forward(inp [..., in], is_first_microbatch=None). Small-shape automatic path: as Linear's (M*in*out)."""
 
     def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
                  zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None, device="cuda",
-                 init_method=None, fuse_wgrad_accumulation=False, return_bias=False):
+                 init_method=None, fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None):
         check_positive(in_features=in_features, out_features=out_features)
         check_choice("normalization", normalization, NORMALIZATIONS)
-        super().__init__(1, params_dtype, device, fuse_wgrad_accumulation)
+        super().__init__(1, params_dtype, device, fuse_wgrad_accumulation, out_features, fp8_min_gemm_size)
         self.in_features, self.out_features, self.eps = in_features, out_features, float(eps)
         self.normalization, self.zero_centered_gamma = normalization, bool(zero_centered_gamma)
         self.return_layernorm_output, self.return_bias = bool(return_layernorm_output), bool(return_bias)
@@ -73,10 +76,10 @@ class LayerNormLinear(FP8ModuleBase):
 
     def forward(self, inp, is_first_microbatch=None):
         check_input(inp, self.in_features)
-        inp = inp.contiguous()
+        inp = inp if inp.is_contiguous() else inp.contiguous()
         bias = None if self.return_bias else self.bias
         state = autocast.STATE
-        if state.enabled:
+        if state.enabled and self._runs_fp8(inp):
             self._fp8_begin(state)
             out, ln_out = _FP8LayerNormLinear.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.weight,
                                                     bias, self, torch.is_grad_enabled(), is_first_microbatch)

@@ -64,17 +64,18 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         w2q, w2qt, w2sinv = module._fp8_weight("fc2_weight", fc2_weight, 3, need_fc2_dgrad, is_first_microbatch)
         out = fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, fc2_bias)
         if training:
-            ctx.save_for_backward(x, mean, rstd, ln_weight, lnqt, lnsinv, w1qt, w1sinv, fc1_out, aqt, asinv, w2qt,
-                                  w2sinv)
+            ctx.save_for_backward(x, mean, rstd, ln_weight, lnqt, w1qt, fc1_out, aqt, w2qt)
+            ctx.scale_invs = (lnsinv, w1sinv, asinv, w2sinv)  # snapshots: outside save_for_backward (see base.py)
             ctx.weights = (fc1_weight, fc2_weight)  # for main_grad and dtypes; backward uses the FP8 copies
-            ctx.module, ctx.recipe, ctx.group = module, autocast.STATE.recipe, autocast.STATE.group
+            ctx.module, ctx.fp8_state = module, (autocast.STATE.recipe, autocast.STATE.group)
             ctx.needs, ctx.inp_shape = needs, inp.shape
         out = out.view(*inp.shape[:-1], out.shape[-1])
         return out, (ln_out.view(inp.shape) if ln_out is not None else inp.new_empty(0))
 
     @staticmethod
     def backward(ctx, grad, grad_ln_out):
-        x, mean, rstd, ln_weight, lnqt, lnsinv, w1qt, w1sinv, fc1_out, aqt, asinv, w2qt, w2sinv = ctx.saved_tensors
+        x, mean, rstd, ln_weight, lnqt, w1qt, fc1_out, aqt, w2qt = ctx.saved_tensors
+        lnsinv, w1sinv, asinv, w2sinv = ctx.scale_invs
         fc1_weight, fc2_weight = ctx.weights
         module, needs = ctx.module, ctx.needs
         need_dgrad, need_fc2_dgrad = any(needs[:3]), any(needs[:5])
@@ -82,7 +83,7 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         if grad is not None:
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
             dy_fp8 = cast_grad_output(dy, module, 1, needs[6], need_fc2_dgrad, needs[5])
-            register_backward(module, ctx)
+            register_backward(module, *ctx.fp8_state)
             d_act, dw2 = gemm_grads(module, fc2_weight, dy_fp8[:3], (w2qt, w2sinv), (aqt, asinv), x.dtype,
                                     need_fc2_dgrad, needs[5])
             dbias2 = dy_fp8[3]
@@ -103,21 +104,24 @@ class LayerNormMLP(FP8ModuleBase):
     """LayerNormMLP(hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm" | "RMSNorm",
     activation="gelu" | "swiglu" | "relu", zero_centered_gamma=False, return_layernorm_output=False,
     params_dtype=None, device="cuda", init_method=None, output_layer_init_method=None, fuse_wgrad_accumulation=False,
-    return_bias=False). forward(inp [..., hidden], is_first_microbatch=None). gelu is the tanh approximation."""
+    return_bias=False, fp8_min_gemm_size=None). forward(inp [..., hidden], is_first_microbatch=None). gelu is the
+    tanh approximation. Small-shape automatic path: as Linear's, with M*K*N summed over both GEMMs
+    (M*hidden*(fc1 width + ffn))."""
 
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
                  activation="gelu", zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None,
                  device="cuda", init_method=None, output_layer_init_method=None, fuse_wgrad_accumulation=False,
-                 return_bias=False):
+                 return_bias=False, fp8_min_gemm_size=None):
         check_positive(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_choice("normalization", normalization, NORMALIZATIONS)
         check_choice("activation", activation, tuple(ACTIVATIONS))
-        super().__init__(2, params_dtype, device, fuse_wgrad_accumulation)
+        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        super().__init__(2, params_dtype, device, fuse_wgrad_accumulation, fc1_out + ffn_hidden_size,
+                         fp8_min_gemm_size)
         self.hidden_size, self.ffn_hidden_size, self.eps = hidden_size, ffn_hidden_size, float(eps)
         self.normalization, self.activation = normalization, activation
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output, self.return_bias = bool(return_layernorm_output), bool(return_bias)
-        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         init_norm_params(self, hidden_size, normalization, self.zero_centered_gamma, "layer_norm_")
         self.fc1_weight = self._weight_param((fc1_out, hidden_size), init_method)
         self.fc1_bias = self._vector_param(fc1_out, 0.0) if bias else None
@@ -126,10 +130,10 @@ class LayerNormMLP(FP8ModuleBase):
 
     def forward(self, inp, is_first_microbatch=None):
         check_input(inp, self.hidden_size)
-        inp = inp.contiguous()
+        inp = inp if inp.is_contiguous() else inp.contiguous()
         fc2_bias = None if self.return_bias else self.fc2_bias
         state = autocast.STATE
-        if state.enabled:
+        if state.enabled and self._runs_fp8(inp):
             self._fp8_begin(state)
             out, ln_out = _FP8LayerNormMLP.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
                                                  self.fc1_bias, self.fc2_weight, fc2_bias, self,

@@ -4,6 +4,7 @@ Parameters `weight` [out, in] and `bias` [out] (names and shapes of nn.Linear: i
 FP8 forward slots: 0 input, 1 weight; backward slot: 0 grad_output.
 """
 import torch
+import torch.nn.functional as F
 
 from .. import autocast
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
@@ -11,49 +12,53 @@ from .base import FP8ModuleBase, cast_transpose, check_input, check_positive
 
 
 class _FP8Linear(torch.autograd.Function):
-    """inp [..., K], weight [N, K], bias [N] or None -> [..., N]. Saves only the FP8 xᵀ and Wᵀ (+ scale_invs)."""
+    """inp [..., K] (contiguous), weight [N, K], bias [N] or None -> [..., N]. Saves only the FP8 xᵀ and Wᵀ
+    (+ scale_invs)."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias, module, training, is_first_microbatch):
         need_dgrad = training and ctx.needs_input_grad[0]
         need_wgrad = training and ctx.needs_input_grad[1]
-        x = inp.reshape(-1, inp.shape[-1])
+        x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
         xq, xqt, xsinv = cast_transpose(x, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
                                         transpose=need_wgrad)
         wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
         out = fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias)
         if training:
-            ctx.save_for_backward(xqt if need_wgrad else None, xsinv, wqt, wsinv)
-            ctx.weight = weight  # for main_grad and its dtype; its values are not used (the FP8 copies are)
-            ctx.module, ctx.recipe, ctx.group = module, autocast.STATE.recipe, autocast.STATE.group
-            ctx.need = (need_dgrad, need_wgrad)
-            ctx.dx_dtype = inp.dtype
-        return out.view(*inp.shape[:-1], out.shape[-1])
+            ctx.save_for_backward(xqt if need_wgrad else None, wqt)
+            state = autocast.STATE
+            # scale_inv snapshots ride outside save_for_backward (their buffer's other slots get written: see base.py);
+            # the weight is kept for main_grad and its dtype, its values are not used (the FP8 copies are)
+            ctx.info = (module, weight, xsinv, wsinv, state.recipe, state.group, need_dgrad, need_wgrad, inp.dtype)
+        return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        xqt, xsinv, wqt, wsinv = ctx.saved_tensors
-        module, (need_dgrad, need_wgrad) = ctx.module, ctx.need
-        need_bgrad = ctx.needs_input_grad[2]
-        dy = grad.reshape(-1, grad.shape[-1]).contiguous()
-        dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, need_bgrad, need_dgrad, need_wgrad)
-        register_backward(module, ctx)
-        dx, dw = gemm_grads(module, ctx.weight, (dq, dqt, dsinv), (wqt, wsinv), (xqt, xsinv), ctx.dx_dtype,
-                            need_dgrad, need_wgrad)
-        if dx is not None:
+        xqt, wqt = ctx.saved_tensors
+        module, weight, xsinv, wsinv, recipe, group, need_dgrad, need_wgrad, dx_dtype = ctx.info
+        dy = grad if grad.dim() == 2 and grad.is_contiguous() else grad.reshape(-1, grad.shape[-1]).contiguous()
+        dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, ctx.needs_input_grad[2], need_dgrad, need_wgrad)
+        register_backward(module, recipe, group)
+        dx, dw = gemm_grads(module, weight, (dq, dqt, dsinv), (wqt, wsinv), (xqt, xsinv), dx_dtype, need_dgrad,
+                            need_wgrad)
+        if dx is not None and grad.dim() != 2:
             dx = dx.view(*grad.shape[:-1], dx.shape[-1])
         return dx, dw, dbias, None, None, None
 
 
 class Linear(FP8ModuleBase):
     """Linear(in_features, out_features, bias=True, params_dtype=None, device="cuda", init_method=None,
-    fuse_wgrad_accumulation=False, return_bias=False). forward(inp [..., in], is_first_microbatch=None).
-    return_bias=True returns (out, bias) with the bias not added."""
+    fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None).
+    forward(inp [..., in], is_first_microbatch=None). return_bias=True returns (out, bias) with the bias not added.
+
+    Small-shape automatic path: inside fp8_autocast, a CUDA input with M*in*out < fp8_min_gemm_size (None: the
+    default base.FP8_MIN_GEMM_SIZE = 2**35 ~ 3.4e10) runs the high-precision F.linear and leaves the FP8 state
+    untouched; fp8_min_gemm_size=0 always runs FP8. Float8Tensor weights (fp8_model_init) always run FP8."""
 
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device="cuda", init_method=None,
-                 fuse_wgrad_accumulation=False, return_bias=False):
+                 fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None):
         check_positive(in_features=in_features, out_features=out_features)
-        super().__init__(1, params_dtype, device, fuse_wgrad_accumulation)
+        super().__init__(1, params_dtype, device, fuse_wgrad_accumulation, out_features, fp8_min_gemm_size)
         self.in_features, self.out_features, self.return_bias = in_features, out_features, bool(return_bias)
         self.weight = self._weight_param((out_features, in_features), init_method)
         self.bias = self._vector_param(out_features, 0.0) if bias else None
@@ -62,12 +67,14 @@ class Linear(FP8ModuleBase):
         check_input(inp, self.in_features)
         bias = None if self.return_bias else self.bias
         state = autocast.STATE
-        if state.enabled:
+        if state.enabled and self._runs_fp8(inp):
             self._fp8_begin(state)
-            out = _FP8Linear.apply(inp.contiguous(), self.weight, bias, self, torch.is_grad_enabled(),
-                                   is_first_microbatch)
-        else:
+            out = _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
+                                   torch.is_grad_enabled(), is_first_microbatch)
+        elif self.fuse_wgrad_accumulation:
             out = high_precision_linear(self, inp, self.weight, bias)
+        else:  # (the small-shape path's host time matters: F.linear directly)
+            out = F.linear(inp, self.weight, bias)
         return (out, self.bias) if self.return_bias else out
 
     def extra_repr(self):

@@ -1,0 +1,329 @@
+"""Write the notebooks of this folder from the cell sources below (outputs empty): `python notebooks/make_notebooks.py`.
+
+Edit the cells here, not in the .ipynb files; tests/test_notebooks.py checks that the files match this script and
+executes each notebook with TFP8_NOTEBOOK_TINY=1 (tiny sizes, CPU reference kernels when there is no GPU).
+"""
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+SETUP = '''import os
+import time
+
+import torch
+
+import transformer_fp8 as te
+from transformer_fp8 import recipe
+
+TINY = os.environ.get("TFP8_NOTEBOOK_TINY") == "1"  # CI: tiny sizes, seconds on a CPU
+DEVICE = "cuda" if torch.cuda.is_available() and te.cuda_kernels_available() else "cpu"
+DTYPE = torch.bfloat16
+print(f"device {DEVICE}, tiny sizes: {TINY}")'''
+
+TIMER = '''def time_ms(fn, iters=3 if TINY else 20):
+    """Mean wall time of fn() in ms after one warm-up call (synchronised on the GPU)."""
+    fn()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - start) / iters
+
+
+def rel_error(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()'''
+
+QUICKSTART = [
+    new_markdown_cell("""# Quickstart: FP8 training with transformer_fp8
+
+From a plain PyTorch model to FP8 GEMMs on Hopper: swap `nn.Linear` for `te.Linear`, run the forward inside
+`te.fp8_autocast`, pick a scaling recipe, and keep the weights themselves in FP8 with `te.fp8_model_init`.
+Without a GPU everything runs on the CPU reference kernels (emulated FP8: same numbers, not the speed)."""),
+    new_code_cell(SETUP),
+    new_code_cell(TIMER),
+    new_markdown_cell("""## 1. From `nn.Linear` to `te.Linear`
+
+`te.Linear` takes `nn.Linear`'s arguments (plus `params_dtype` and `device`) and computes the same thing outside
+`fp8_autocast`. `convert_linear_layers` swaps every `nn.Linear` of an existing model, keeping its weights."""),
+    new_code_cell('''from torch import nn
+from transformer_fp8.integrations import convert_linear_layers
+
+hidden, ffn, tokens = (64, 256, 32) if TINY else (4096, 16384, 8192)
+torch.manual_seed(0)
+mlp = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(approximate="tanh"), nn.Linear(ffn, hidden)).to(DEVICE, DTYPE)
+x = torch.randn(tokens, hidden, device=DEVICE, dtype=DTYPE)
+reference = mlp(x)
+
+fp8_mlp = convert_linear_layers(mlp, exclude=())  # in place: mlp now holds te.Linear layers
+print(fp8_mlp)
+print("same output outside fp8_autocast:", torch.equal(fp8_mlp(x), reference))'''),
+    new_markdown_cell("""## 2. `fp8_autocast`
+
+Inside the context every GEMM of our modules runs in FP8: inputs and weights are cast to E4M3 with per-tensor
+scales, gradients to E5M2 (the HYBRID format). The backward runs in FP8 too; call it outside the context."""),
+    new_code_cell('''fp8_recipe = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+x.requires_grad_(True)
+for step in range(3):  # delayed scaling: the scales of step n come from the amaxes of the steps before
+    with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+        out = fp8_mlp(x)
+    out.float().square().mean().backward()
+    print(f"step {step}: relative error of the FP8 output vs BF16 {rel_error(out, reference):.4f}")'''),
+    new_markdown_cell("""## 3. Recipes
+
+* `DelayedScaling`: each tensor's scale comes from the history of its past amaxes (`amax_history_len`,
+  `amax_compute_algo="max"` or `"most_recent"`, `margin`): no extra pass over the data. Formats: `Format.HYBRID`
+  (E4M3 forward, E5M2 gradients) or `Format.E4M3` everywhere.
+* `Float8CurrentScaling`: the scale of each tensor from its own amax, computed right before the cast."""),
+    new_code_cell('''recipes = {
+    "DelayedScaling HYBRID, max of 16": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16),
+    "DelayedScaling E4M3, most recent": recipe.DelayedScaling(fp8_format=recipe.Format.E4M3, amax_history_len=1,
+                                                              amax_compute_algo="most_recent"),
+    "DelayedScaling HYBRID, margin 1": recipe.DelayedScaling(margin=1, amax_history_len=16),
+    "Float8CurrentScaling HYBRID": recipe.Float8CurrentScaling(),
+}
+x = x.detach()
+for name, r in recipes.items():
+    layer = te.Linear(hidden, ffn, params_dtype=DTYPE, device=DEVICE)
+    with torch.no_grad():
+        exact = layer(x)
+        for _ in range(2):  # a second call, so that delayed scaling has seen the tensors once
+            with te.fp8_autocast(enabled=True, fp8_recipe=r):
+                out = layer(x)
+    print(f"{name:<36} relative error {rel_error(out, exact):.4f}")'''),
+    new_markdown_cell("""## 4. FP8 weights: `fp8_model_init`
+
+Modules created inside `te.fp8_model_init()` hold their GEMM weights as `Float8Tensor`s (FP8 data + a scale):
+half the memory of BF16 weights, and no weight cast in the forward. Biases and norm weights stay in high precision.
+Useful for inference, or with an optimizer that keeps high-precision master weights elsewhere."""),
+    new_code_cell('''with te.fp8_model_init():
+    fp8_weights = te.Linear(hidden, ffn, params_dtype=DTYPE, device=DEVICE)
+bf16_weights = te.Linear(hidden, ffn, params_dtype=DTYPE, device=DEVICE)
+w = fp8_weights.weight
+print(type(w).__name__, "of", w.dtype, "storing", w._data.dtype)
+print(f"weight bytes: FP8 {w._data.nbytes:,} vs BF16 {bf16_weights.weight.nbytes:,}")
+with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+    out = fp8_weights(x)
+print("output", tuple(out.shape), out.dtype, "finite:", bool(out.isfinite().all()))'''),
+]
+
+PERFORMANCE = [
+    new_markdown_cell("""# Performance optimizations
+
+Each section times one technique on a `TransformerLayer` training step: FP8 itself, fusing the weight-gradient
+accumulation into an FP32 `main_grad`, caching the FP8 weights across micro-batches, and the multi-GPU layout.
+With `TFP8_NOTEBOOK_TINY=1` (CI) the sizes are tiny and the times mean nothing: run it on an H100 for numbers."""),
+    new_code_cell(SETUP),
+    new_code_cell(TIMER),
+    new_code_cell('''hidden, ffn, heads, seq, batch = (64, 256, 4, 32, 2) if TINY else (4096, 16384, 32, 2048, 2)
+fp8_recipe = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+
+
+def make_layer(**kwargs):
+    torch.manual_seed(0)
+    return te.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=DTYPE,
+                               device=DEVICE, **kwargs)
+
+
+x = torch.randn(seq, batch, hidden, device=DEVICE, dtype=DTYPE, requires_grad=True)
+dy = torch.randn_like(x)
+timings = {}'''),
+    new_markdown_cell("""## 1. BF16 vs FP8
+
+The same layer, without and with `fp8_autocast`."""),
+    new_code_cell('''layer = make_layer()
+
+
+def train_step(fp8):
+    with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe):
+        y = layer(x)
+    y.backward(dy)
+
+
+timings["BF16"] = time_ms(lambda: train_step(False))
+timings["FP8"] = time_ms(lambda: train_step(True))
+print({k: f"{v:.2f} ms" for k, v in timings.items()})'''),
+    new_markdown_cell("""## 2. Gradient accumulation: FP8 weight caching and wgrad fusion
+
+With gradient accumulation the weights do not change between the micro-batches of a step, so:
+
+* `is_first_microbatch=True` on the first micro-batch casts each weight to FP8 and caches it; `False` on the others
+  reuses the cache (no weight cast, no amax of the weights);
+* `fuse_wgrad_accumulation=True` makes the weight-gradient GEMM accumulate straight into `weight.main_grad`
+  (FP32, `beta = 1` in the GEMM) instead of writing `weight.grad` and adding it in a separate kernel. The optimizer
+  then reads `main_grad` (here: a plain SGD step on it)."""),
+    new_code_cell('''micro_batches = 4
+
+
+def accumulation_step(layer, cache_weights, fused):
+    for i in range(micro_batches):
+        flag = (i == 0) if cache_weights else None
+        with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+            y = layer(x, is_first_microbatch=flag)
+        y.backward(dy)
+    with torch.no_grad():
+        for p in layer.parameters():
+            grad = p.main_grad if fused and hasattr(p, "main_grad") else p.grad
+            if grad is not None:
+                p.sub_(1e-6 * grad.to(p.dtype))
+                grad.zero_()
+
+
+plain = make_layer()
+fused = make_layer(fuse_wgrad_accumulation=True)
+for module in fused.modules():  # an FP32 main_grad for each GEMM weight of the fused modules
+    if getattr(module, "fuse_wgrad_accumulation", False):
+        for p in module.parameters(recurse=False):
+            if p.dim() == 2:
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+
+timings["FP8, 4 micro-batches"] = time_ms(lambda: accumulation_step(plain, False, False))
+timings["+ FP8 weight caching"] = time_ms(lambda: accumulation_step(plain, True, False))
+timings["+ wgrad fusion into main_grad"] = time_ms(lambda: accumulation_step(fused, True, True))
+for name in list(timings)[2:]:
+    print(f"{name:<32} {timings[name]:8.2f} ms")'''),
+    new_markdown_cell("""## 3. The multi-GPU layout
+
+Data parallel training keeps one copy of each layer per GPU; with delayed scaling the amaxes must agree across the
+copies, or each GPU would quantize with its own scales. `fp8_autocast(fp8_group=group)` all-reduces (MAX) the
+newest amaxes over `group` once per step, before the fused scale update.
+
+Tensor parallelism (`tp_size`, `tp_group`, `sequence_parallel`) is **not implemented yet**: the arguments are
+accepted with size 1 only. Below, the data-parallel layout runs in a single process: a process group of one rank,
+so the code is the one each rank of a `torchrun` job would run."""),
+    new_code_cell('''import tempfile
+
+import torch.distributed as dist
+
+backend = "nccl" if DEVICE == "cuda" else "gloo"
+store = tempfile.NamedTemporaryFile(delete=False)
+dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
+data_parallel_group = dist.new_group(ranks=[0])
+
+layer = make_layer(tp_size=1)  # tensor parallelism: not implemented yet (tp_size > 1 raises)
+model = torch.nn.parallel.DistributedDataParallel(layer) if DEVICE == "cuda" else layer
+
+
+def dp_step():
+    with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe, fp8_group=data_parallel_group):
+        y = model(x)
+    y.backward(dy)
+
+
+timings["FP8, data parallel (1 rank)"] = time_ms(dp_step)
+print(f"{timings['FP8, data parallel (1 rank)']:.2f} ms")
+dist.destroy_process_group()'''),
+    new_markdown_cell("## Summary"),
+    new_code_cell('''for name, ms in timings.items():
+    print(f"{name:<32} {ms:8.2f} ms")'''),
+]
+
+LLAMA = [
+    new_markdown_cell("""# Fine-tuning a Llama model in FP8
+
+`convert_llama` replaces each Hugging Face `LlamaDecoderLayer` by our `TransformerLayer` (RMSNorm, SwiGLU, GQA,
+RoPE) with the same weights; training then runs its GEMMs in FP8 inside `fp8_autocast`. Here a small Llama is
+initialised locally (no download) and trained on the public-domain text shipped in `examples/data`, in BF16 and in
+FP8 from the same initial weights. `examples/finetune_llama.py` is the full script (checkpoints, gradient
+accumulation, local Hugging Face checkpoints)."""),
+    new_code_cell(SETUP),
+    new_code_cell('''import copy
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from transformer_fp8.integrations import convert_llama
+
+if TINY:
+    sizes = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    seq_len, batch_size, steps = 64, 4, 8
+else:
+    sizes = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=4)
+    seq_len, batch_size, steps = 1024, 16, 100
+
+text = (Path.cwd().parent / "examples" / "data" / "corpus.txt").read_text(encoding="utf-8")
+tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)  # bytes as token ids: no tokenizer download
+config = LlamaConfig(vocab_size=256, max_position_embeddings=seq_len, use_cache=False, **sizes)
+torch.manual_seed(0)
+base_model = LlamaForCausalLM(config).to(DEVICE, DTYPE)
+print(f"{sum(p.numel() for p in base_model.parameters()) / 1e6:.1f}M parameters, {tokens.numel():,} tokens")'''),
+    new_markdown_cell("""## The conversion
+
+Outside `fp8_autocast` the converted model computes what the Hugging Face model computes (up to BF16 rounding);
+inside it, its GEMMs run in FP8."""),
+    new_code_cell('''fp8_model = convert_llama(copy.deepcopy(base_model))
+print(fp8_model.model.layers[0])
+ids = tokens[:2 * seq_len].view(2, seq_len).to(DEVICE)
+with torch.no_grad():
+    hf_logits = base_model(input_ids=ids).logits.float()
+    our_logits = fp8_model(input_ids=ids).logits.float()
+    with te.fp8_autocast(enabled=True):
+        fp8_logits = fp8_model(input_ids=ids).logits.float()
+for name, logits in (("converted, BF16", our_logits), ("converted, FP8", fp8_logits)):
+    err = ((logits - hf_logits).norm() / hf_logits.norm()).item()
+    print(f"{name:<16} logits vs Hugging Face BF16: relative difference {err:.4f}")'''),
+    new_markdown_cell("""## A short fine-tune, BF16 vs FP8
+
+The same batches for both runs; AdamW on the BF16 parameters."""),
+    new_code_cell('''fp8_recipe = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+
+
+def finetune(model, fp8):
+    generator = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 if TINY else 3e-4, fused=DEVICE == "cuda")
+    losses, start = [], time.perf_counter()
+    for _ in range(steps):
+        starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator).tolist()
+        batch = torch.stack([tokens[s:s + seq_len] for s in starts]).to(DEVICE)
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    losses = torch.stack(losses).float().tolist()  # one host sync, at the end
+    tokens_per_s = steps * batch_size * seq_len / (time.perf_counter() - start)
+    return losses, tokens_per_s
+
+
+runs = {"BF16 (Hugging Face)": finetune(copy.deepcopy(base_model), fp8=False),
+        "FP8 (transformer_fp8)": finetune(convert_llama(copy.deepcopy(base_model)), fp8=True)}
+for name, (losses, tokens_per_s) in runs.items():
+    print(f"{name:<22} loss {losses[0]:.3f} -> {losses[-1]:.3f}   {tokens_per_s:,.0f} tokens/s")'''),
+    new_code_cell('''fig, ax = plt.subplots(figsize=(7, 4))
+for name, (losses, _) in runs.items():
+    ax.plot(range(1, steps + 1), losses, label=name)
+ax.set_xlabel("step")
+ax.set_ylabel("training loss")
+ax.legend()
+plt.show()'''),
+]
+
+NOTEBOOKS = {"quickstart.ipynb": QUICKSTART, "performance_optimizations.ipynb": PERFORMANCE,
+             "llama_finetune.ipynb": LLAMA}
+
+
+def build(cells):
+    notebook = new_notebook(cells=cells)
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    for i, cell in enumerate(notebook.cells):
+        cell["id"] = f"cell-{i}"  # stable ids: regenerating gives the same files
+    return notebook
+
+
+def main():
+    for name, cells in NOTEBOOKS.items():
+        nbformat.write(build(cells), HERE / name)
+        print(f"wrote {HERE / name}")
+
+
+if __name__ == "__main__":
+    main()

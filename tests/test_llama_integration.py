@@ -1,0 +1,245 @@
+"""integrations.convert_llama: Hugging Face LlamaDecoderLayers -> our TransformerLayer. Same logits and gradients as
+the Hugging Face model outside fp8_autocast (fp32 on the CPU, bf16 on the GPU), FP8 inside it; GQA, head_dim, padding
+masks, per-sequence position ids, linear RoPE scaling; local checkpoints; state dicts; refused configurations."""
+import copy
+
+import pytest
+import torch
+
+import transformer_fp8 as te
+from tests.utils import FP8_RTOL, rel_error
+from transformer_fp8 import recipe
+from transformer_fp8.integrations import LlamaTransformerLayer, convert_llama, microbatch
+from transformer_fp8.module import base
+
+transformers = pytest.importorskip("transformers")
+
+FP8_RECIPE = recipe.DelayedScaling(amax_history_len=4)
+
+
+@pytest.fixture(autouse=True)
+def always_fp8(monkeypatch):
+    """These models are small: without this, CUDA runs would take the modules' small-shape high-precision path."""
+    monkeypatch.setattr(base, "FP8_MIN_GEMM_SIZE", 0, raising=False)
+VOCAB = 96
+CONFIGS = {  # GQA; plain multi-head; head_dim != hidden / heads
+    "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    "head_dim": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32),
+}
+
+
+def llama_config(**overrides):
+    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+    return transformers.LlamaConfig(**{**settings, **overrides})
+
+
+def random_llama(config, dtype=torch.float32, device="cpu"):
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # norm weights start at 1: randomise them so that a wrong mapping shows
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model.to(device, dtype)
+
+
+def converted_copy(model, **kwargs):
+    return convert_llama(copy.deepcopy(model), **kwargs)
+
+
+def test_every_decoder_layer_is_replaced_with_its_weights_mapped():
+    model = random_llama(llama_config())
+    hf_layer = model.model.layers[1]
+    converted = converted_copy(model)
+    assert all(isinstance(layer, LlamaTransformerLayer) for layer in converted.model.layers)
+    ours = converted.model.layers[1].layer
+    attn, mlp = hf_layer.self_attn, hf_layer.mlp
+    q, k, v = ours.self_attention.layernorm_qkv.weight.split([64, 32, 32])
+    for mine, theirs in ((q, attn.q_proj.weight), (k, attn.k_proj.weight), (v, attn.v_proj.weight),
+                         (ours.self_attention.proj.weight, attn.o_proj.weight),
+                         (ours.layernorm_mlp.fc1_weight[:176], mlp.gate_proj.weight),
+                         (ours.layernorm_mlp.fc1_weight[176:], mlp.up_proj.weight),
+                         (ours.layernorm_mlp.fc2_weight, mlp.down_proj.weight),
+                         (ours.self_attention.layernorm_qkv.layer_norm_weight, hf_layer.input_layernorm.weight),
+                         (ours.layernorm_mlp.layer_norm_weight, hf_layer.post_attention_layernorm.weight)):
+        assert torch.equal(mine, theirs)
+    assert not converted.config.use_cache
+    assert not any(name.endswith("_proj.weight") for name, _ in converted.model.layers.named_parameters())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_same_logits_and_gradients_as_hugging_face_in_fp32(name):
+    model = random_llama(llama_config(**CONFIGS[name]))
+    converted = converted_copy(model)
+    ids = torch.randint(0, VOCAB, (3, 17))  # odd sequence length
+    ref, out = model(input_ids=ids, labels=ids), converted(input_ids=ids, labels=ids)
+    assert rel_error(out.logits, ref.logits) < 1e-5
+    ref.loss.backward()
+    out.loss.backward()
+    hf_layer, ours = model.model.layers[0], converted.model.layers[0].layer
+    hf_qkv = torch.cat([hf_layer.self_attn.q_proj.weight.grad, hf_layer.self_attn.k_proj.weight.grad,
+                        hf_layer.self_attn.v_proj.weight.grad])
+    hf_fc1 = torch.cat([hf_layer.mlp.gate_proj.weight.grad, hf_layer.mlp.up_proj.weight.grad])
+    for mine, theirs in ((ours.self_attention.layernorm_qkv.weight.grad, hf_qkv),
+                         (ours.layernorm_mlp.fc1_weight.grad, hf_fc1),
+                         (ours.layernorm_mlp.fc2_weight.grad, hf_layer.mlp.down_proj.weight.grad),
+                         (ours.self_attention.layernorm_qkv.layer_norm_weight.grad,
+                          hf_layer.input_layernorm.weight.grad),
+                         (converted.model.embed_tokens.weight.grad, model.model.embed_tokens.weight.grad)):
+        assert rel_error(mine, theirs) < 1e-4
+
+
+def test_bf16_logits_as_close_to_float64_as_hugging_face_bf16():
+    model = random_llama(llama_config())
+    ids = torch.randint(0, VOCAB, (2, 24))
+    exact = copy.deepcopy(model).double()(input_ids=ids).logits
+    model = model.to(torch.bfloat16)
+    hf_err = rel_error(model(input_ids=ids).logits, exact)
+    our_err = rel_error(converted_copy(model)(input_ids=ids).logits, exact)
+    assert our_err < 2 * hf_err + 1e-3, (our_err, hf_err)
+
+
+def test_padding_mask_and_per_sequence_positions_match_hugging_face():
+    model = random_llama(llama_config())
+    converted = converted_copy(model)
+    ids = torch.randint(0, VOCAB, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    mask[2, 9:] = 0  # right padding
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)  # what generate() passes for left padding
+    ref = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    out = converted(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    assert out.isfinite().all()
+    real = mask.bool()
+    assert rel_error(out[real], ref[real]) < 1e-5
+    plain = converted(input_ids=ids).logits  # no mask: causal, and the padding changes the answer
+    assert rel_error(plain[real], ref[real]) > 1e-2
+
+
+def test_eager_mask_builder_is_switched_to_sdpa():
+    model = random_llama(llama_config(attn_implementation="eager"))
+    ids = torch.randint(0, VOCAB, (2, 10))
+    ref = model(input_ids=ids).logits
+    converted = converted_copy(model)
+    assert converted.config._attn_implementation == "sdpa"
+    assert rel_error(converted(input_ids=ids).logits, ref) < 1e-5
+
+
+def test_linear_rope_scaling_matches_hugging_face():
+    config = llama_config(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0})
+    model = random_llama(config)
+    ids = torch.randint(0, VOCAB, (2, 20))
+    assert rel_error(converted_copy(model)(input_ids=ids).logits, model(input_ids=ids).logits) < 1e-5
+
+
+def test_fp8_autocast_runs_the_layers_in_fp8():
+    model = random_llama(llama_config())
+    converted = converted_copy(model)
+    ids = torch.randint(0, VOCAB, (2, 32))
+    ref = model(input_ids=ids).logits
+    for _ in range(2):  # the second pass uses the scales delayed scaling set after the first
+        with te.fp8_autocast(enabled=True, fp8_recipe=FP8_RECIPE):
+            out = converted(input_ids=ids).logits
+    assert 0 < rel_error(out, ref) < FP8_RTOL[torch.float8_e4m3fn]
+
+
+def test_local_checkpoint_directory(tmp_path):
+    model = random_llama(llama_config())
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    ref = model(input_ids=ids).logits
+    assert rel_error(convert_llama(loaded)(input_ids=ids).logits, ref) < 1e-5
+
+
+def test_state_dict_round_trip_with_fp8_state(tmp_path):
+    converted = converted_copy(random_llama(llama_config()))
+    ids = torch.randint(0, VOCAB, (2, 16))
+    with te.fp8_autocast(enabled=True, fp8_recipe=FP8_RECIPE):
+        converted(input_ids=ids, labels=ids).loss.backward()  # FP8 scaling state, saved as extra state
+    torch.save(converted.state_dict(), tmp_path / "model.pt")
+
+    torch.manual_seed(99)
+    restored = converted_copy(random_llama(llama_config()))
+    restored.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=False))
+    assert torch.equal(restored(input_ids=ids).logits, converted(input_ids=ids).logits)
+    with te.fp8_autocast(enabled=True, fp8_recipe=FP8_RECIPE):
+        assert torch.equal(restored(input_ids=ids).logits, converted(input_ids=ids).logits)
+
+
+def test_fused_wgrad_and_microbatch_weight_cache():
+    converted = converted_copy(random_llama(llama_config()), fuse_wgrad_accumulation=True)
+    layer = converted.model.layers[0].layer
+    weights = [layer.self_attention.layernorm_qkv.weight, layer.self_attention.proj.weight,
+               layer.layernorm_mlp.fc1_weight, layer.layernorm_mlp.fc2_weight]
+    for block in converted.model.layers:
+        for module in block.modules():
+            for p in module.parameters(recurse=False):
+                if p.dim() == 2:
+                    p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    current = recipe.Float8CurrentScaling()  # activation scales from the activations alone: runs repeat exactly
+    with te.fp8_autocast(enabled=True, fp8_recipe=current), microbatch(converted, is_first=True):
+        first = converted(input_ids=ids, labels=ids)
+    first.loss.backward()
+    assert all(w.grad is None and w.main_grad.abs().sum() > 0 for w in weights)
+    with torch.no_grad():
+        for w in weights:
+            w.mul_(2)  # not seen by the next micro-batch: it reuses the FP8 weights cached by the first
+    with te.fp8_autocast(enabled=True, fp8_recipe=current), microbatch(converted, is_first=False):
+        cached = converted(input_ids=ids).logits
+    with te.fp8_autocast(enabled=True, fp8_recipe=current):
+        recast = converted(input_ids=ids).logits
+    assert torch.equal(cached, first.logits)
+    assert rel_error(recast, first.logits) > 0.1
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), "rope_type"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_unsupported_configs_are_refused(overrides, match):
+    with pytest.raises(NotImplementedError, match=match):
+        convert_llama(random_llama(llama_config(**overrides)))
+
+
+def test_kv_cache_and_models_without_llama_layers_are_refused():
+    converted = converted_copy(random_llama(llama_config()))
+    with pytest.raises(NotImplementedError, match="past_key_values"):
+        converted(input_ids=torch.randint(0, VOCAB, (1, 8)), use_cache=True)
+    with pytest.raises(ValueError, match="model: no LlamaDecoderLayer"):
+        convert_llama(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_logits_match_and_fp8_training_learns():
+    torch.manual_seed(0)
+    config = llama_config(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=2)
+    model = random_llama(config, torch.bfloat16, "cuda")
+    converted = converted_copy(model)
+    ids = torch.randint(0, VOCAB, (4, 128), device="cuda")
+    exact = copy.deepcopy(model).double()(input_ids=ids).logits
+    hf_err = rel_error(model(input_ids=ids).logits, exact)
+    our_err = rel_error(converted(input_ids=ids).logits, exact)
+    assert our_err < 2 * hf_err + 1e-3, (our_err, hf_err)
+
+    optimizer = torch.optim.AdamW(converted.parameters(), lr=1e-3, fused=True)
+    batch = torch.randint(0, VOCAB, (4, 128), device="cuda")
+    losses = []
+    for _ in range(20):  # one fixed batch: the loss must fall
+        with te.fp8_autocast(enabled=True, fp8_recipe=FP8_RECIPE):
+            loss = converted(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.7 * losses[0], losses
+    with te.fp8_autocast(enabled=True, fp8_recipe=FP8_RECIPE):
+        fp8_logits = converted(input_ids=ids).logits
+    with torch.no_grad():
+        hp_logits = converted(input_ids=ids).logits
+    assert 0 < rel_error(fp8_logits, hp_logits) < FP8_RTOL[torch.float8_e4m3fn]
