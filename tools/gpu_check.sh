@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build with all cores for sm_90a, run every test (GPU tests included), run the benchmarks.
 # Writes build.log, tests.log, bench.log and the benchmarks' JSON under $OUT (the device tool brings them back).
-# Usage: bash tools/gpu_check.sh [pytest args...]   (BENCH="gemm quantize modules" picks benchmarks; BENCH= skips them)
+# Usage: bash tools/gpu_check.sh [pytest args...]   (BENCH="gemm quantize modules" picks benchmarks; BENCH= skips them;
+# TEST_TIMEOUT / BENCH_TIMEOUT bound each step in seconds)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -11,12 +12,13 @@ export MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
 start=$(date +%s)
 python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -80 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
-python -m pytest -q -rs "${@:-tests}" > "$OUT/tests.log" 2>&1
+timeout ${TEST_TIMEOUT:-400} python -m pytest -q -rs "${@:-tests}" > "$OUT/tests.log" 2>&1
 tests_rc=$?
 tail -25 "$OUT/tests.log"
 for b in ${BENCH-gemm quantize modules}; do
   echo "== bench_$b ==" | tee -a "$OUT/bench.log"
-  python "benchmarks/bench_$b.py" --json "$OUT/bench_$b.json" >> "$OUT/bench.log" 2>&1 || echo "bench_$b failed" >> "$OUT/bench.log"
+  timeout ${BENCH_TIMEOUT:-300} python "benchmarks/bench_$b.py" --json "$OUT/bench_$b.json" >> "$OUT/bench.log" 2>&1 ||
+    echo "bench_$b failed or timed out" >> "$OUT/bench.log"
 done
 cat "$OUT/bench.log"
 exit $tests_rc
