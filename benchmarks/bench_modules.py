@@ -43,18 +43,21 @@ def gpu_time_ms(fn, warmup=5, iters=20):
     return statistics.median(times)
 
 
-def loop_time_ms(fn, warmup=10, iters=100):
-    """Time per call of `iters` back-to-back calls between two CUDA events (the GPU runs ahead of the host when
-    the kernels are longer than the host work; otherwise this measures the host time per call)."""
+def loop_time_ms(fn, warmup=10, iters=100, repeats=5):
+    """Time per call of `iters` back-to-back calls between two CUDA events, median of `repeats` such loops (the GPU
+    runs ahead of the host when the kernels are longer than the host work; otherwise this measures host time)."""
     for _ in range(warmup):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    per_call = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / iters)
+    return statistics.median(per_call)
 
 
 def peak_gib(fn):

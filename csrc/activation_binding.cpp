@@ -23,9 +23,9 @@ void check_input(const at::Tensor& input, Activation act) {
   check_cuda(input, "input");
   check_high_precision(input, "input");
   check_contiguous(input, "input");
-  TORCH_CHECK(input.dim() >= 1, "input: expected at least one dimension, got shape ", input.sizes());
+  TORCH_CHECK(input.dim() >= 1, "input: expected at least one dimension, got shape ", dims(input.sizes()));
   TORCH_CHECK(act != Activation::kSwiglu || input.size(-1) % 2 == 0,
-              "input: swiglu expects an even last dimension [..., 2F], got shape ", input.sizes());
+              "input: swiglu expects an even last dimension [..., 2F], got shape ", dims(input.sizes()));
 }
 
 void check_grad_out(const at::Tensor& grad_out, const at::Tensor& input, Activation act) {
@@ -35,8 +35,8 @@ void check_grad_out(const at::Tensor& grad_out, const at::Tensor& input, Activat
   check_contiguous(grad_out, "grad_out");
   std::vector<int64_t> expected = input.sizes().vec();
   expected.back() = out_features(act, expected.back());
-  TORCH_CHECK(grad_out.sizes() == expected, "grad_out: expected shape ", expected, " for input ", input.sizes(),
-              ", got ", grad_out.sizes());
+  TORCH_CHECK(grad_out.sizes() == expected, "grad_out: expected shape ", dims(expected), " for input ",
+              dims(input.sizes()), ", got ", dims(grad_out.sizes()));
 }
 
 // The FP8 arguments: a scale is required, amax and scale_inv are optional; none of them without fp8_dtype.
@@ -90,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dact_cast_transpose(
     bool compute_dbias) {
   const Activation act = parse_activation(activation);
   check_input(input, act);
-  TORCH_CHECK(input.dim() == 2, "input: expected a 2-D tensor [M, F_in], got shape ", input.sizes());
+  TORCH_CHECK(input.dim() == 2, "input: expected a 2-D tensor [M, F_in], got shape ", dims(input.sizes()));
   check_grad_out(grad_out, input, act);
   check_fp8_arguments(input, scale, fp8_dtype, amax, scale_inv);
   const c10::cuda::CUDAGuard guard(input.device());

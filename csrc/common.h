@@ -9,6 +9,17 @@
 
 namespace tfp8 {
 
+// Shapes and numbers in error messages are formatted with std::to_string, never streamed: on the device image
+// (g++ 13.3), streaming integers into a TORCH_CHECK message crashed inside libstdc++'s ostream code that the
+// extension had instantiated, while messages of strings and dtypes raised cleanly.
+inline std::string dims(at::IntArrayRef values) {
+  std::string text = "(";
+  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text + (values.size() == 1 ? ",)" : ")");
+}
+
+inline std::string num(int64_t value) { return std::to_string(value); }
+
 inline bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
 inline DType to_dtype(at::ScalarType t, const char* arg) {
@@ -39,7 +50,7 @@ inline void check_cuda(const at::Tensor& t, const char* arg) {
 }
 
 inline void check_contiguous(const at::Tensor& t, const char* arg) {
-  TORCH_CHECK(t.is_contiguous(), arg, ": expected a contiguous tensor (got strides ", t.strides(), ")");
+  TORCH_CHECK(t.is_contiguous(), arg, ": expected a contiguous tensor (got strides ", dims(t.strides()), ")");
 }
 
 inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* arg) {
@@ -49,7 +60,7 @@ inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const 
 // scale / scale_inv / amax: one float32 element on the data's device.
 inline void check_scalar_f32(const at::Tensor& t, const at::Tensor& data, const char* arg) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, arg, ": expected a float32 tensor, got ", t.scalar_type());
-  TORCH_CHECK(t.numel() == 1, arg, ": expected one element, got shape ", t.sizes());
+  TORCH_CHECK(t.numel() == 1, arg, ": expected one element, got shape ", dims(t.sizes()));
   check_same_device(t, data, arg);
 }
 

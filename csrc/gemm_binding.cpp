@@ -19,14 +19,6 @@ int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / mult
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// Error messages format integers with std::to_string: in the device build, streaming integers (shapes, strides)
-// into TORCH_CHECK crashed the process, while messages made of strings and dtypes were raised cleanly.
-std::string dims(at::IntArrayRef values) {
-  std::string text = "(";
-  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
-  return text + (values.size() == 1 ? ",)" : ")");
-}
-
 void check_on_device_of(const at::Tensor& t, const at::Tensor& data, const char* arg) {
   TORCH_CHECK(t.device() == data.device(), arg, ": expected a tensor on ", data.device().str(), ", got one on ",
               t.device().str());

@@ -11,8 +11,8 @@ namespace {
 void check_input(const at::Tensor& input) {
   check_cuda(input, "input");
   check_high_precision(input, "input");
-  TORCH_CHECK(input.dim() == 2, "input: expected a 2-D tensor [M, N], got shape ", input.sizes());
-  TORCH_CHECK(input.size(1) > 0, "input: expected at least one column, got shape ", input.sizes());
+  TORCH_CHECK(input.dim() == 2, "input: expected a 2-D tensor [M, N], got shape ", dims(input.sizes()));
+  TORCH_CHECK(input.size(1) > 0, "input: expected at least one column, got shape ", dims(input.sizes()));
   check_contiguous(input, "input");
 }
 
@@ -20,8 +20,8 @@ void check_input(const at::Tensor& input) {
 void check_param(const at::Tensor& t, const at::Tensor& input, const char* arg) {
   TORCH_CHECK(t.scalar_type() == input.scalar_type() || t.scalar_type() == at::kFloat, arg, ": expected dtype ",
               input.scalar_type(), " (the input's) or Float, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == input.size(1), arg, ": expected shape [", input.size(1), "], got ",
-              t.sizes());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == input.size(1), arg, ": expected shape [", num(input.size(1)), "], got ",
+              dims(t.sizes()));
   check_same_device(t, input, arg);
   check_contiguous(t, arg);
 }
@@ -29,8 +29,8 @@ void check_param(const at::Tensor& t, const at::Tensor& input, const char* arg) 
 // mean / rstd: float32 [M] on the input's device.
 void check_stat(const at::Tensor& t, const at::Tensor& input, const char* arg) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, arg, ": expected a float32 tensor, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == input.size(0), arg, ": expected shape [", input.size(0), "], got ",
-              t.sizes());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == input.size(0), arg, ": expected shape [", num(input.size(0)), "], got ",
+              dims(t.sizes()));
   check_same_device(t, input, arg);
   check_contiguous(t, arg);
 }
@@ -39,8 +39,8 @@ void check_stat(const at::Tensor& t, const at::Tensor& input, const char* arg) {
 void check_grad_out(const at::Tensor& grad_out, const at::Tensor& input) {
   TORCH_CHECK(grad_out.scalar_type() == input.scalar_type(), "grad_out: expected dtype ", input.scalar_type(),
               " (the input's), got ", grad_out.scalar_type());
-  TORCH_CHECK(grad_out.sizes() == input.sizes(), "grad_out: expected shape ", input.sizes(), ", got ",
-              grad_out.sizes());
+  TORCH_CHECK(grad_out.sizes() == input.sizes(), "grad_out: expected shape ", dims(input.sizes()), ", got ",
+              dims(grad_out.sizes()));
   check_same_device(grad_out, input, "grad_out");
   check_contiguous(grad_out, "grad_out");
 }

@@ -17,7 +17,7 @@ void check_input(const at::Tensor& t, const char* arg) {
 }
 
 void check_2d(const at::Tensor& t, const char* arg) {
-  TORCH_CHECK(t.dim() == 2, arg, ": expected a 2-D tensor [M, N], got shape ", t.sizes());
+  TORCH_CHECK(t.dim() == 2, arg, ": expected a 2-D tensor [M, N], got shape ", dims(t.sizes()));
 }
 
 // The checks every cast shares: input, fp8_dtype, scale, and the optional amax / scale_inv.

@@ -16,8 +16,8 @@ namespace {
 void check_slot_tensor(const at::Tensor& t, at::IntArrayRef expected_shape, const at::Device& device,
                        const std::string& arg) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, arg, ": expected a float32 tensor, got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == expected_shape, arg, ": expected shape ", expected_shape, ", got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), arg, ": expected a contiguous tensor (got strides ", t.strides(), ")");
+  TORCH_CHECK(t.sizes() == expected_shape, arg, ": expected shape ", dims(expected_shape), ", got ", dims(t.sizes()));
+  TORCH_CHECK(t.is_contiguous(), arg, ": expected a contiguous tensor (got strides ", dims(t.strides()), ")");
   TORCH_CHECK(t.device() == device, arg, ": expected a tensor on ", device, ", got one on ", t.device());
 }
 
@@ -25,11 +25,12 @@ void check_arguments(at::TensorList amax_histories, at::TensorList scales, at::T
                      c10::string_view amax_compute_algo) {
   TORCH_CHECK(amax_compute_algo == "max" || amax_compute_algo == "most_recent",
               "amax_compute_algo: expected one of ('max', 'most_recent'), got '", amax_compute_algo, "'");
-  TORCH_CHECK(fp8_max > 0, "fp8_max: expected a positive number, got ", fp8_max);
+  TORCH_CHECK(fp8_max > 0, "fp8_max: expected a positive number, got ", std::to_string(fp8_max));
   const size_t n = amax_histories.size();
-  TORCH_CHECK(scales.size() == n, "scales: expected ", n, " tensors (one per amax history), got ", scales.size());
-  TORCH_CHECK(scale_invs.size() == n, "scale_invs: expected ", n, " tensors (one per amax history), got ",
-              scale_invs.size());
+  TORCH_CHECK(scales.size() == n, "scales: expected ", num(n), " tensors (one per amax history), got ",
+              num(scales.size()));
+  TORCH_CHECK(scale_invs.size() == n, "scale_invs: expected ", num(n), " tensors (one per amax history), got ",
+              num(scale_invs.size()));
   if (n == 0) return;
   check_cuda(amax_histories[0], "amax_histories[0]");
   const at::Device device = amax_histories[0].device();
@@ -39,7 +40,8 @@ void check_arguments(at::TensorList amax_histories, at::TensorList scales, at::T
     const at::Tensor& history = amax_histories[i];
     TORCH_CHECK(history.dim() == 2 && history.size(0) >= 1 && history.size(0) <= kMaxDim &&
                     history.size(1) <= kMaxDim,
-                "amax_histories", index, ": expected shape [H, n] with 1 <= H, n < 2**31, got ", history.sizes());
+                "amax_histories", index, ": expected shape [H, n] with 1 <= H, n < 2**31, got ",
+                dims(history.sizes()));
     check_slot_tensor(history, history.sizes(), device, "amax_histories" + index);
     check_slot_tensor(scales[i], {history.size(1)}, device, "scales" + index);
     check_slot_tensor(scale_invs[i], {history.size(1)}, device, "scale_invs" + index);
