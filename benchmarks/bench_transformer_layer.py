@@ -7,7 +7,6 @@ gqa = the same with 8 GQA groups, kv_channels 128, seq 1024, batch 32, bias.
 """
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +14,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_fp8 as te
+from timing import gpu_time_ms, peak_gib
 from transformer_fp8 import recipe
 from transformer_fp8.module.attention import DotProductAttention
 from transformer_fp8.module.transformer import TransformerLayer
@@ -24,33 +24,6 @@ CONFIGS = {
     "guide": dict(hidden=4096, ffn=16384, heads=32, groups=32, d=128, seq=2048, batch=4),
     "gqa": dict(hidden=4096, ffn=16384, heads=32, groups=8, d=128, seq=1024, batch=32),
 }
-
-
-def gpu_time_ms(fn, warmup=3, iters=10):
-    """Median GPU time of fn() in ms (CUDA events around each call)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def peak_gib(fn):
-    """Peak memory of one fn() call above what was allocated before it (after a first call), in GiB."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 class TorchPreLNLayer(nn.Module):
