@@ -124,6 +124,12 @@ def check_input(inp, in_features, name="inp"):
         raise ValueError(f"{name}: expected last dim {in_features}, got shape {tuple(inp.shape)}")
 
 
+def pack_outputs(module, out, bias, ln_out):
+    """out, then the unadded bias (return_bias) and the norm's output (return_layernorm_output) when asked for."""
+    extra = ((bias,) if module.return_bias else ()) + ((ln_out,) if module.return_layernorm_output else ())
+    return (out, *extra) if extra else out
+
+
 def default_init(weight):
     """nn.Linear's weight init."""
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))

@@ -8,7 +8,7 @@ import torch
 
 from .. import autocast
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
-from .base import FP8ModuleBase, check_choice, check_input, check_positive
+from .base import FP8ModuleBase, check_choice, check_input, check_positive, pack_outputs
 from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_bwd, norm_to_fp8
 
 
@@ -87,9 +87,7 @@ class LayerNormLinear(FP8ModuleBase):
             ln_out = _NormFunction.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.normalization,
                                          self.eps, self.zero_centered_gamma)
             out = high_precision_linear(self, ln_out, self.weight, bias)
-        outputs = (out,) + ((self.bias,) if self.return_bias else ()) + \
-            ((ln_out,) if self.return_layernorm_output else ())
-        return outputs if len(outputs) > 1 else out
+        return pack_outputs(self, out, self.bias, ln_out)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

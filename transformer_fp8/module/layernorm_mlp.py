@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from .. import autocast
 from ..ops import tfp8
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
-from .base import FP8ModuleBase, cast_transpose, check_choice, check_input, check_positive, fp8_output_args
+from .base import (FP8ModuleBase, cast_transpose, check_choice, check_input, check_positive, fp8_output_args,
+                   pack_outputs)
 from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_bwd, norm_to_fp8
 
 
@@ -143,9 +144,7 @@ class LayerNormMLP(FP8ModuleBase):
                                          self.eps, self.zero_centered_gamma)
             act = ACTIVATIONS[self.activation](high_precision_linear(self, ln_out, self.fc1_weight, self.fc1_bias))
             out = high_precision_linear(self, act, self.fc2_weight, fc2_bias)
-        outputs = (out,) + ((self.fc2_bias,) if self.return_bias else ()) + \
-            ((ln_out,) if self.return_layernorm_output else ())
-        return outputs if len(outputs) > 1 else out
+        return pack_outputs(self, out, self.fc2_bias, ln_out)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
