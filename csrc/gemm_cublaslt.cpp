@@ -1,12 +1,11 @@
 // FP8 GEMM through cuBLASLt. Row-major TN maps onto cuBLASLt's column-major as out^T = b . a^T:
 // cuBLASLt A = b (TRANSA = T), B = a (TRANSB = N), m = n, n = m, k = k, lda = ldb = k, ldc = ldd = ld_out.
-// One handle per device (created on first use, kept for the process); descriptors, layouts and the heuristic's
-// algorithm are cached per problem key (per thread), so a repeated call only sets its pointers and launches.
+// One handle per device (created on first use, kept for the process); the heuristic's algorithm is cached per
+// problem key, so a repeated call makes no heuristic query.
 #include <cublasLt.h>
 
 #include <array>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -63,13 +62,11 @@ uint32_t alignment(const void* p) {
   return a;
 }
 
-// RAII owners of the cuBLASLt descriptors (not copyable: each owns its handle).
+// RAII owners of the cuBLASLt descriptors.
 struct MatmulDesc {
   cublasLtMatmulDesc_t desc = nullptr;
   MatmulDesc() { check_cublas(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate"); }
   ~MatmulDesc() { cublasLtMatmulDescDestroy(desc); }
-  MatmulDesc(const MatmulDesc&) = delete;
-  MatmulDesc& operator=(const MatmulDesc&) = delete;
   template <typename T>
   void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
     check_cublas(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)), "MatmulDescSetAttribute");
@@ -82,16 +79,12 @@ struct Layout {
     check_cublas(cublasLtMatrixLayoutCreate(&layout, cuda_type(type), rows, cols, ld), "MatrixLayoutCreate");
   }
   ~Layout() { cublasLtMatrixLayoutDestroy(layout); }
-  Layout(const Layout&) = delete;
-  Layout& operator=(const Layout&) = delete;
 };
 
 struct Preference {
   cublasLtMatmulPreference_t pref = nullptr;
   Preference() { check_cublas(cublasLtMatmulPreferenceCreate(&pref), "MatmulPreferenceCreate"); }
   ~Preference() { cublasLtMatmulPreferenceDestroy(pref); }
-  Preference(const Preference&) = delete;
-  Preference& operator=(const Preference&) = delete;
   template <typename T>
   void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
     check_cublas(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)), "PreferenceSetAttribute");
@@ -145,67 +138,60 @@ cublasLtMatmulAlgo_t heuristic_algo(cublasLtHandle_t handle, MatmulDesc& desc, c
   return result.algo;
 }
 
-// Everything about one problem but its pointers: the descriptor's fixed attributes, the layouts, the algorithm.
-struct Plan {
-  MatmulDesc desc;
-  Layout A, B, C, D;
-  cublasLtMatmulAlgo_t algo;
-
-  Plan(cublasLtHandle_t handle, const Fp8GemmArgs& g)
-      : A(g.b_type, g.k, g.n, g.k), B(g.a_type, g.k, g.m, g.k), C(c_type_of(g), g.n, g.m, g.ld_out),
-        D(g.out_type, g.n, g.m, g.ld_out) {
-    desc.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
-    desc.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
-    desc.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(g.fast_accum ? 1 : 0));
-    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue_of(g));
-    if (g.bias != nullptr) desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(cuda_type(g.bias_type)));
-    if (g.pre_gelu != nullptr) {
-      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.ld_out);
-      if (g.pre_gelu_type != g.out_type)
-        desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, int32_t(cuda_type(g.pre_gelu_type)));
-    }
-    set_pointers(g);  // the heuristic may look at which pointers are set
-    algo = heuristic_algo(handle, desc, A, B, C, D, g);
-  }
-
-  void set_pointers(const Fp8GemmArgs& g) {
-    desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, g.b_scale_inv);  // cuBLASLt's A is our b
-    desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, g.a_scale_inv);
-    if (is_fp8(g.out_type)) {
-      desc.set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, g.out_scale);
-      if (g.amax_scratch != nullptr) desc.set(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, g.amax_scratch);
-    }
-    if (g.bias != nullptr) desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
-    if (g.pre_gelu != nullptr) desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.pre_gelu);
-  }
-};
-
-// Plans are cached per thread (a descriptor whose pointers are being set must not be shared), per problem key.
-Plan& cached_plan(cublasLtHandle_t handle, const Fp8GemmArgs& g) {
-  thread_local std::map<AlgoKey, std::unique_ptr<Plan>> plans;
+cublasLtMatmulAlgo_t cached_algo(cublasLtHandle_t handle, MatmulDesc& desc, const Layout& A, const Layout& B,
+                                 const Layout& C, const Layout& D, const Fp8GemmArgs& g) {
+  static std::mutex mutex;
+  static std::map<AlgoKey, cublasLtMatmulAlgo_t> cache;
   int device = 0;
   TFP8_CUDA_CHECK(cudaGetDevice(&device));
-  std::unique_ptr<Plan>& plan = plans[key_of(g, device)];
-  if (plan == nullptr) {
-    plan = std::make_unique<Plan>(handle, g);
-  } else {
-    plan->set_pointers(g);
+  const AlgoKey key = key_of(g, device);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
   }
-  return *plan;
+  cublasLtMatmulAlgo_t algo = heuristic_algo(handle, desc, A, B, C, D, g);
+  std::lock_guard<std::mutex> lock(mutex);
+  cache.emplace(key, algo);
+  return algo;
 }
 
 }  // namespace
 
 void fp8_gemm_cublaslt(const Fp8GemmArgs& g, cudaStream_t stream) {
   cublasLtHandle_t handle = handle_for_current_device();
-  Plan& plan = cached_plan(handle, g);
+  MatmulDesc desc;
+  desc.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  desc.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, g.b_scale_inv);  // cuBLASLt's A is our b
+  desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, g.a_scale_inv);
+  desc.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(g.fast_accum ? 1 : 0));
+  if (is_fp8(g.out_type)) {
+    desc.set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, g.out_scale);
+    if (g.amax_scratch != nullptr) desc.set(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, g.amax_scratch);
+  }
+  desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue_of(g));
+  if (g.bias != nullptr) {
+    desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+    desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(cuda_type(g.bias_type)));
+  }
+  if (g.pre_gelu != nullptr) {
+    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.pre_gelu);
+    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.ld_out);
+    if (g.pre_gelu_type != g.out_type)
+      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, int32_t(cuda_type(g.pre_gelu_type)));
+  }
+  const Layout A(g.b_type, g.k, g.n, g.k);
+  const Layout B(g.a_type, g.k, g.m, g.k);
+  const Layout C(c_type_of(g), g.n, g.m, g.ld_out);
+  const Layout D(g.out_type, g.n, g.m, g.ld_out);
+  const cublasLtMatmulAlgo_t algo = cached_algo(handle, desc, A, B, C, D, g);
   const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
   // C is read only when accumulating (then C = D = out, float32). Otherwise beta = 0 and C is null: passing D there
   // with a C dtype that differs from D's (FP8 outputs) is refused as an in-place call with mismatched layouts.
   const void* c = g.accumulate ? g.out : nullptr;
-  check_cublas(cublasLtMatmul(handle, plan.desc.desc, &alpha, g.b, plan.A.layout, g.a, plan.B.layout, &beta, c,
-                              plan.C.layout, g.out, plan.D.layout, &plan.algo, g.workspace, kGemmWorkspaceBytes,
-                              stream),
+  check_cublas(cublasLtMatmul(handle, desc.desc, &alpha, g.b, A.layout, g.a, B.layout, &beta, c, C.layout, g.out,
+                              D.layout, &algo, g.workspace, kGemmWorkspaceBytes, stream),
                "cublasLtMatmul");
 }
 
