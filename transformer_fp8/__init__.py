@@ -2,7 +2,7 @@
 import torch
 
 from . import cpu, ops  # noqa: F401  (registers the CPU reference kernels and the fake kernels)
-from . import recipe
+from . import distributed, recipe
 from .autocast import fp8_autocast, fp8_model_init, get_fp8_recipe, is_fp8_enabled
 from .float8_tensor import Float8Tensor
 from .module import (DotProductAttention, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm,
@@ -10,7 +10,8 @@ from .module import (DotProductAttention, LayerNorm, LayerNormLinear, LayerNormM
 
 __all__ = ["DotProductAttention", "Float8Tensor", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear",
            "MultiheadAttention", "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "apply_rotary_pos_emb",
-           "cuda_kernels_available", "fp8_autocast", "fp8_model_init", "get_fp8_recipe", "is_fp8_enabled", "recipe"]
+           "cuda_kernels_available", "distributed", "fp8_autocast", "fp8_model_init", "get_fp8_recipe",
+           "is_fp8_enabled", "recipe"]
 
 __version__ = "0.1.0"
 

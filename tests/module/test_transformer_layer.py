@@ -243,7 +243,7 @@ def test_multihead_attention_without_norm(device, interleaved):
 
 
 def test_bad_arguments():
-    with pytest.raises(NotImplementedError, match="tp_size"):
+    with pytest.raises(ValueError, match="tp_group"):
         TransformerLayer(64, 128, 4, tp_size=2, device="cpu")
     with pytest.raises(NotImplementedError, match="output_layernorm"):
         TransformerLayer(64, 128, 4, output_layernorm=True, device="cpu")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..distributed import TensorParallel, model_parallel_rng
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from .rope import apply_rotary_pos_emb
@@ -172,7 +173,9 @@ class DotProductAttention(nn.Module):
 def check_no_tensor_parallel(tp_size, tp_group):
     size = tp_group.size() if tp_group is not None else tp_size
     if size != 1:
-        raise NotImplementedError(f"tp_size/tp_group: tensor parallelism is not supported yet, got size {size}")
+        raise NotImplementedError(f"tp_size/tp_group: DotProductAttention does not split heads itself (give it this "
+                                  f"rank's heads, or use MultiheadAttention with set_parallel_mode=True), got size "
+                                  f"{size}")
 
 
 class MultiheadAttention(nn.Module):
@@ -183,6 +186,13 @@ class MultiheadAttention(nn.Module):
     [q heads of the group, k, v] (TE's default), else [all q | all k | all v]. fuse_qkv_params is accepted: the QKV
     weight is always one parameter. Returns out, then bias (return_bias), then the norm output
     (return_layernorm_output), as TE does.
+
+    Tensor parallelism (set_parallel_mode=True, a tp_group of size tp > 1; interleaved QKV weights): the QKV
+    projection is column-parallel (this rank's num_gqa_groups/tp groups, i.e. num_attention_heads/tp query heads),
+    attention runs on those heads, the output projection is row-parallel. With sequence_parallel ("sbhd" only) the
+    input and output are this rank's sequence block. Attention dropout then draws from the RNG tracker's
+    "model-parallel-rng" state when it has one (distributed.get_rng_state_tracker(): seed it per rank for independent
+    masks). return_layernorm_output is not supported with TP.
     """
 
     def __init__(self, hidden_size, num_attention_heads, kv_channels=None, attention_dropout=0.1,
@@ -198,29 +208,41 @@ class MultiheadAttention(nn.Module):
             raise NotImplementedError(f"attention_type: only 'self' is supported, got {attention_type!r}")
         if return_layernorm_output and not input_layernorm:
             raise ValueError("return_layernorm_output: needs input_layernorm=True")
-        check_no_tensor_parallel(tp_size, tp_group)
         self.qkv_format = attn_input_format or qkv_format
         kv_channels = kv_channels or hidden_size // num_attention_heads
         num_gqa_groups = num_gqa_groups or num_attention_heads
-        self.heads, self.groups, self.head_dim = num_attention_heads, num_gqa_groups, kv_channels
+        tp = TensorParallel.create(tp_group, tp_size, "column" if set_parallel_mode else None, sequence_parallel)
+        local_heads, local_groups = num_attention_heads, num_gqa_groups
+        if tp is not None:
+            local_heads = tp.local("num_attention_heads", num_attention_heads)
+            local_groups = tp.local("num_gqa_groups", num_gqa_groups)
+            if not qkv_weight_interleaved:
+                raise NotImplementedError("qkv_weight_interleaved: tensor parallelism needs the interleaved layout")
+            if sequence_parallel and self.qkv_format != "sbhd":
+                raise ValueError(f"qkv_format: sequence_parallel needs 'sbhd', got {self.qkv_format!r}")
+        self.tp = tp
+        self.heads, self.groups, self.head_dim = local_heads, local_groups, kv_channels
         self.qkv_weight_interleaved = qkv_weight_interleaved
         self.input_layernorm, self.return_layernorm_output = input_layernorm, return_layernorm_output
         self.return_bias = return_bias
         common = dict(bias=bias, params_dtype=params_dtype, device=device,
                       fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        parallel = {} if tp is None else dict(tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel)
+        column = dict(parallel, parallel_mode="column") if parallel else {}
+        row = dict(parallel, parallel_mode="row") if parallel else {}
         qkv_features = (num_attention_heads + 2 * num_gqa_groups) * kv_channels
         if input_layernorm:
             self.layernorm_qkv = LayerNormLinear(
                 hidden_size, qkv_features, eps=layernorm_epsilon, normalization=normalization,
                 zero_centered_gamma=zero_centered_gamma, return_layernorm_output=return_layernorm_output,
-                init_method=init_method, **common)
+                init_method=init_method, **column, **common)
         else:
-            self.qkv = Linear(hidden_size, qkv_features, init_method=init_method, **common)
+            self.qkv = Linear(hidden_size, qkv_features, init_method=init_method, **column, **common)
         self.core_attention = DotProductAttention(
-            num_attention_heads, kv_channels, num_gqa_groups=num_gqa_groups, attention_dropout=attention_dropout,
+            local_heads, kv_channels, num_gqa_groups=local_groups, attention_dropout=attention_dropout,
             attn_mask_type=attn_mask_type, qkv_format=self.qkv_format, layer_number=layer_number)
         self.proj = Linear(num_attention_heads * kv_channels, hidden_size, init_method=output_layer_init_method,
-                           return_bias=return_bias, **common)
+                           return_bias=return_bias, **row, **common)
 
     def _split_qkv(self, qkv):
         """[*lead, (h + 2g) * d] -> q [*lead, h, d], k and v [*lead, g, d]."""
@@ -246,7 +268,8 @@ class MultiheadAttention(nn.Module):
             q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format)
             k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format)
-        context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
+        with model_parallel_rng(self.tp is not None):  # dropout on this rank's heads
+            context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
         out = self.proj(context, is_first_microbatch=is_first_microbatch)
         outputs = (*out,) if self.return_bias else (out,)
         if self.return_layernorm_output:

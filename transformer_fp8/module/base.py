@@ -157,10 +157,13 @@ class FP8ModuleBase(nn.Module):
         self.register_load_state_dict_pre_hook(_allow_missing_extra_state)
 
     # --- parameters ---
-    def _weight_param(self, shape, init_method):
-        """A weight parameter: high precision, or a Float8Tensor inside fp8_model_init."""
+    def _weight_param(self, shape, init_method, tp=None, shard_dim=0, shard_blocks=1):
+        """A weight parameter: high precision, or a Float8Tensor inside fp8_model_init. With tp (a
+        distributed.TensorParallel), the full `shape` is initialised and this rank's shard kept (see tp.shard)."""
         weight = torch.empty(shape, dtype=self.params_dtype, device=self._device)
         (init_method or default_init)(weight)
+        if tp is not None:
+            weight = tp.shard(weight, shard_dim, shard_blocks)
         if autocast.STATE.model_init:
             weight = Float8Tensor.from_hp(weight)
         return nn.Parameter(weight)

@@ -7,6 +7,7 @@ Returns out, (out, bias) with return_bias, (out, ln_out) with return_layernorm_o
 import torch
 
 from .. import autocast
+from ..distributed import TensorParallel
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
 from .base import FP8ModuleBase, check_choice, check_input, check_positive, pack_outputs
 from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_bwd, norm_to_fp8
@@ -58,34 +59,55 @@ class _FP8LayerNormLinear(torch.autograd.Function):
 class LayerNormLinear(FP8ModuleBase):
     """LayerNormLinear(in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm" | "RMSNorm",
     zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None, device="cuda", init_method=None,
-    fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None).
-    forward(inp [..., in], is_first_microbatch=None). Small-shape automatic path: as Linear's (M*in*out)."""
+    fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1,
+    parallel_mode=None, sequence_parallel=False).
+    forward(inp [..., in], is_first_microbatch=None). Small-shape automatic path: as Linear's (M*in*out).
+
+    Tensor parallelism: parallel_mode="column" only (as Linear's: weight [out/tp, in], bias [out/tp], output
+    [..., out/tp]). The input is copied, or with sequence_parallel all-gathered along dim 0, before the norm: every
+    rank normalises the whole sequence (the norm's weight gradients are all-reduced over the TP group).
+    return_layernorm_output is not supported with tensor parallelism."""
 
     def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
                  zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None, device="cuda",
-                 init_method=None, fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None):
+                 init_method=None, fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None,
+                 tp_group=None, tp_size=1, parallel_mode=None, sequence_parallel=False):
         check_positive(in_features=in_features, out_features=out_features)
         check_choice("normalization", normalization, NORMALIZATIONS)
-        super().__init__(1, params_dtype, device, fuse_wgrad_accumulation, out_features, fp8_min_gemm_size)
+        check_choice("parallel_mode", parallel_mode, (None, "column"))
+        tp = TensorParallel.create(tp_group, tp_size, parallel_mode, sequence_parallel)
+        if tp is not None and return_layernorm_output:
+            raise NotImplementedError("return_layernorm_output: not supported with tensor parallelism")
+        local_out = out_features if tp is None else tp.local("out_features", out_features)
+        super().__init__(1, params_dtype, device, fuse_wgrad_accumulation, local_out, fp8_min_gemm_size)
+        self.tp, self.parallel_mode, self.sequence_parallel = tp, parallel_mode, bool(sequence_parallel)
         self.in_features, self.out_features, self.eps = in_features, out_features, float(eps)
         self.normalization, self.zero_centered_gamma = normalization, bool(zero_centered_gamma)
         self.return_layernorm_output, self.return_bias = bool(return_layernorm_output), bool(return_bias)
         init_norm_params(self, in_features, normalization, self.zero_centered_gamma, "layer_norm_")
-        self.weight = self._weight_param((out_features, in_features), init_method)
-        self.bias = self._vector_param(out_features, 0.0) if bias else None
+        self.weight = self._weight_param((out_features, in_features), init_method, tp, 0)
+        self.bias = self._vector_param(local_out, 0.0) if bias else None
+        if tp is not None:
+            self.register_load_state_dict_pre_hook(tp.load_full_checkpoint_hook({"weight": (0, 1), "bias": (0, 1)}))
 
     def forward(self, inp, is_first_microbatch=None):
         check_input(inp, self.in_features)
+        ln_weight, ln_bias = self.layer_norm_weight, self.layer_norm_bias
+        if self.tp is not None:  # the column-parallel input, and norm parameters whose gradients are partial sums
+            inp, ln_weight, ln_bias = self.tp.column_input(inp), self.tp.replicated(ln_weight), \
+                self.tp.replicated(ln_bias)
+            if autocast.STATE.enabled:
+                self.tp.check_amax_group(autocast.STATE.group)
         inp = inp if inp.is_contiguous() else inp.contiguous()
         bias = None if self.return_bias else self.bias
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp):
             self._fp8_begin(state)
-            out, ln_out = _FP8LayerNormLinear.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.weight,
-                                                    bias, self, torch.is_grad_enabled(), is_first_microbatch)
+            out, ln_out = _FP8LayerNormLinear.apply(inp, ln_weight, ln_bias, self.weight, bias, self,
+                                                    torch.is_grad_enabled(), is_first_microbatch)
         else:
-            ln_out = _NormFunction.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.normalization,
-                                         self.eps, self.zero_centered_gamma)
+            ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps,
+                                         self.zero_centered_gamma)
             out = high_precision_linear(self, ln_out, self.weight, bias)
         return pack_outputs(self, out, self.bias, ln_out)
 

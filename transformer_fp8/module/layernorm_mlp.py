@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import autocast
+from ..distributed import TensorParallel
 from ..ops import tfp8
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
 from .base import (FP8ModuleBase, cast_transpose, check_choice, check_input, check_positive, fp8_output_args,
@@ -105,46 +106,80 @@ class LayerNormMLP(FP8ModuleBase):
     """LayerNormMLP(hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm" | "RMSNorm",
     activation="gelu" | "swiglu" | "relu", zero_centered_gamma=False, return_layernorm_output=False,
     params_dtype=None, device="cuda", init_method=None, output_layer_init_method=None, fuse_wgrad_accumulation=False,
-    return_bias=False, fp8_min_gemm_size=None). forward(inp [..., hidden], is_first_microbatch=None). gelu is the
-    tanh approximation. Small-shape automatic path: as Linear's, with M*K*N summed over both GEMMs
-    (M*hidden*(fc1 width + ffn))."""
+    return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1, set_parallel_mode=False,
+    sequence_parallel=False). forward(inp [..., hidden], is_first_microbatch=None). gelu is the tanh approximation.
+    Small-shape automatic path: as Linear's, with M*K*N summed over both GEMMs (M*hidden*(fc1 width + ffn)).
+
+    Tensor parallelism (set_parallel_mode=True and a tp_group of size tp > 1): FC1 column-parallel (fc1_weight
+    [F1/tp, hidden], fc1_bias [F1/tp]; for swiglu this rank's gate rows then its up rows), FC2 row-parallel
+    (fc2_weight [hidden, ffn/tp], fc2_bias [hidden] added after the sum over ranks). The input is copied, or with
+    sequence_parallel all-gathered along dim 0 before the norm (every rank normalises the whole sequence; the norm's
+    weight gradients are all-reduced over the TP group), and the output all-reduced, or reduce-scattered along
+    dim 0. Full checkpoints load (sliced by rank). return_layernorm_output is not supported with TP."""
 
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
                  activation="gelu", zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None,
                  device="cuda", init_method=None, output_layer_init_method=None, fuse_wgrad_accumulation=False,
-                 return_bias=False, fp8_min_gemm_size=None):
+                 return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1, set_parallel_mode=False,
+                 sequence_parallel=False):
         check_positive(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_choice("normalization", normalization, NORMALIZATIONS)
         check_choice("activation", activation, tuple(ACTIVATIONS))
         fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
-        super().__init__(2, params_dtype, device, fuse_wgrad_accumulation, fc1_out + ffn_hidden_size,
+        tp = TensorParallel.create(tp_group, tp_size, "column" if set_parallel_mode else None, sequence_parallel)
+        if tp is not None and return_layernorm_output:
+            raise NotImplementedError("return_layernorm_output: not supported with tensor parallelism")
+        local_ffn = ffn_hidden_size if tp is None else tp.local("ffn_hidden_size", ffn_hidden_size)
+        blocks = 2 if activation == "swiglu" else 1
+        super().__init__(2, params_dtype, device, fuse_wgrad_accumulation, blocks * local_ffn + local_ffn,
                          fp8_min_gemm_size)
+        self.tp, self.set_parallel_mode, self.sequence_parallel = tp, bool(set_parallel_mode), bool(sequence_parallel)
         self.hidden_size, self.ffn_hidden_size, self.eps = hidden_size, ffn_hidden_size, float(eps)
         self.normalization, self.activation = normalization, activation
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output, self.return_bias = bool(return_layernorm_output), bool(return_bias)
         init_norm_params(self, hidden_size, normalization, self.zero_centered_gamma, "layer_norm_")
-        self.fc1_weight = self._weight_param((fc1_out, hidden_size), init_method)
-        self.fc1_bias = self._vector_param(fc1_out, 0.0) if bias else None
-        self.fc2_weight = self._weight_param((hidden_size, ffn_hidden_size), output_layer_init_method or init_method)
+        self.fc1_weight = self._weight_param((fc1_out, hidden_size), init_method, tp, 0, blocks)
+        self.fc1_bias = self._vector_param(blocks * local_ffn, 0.0) if bias else None
+        self.fc2_weight = self._weight_param((hidden_size, ffn_hidden_size), output_layer_init_method or init_method,
+                                             tp, 1)
         self.fc2_bias = self._vector_param(hidden_size, 0.0) if bias else None
+        if tp is not None:
+            sharded = {"fc1_weight": (0, blocks), "fc1_bias": (0, blocks), "fc2_weight": (1, 1)}
+            self.register_load_state_dict_pre_hook(tp.load_full_checkpoint_hook(sharded))
 
     def forward(self, inp, is_first_microbatch=None):
         check_input(inp, self.hidden_size)
+        if self.tp is not None:
+            return self._parallel_forward(inp, is_first_microbatch)
+        out, ln_out = self._local_mlp(inp, self.layer_norm_weight, self.layer_norm_bias,
+                                      None if self.return_bias else self.fc2_bias, is_first_microbatch)
+        return pack_outputs(self, out, self.fc2_bias, ln_out)
+
+    def _local_mlp(self, inp, ln_weight, ln_bias, fc2_bias, is_first_microbatch):
+        """(fc2(act(fc1(norm(inp)))) with this rank's weights, norm output) in FP8 inside fp8_autocast."""
         inp = inp if inp.is_contiguous() else inp.contiguous()
-        fc2_bias = None if self.return_bias else self.fc2_bias
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp):
             self._fp8_begin(state)
-            out, ln_out = _FP8LayerNormMLP.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
-                                                 self.fc1_bias, self.fc2_weight, fc2_bias, self,
-                                                 torch.is_grad_enabled(), is_first_microbatch)
-        else:
-            ln_out = _NormFunction.apply(inp, self.layer_norm_weight, self.layer_norm_bias, self.normalization,
-                                         self.eps, self.zero_centered_gamma)
-            act = ACTIVATIONS[self.activation](high_precision_linear(self, ln_out, self.fc1_weight, self.fc1_bias))
-            out = high_precision_linear(self, act, self.fc2_weight, fc2_bias)
-        return pack_outputs(self, out, self.fc2_bias, ln_out)
+            return _FP8LayerNormMLP.apply(inp, ln_weight, ln_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
+                                          fc2_bias, self, torch.is_grad_enabled(), is_first_microbatch)
+        ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps, self.zero_centered_gamma)
+        act = ACTIVATIONS[self.activation](high_precision_linear(self, ln_out, self.fc1_weight, self.fc1_bias))
+        return high_precision_linear(self, act, self.fc2_weight, fc2_bias), ln_out
+
+    def _parallel_forward(self, inp, is_first_microbatch):
+        """Copy / all-gather, the local MLP (partial sums), all-reduce / reduce-scatter, then fc2_bias."""
+        tp = self.tp
+        if autocast.STATE.enabled:
+            tp.check_amax_group(autocast.STATE.group)
+        partial, _ = self._local_mlp(tp.column_input(inp), tp.replicated(self.layer_norm_weight),
+                                     tp.replicated(self.layer_norm_bias), None, is_first_microbatch)
+        out = tp.row_output(partial)
+        bias = tp.replicated(self.fc2_bias) if tp.sequence_parallel else self.fc2_bias
+        if self.return_bias:
+            return out, bias
+        return out if bias is None else out + bias
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

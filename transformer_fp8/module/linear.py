@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import autocast
+from ..distributed import TensorParallel
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
 from .base import FP8ModuleBase, cast_transpose, check_input, check_positive
 
@@ -48,34 +49,77 @@ class _FP8Linear(torch.autograd.Function):
 
 class Linear(FP8ModuleBase):
     """Linear(in_features, out_features, bias=True, params_dtype=None, device="cuda", init_method=None,
-    fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None).
+    fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1,
+    parallel_mode=None, sequence_parallel=False).
     forward(inp [..., in], is_first_microbatch=None). return_bias=True returns (out, bias) with the bias not added.
 
     Small-shape automatic path: inside fp8_autocast, a CUDA input with M*in*out < fp8_min_gemm_size (None: the
     default base.FP8_MIN_GEMM_SIZE = 2**35 ~ 3.4e10) runs the high-precision F.linear and leaves the FP8 state
-    untouched; fp8_min_gemm_size=0 always runs FP8. Float8Tensor weights (fp8_model_init) always run FP8."""
+    untouched; fp8_min_gemm_size=0 always runs FP8. Float8Tensor weights (fp8_model_init) always run FP8.
+
+    Tensor parallelism (tp_group of size tp > 1; see distributed.TensorParallel for the amax reduction):
+    parallel_mode="column": weight [out/tp, in] and bias [out/tp] (this rank's rows); input [..., in] (with
+    sequence_parallel: this rank's dim-0 block, all-gathered), output [..., out/tp]. parallel_mode="row": weight
+    [out, in/tp], bias [out] (full); input [..., in/tp], output [..., out] summed over ranks (with
+    sequence_parallel: reduce-scattered along dim 0), the bias added after the sum. The weight is created by
+    initialising the full [out, in] tensor and keeping this rank's part; load_state_dict takes full tensors (sliced
+    by rank) or shards. parallel_mode=None: nothing is split."""
 
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device="cuda", init_method=None,
-                 fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None):
+                 fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1,
+                 parallel_mode=None, sequence_parallel=False):
         check_positive(in_features=in_features, out_features=out_features)
-        super().__init__(1, params_dtype, device, fuse_wgrad_accumulation, out_features, fp8_min_gemm_size)
+        tp = TensorParallel.create(tp_group, tp_size, parallel_mode, sequence_parallel)
+        local_out = out_features
+        if tp is not None and tp.mode == "column":
+            local_out = tp.local("out_features", out_features)
+        elif tp is not None:
+            tp.local("in_features", in_features)  # (checks that tp divides it)
+        super().__init__(1, params_dtype, device, fuse_wgrad_accumulation, local_out, fp8_min_gemm_size)
         self.in_features, self.out_features, self.return_bias = in_features, out_features, bool(return_bias)
-        self.weight = self._weight_param((out_features, in_features), init_method)
-        self.bias = self._vector_param(out_features, 0.0) if bias else None
+        self.tp, self.parallel_mode, self.sequence_parallel = tp, parallel_mode, bool(sequence_parallel)
+        shard_dim = 0 if tp is not None and tp.mode == "column" else 1  # rows (column) or columns (row)
+        self.weight = self._weight_param((out_features, in_features), init_method, tp, shard_dim)
+        self.bias = self._vector_param(local_out, 0.0) if bias else None
+        if tp is not None:
+            sharded = {"weight": (0, 1), "bias": (0, 1)} if tp.mode == "column" else {"weight": (1, 1)}
+            self.register_load_state_dict_pre_hook(tp.load_full_checkpoint_hook(sharded))
 
     def forward(self, inp, is_first_microbatch=None):
+        if self.tp is not None:
+            return self._parallel_forward(inp, is_first_microbatch)
         check_input(inp, self.in_features)
-        bias = None if self.return_bias else self.bias
+        out = self._local_linear(inp, None if self.return_bias else self.bias, is_first_microbatch)
+        return (out, self.bias) if self.return_bias else out
+
+    def _local_linear(self, inp, bias, is_first_microbatch):
+        """inp [..., local in] @ this rank's weightᵀ (+ bias): FP8 inside fp8_autocast, else high precision."""
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp):
             self._fp8_begin(state)
-            out = _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
-                                   torch.is_grad_enabled(), is_first_microbatch)
-        elif self.fuse_wgrad_accumulation:
-            out = high_precision_linear(self, inp, self.weight, bias)
-        else:  # (the small-shape path's host time matters: F.linear directly)
-            out = F.linear(inp, self.weight, bias)
-        return (out, self.bias) if self.return_bias else out
+            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
+                                    torch.is_grad_enabled(), is_first_microbatch)
+        if self.fuse_wgrad_accumulation:
+            return high_precision_linear(self, inp, self.weight, bias)
+        return F.linear(inp, self.weight, bias)  # (the small-shape path's host time matters: F.linear directly)
+
+    def _parallel_forward(self, inp, is_first_microbatch):
+        tp = self.tp
+        if autocast.STATE.enabled:
+            tp.check_amax_group(autocast.STATE.group)
+        if tp.mode == "column":
+            check_input(inp, self.in_features)
+            out = self._local_linear(tp.column_input(inp), None if self.return_bias else self.bias,
+                                     is_first_microbatch)
+            return (out, self.bias) if self.return_bias else out
+        check_input(inp, self.weight.shape[1])
+        out = tp.row_output(self._local_linear(inp, None, is_first_microbatch))
+        bias = tp.replicated(self.bias) if tp.sequence_parallel else self.bias
+        if self.return_bias:
+            return out, bias
+        return out if bias is None else out + bias
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        tp = "" if self.tp is None else f", parallel_mode={self.parallel_mode}, tp_size={self.tp.size}, " \
+                                        f"sequence_parallel={self.sequence_parallel}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{tp}"

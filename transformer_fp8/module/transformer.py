@@ -9,13 +9,18 @@ GEMM runs in FP8; attention runs in BF16/FP16 through fused kernels (FP32 activa
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import MultiheadAttention, check_no_tensor_parallel
+from ..distributed import model_parallel_rng
+from .attention import MultiheadAttention
 from .layernorm_mlp import LayerNormMLP
 
 
 class TransformerLayer(nn.Module):
-    """Self-attention + MLP block. Not supported yet: tensor parallelism (tp_size/tp_group of size > 1),
-    output_layernorm, layer_type="decoder", drop_path_rate > 0."""
+    """Self-attention + MLP block. Not supported yet: output_layernorm, layer_type="decoder", drop_path_rate > 0.
+
+    Tensor parallelism: tp_group (size tp) with set_parallel_mode=True splits the attention heads and the MLP's ffn
+    across ranks (see MultiheadAttention and LayerNormMLP); with sequence_parallel the input and output are this
+    rank's sequence block ("sbhd"), and the residual adds and hidden dropout run on it (hidden dropout then draws
+    from the RNG tracker's "model-parallel-rng" state when it has one: see distributed.model_parallel_rng)."""
 
     def __init__(self, hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups=None,
                  layernorm_epsilon=1e-5, hidden_dropout=0.1, attention_dropout=0.1, init_method=None,
@@ -28,11 +33,12 @@ class TransformerLayer(nn.Module):
         super().__init__()
         if output_layernorm or layer_type != "encoder" or drop_path_rate:
             raise NotImplementedError("output_layernorm, layer_type='decoder' and drop_path_rate are not supported")
-        check_no_tensor_parallel(tp_size, tp_group)
         self.hidden_dropout = hidden_dropout
         self.post_ln_residual = apply_residual_connection_post_layernorm
         common = dict(params_dtype=params_dtype, device=device, bias=bias, normalization=normalization,
-                      zero_centered_gamma=zero_centered_gamma, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+                      zero_centered_gamma=zero_centered_gamma, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                      tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel,
+                      set_parallel_mode=set_parallel_mode)
         self.self_attention = MultiheadAttention(
             hidden_size, num_attention_heads, kv_channels=kv_channels, num_gqa_groups=num_gqa_groups,
             attention_dropout=attention_dropout, layernorm_epsilon=layernorm_epsilon, init_method=init_method,
@@ -44,13 +50,16 @@ class TransformerLayer(nn.Module):
         self.layernorm_mlp = LayerNormMLP(
             hidden_size, ffn_hidden_size, eps=layernorm_epsilon, activation=activation, init_method=init_method,
             output_layer_init_method=output_layer_init_method, **mlp_extra, **common)
+        self.split_sequence = self.self_attention.tp is not None and bool(sequence_parallel)
 
     def forward(self, hidden_states, attention_mask=None, self_attn_mask_type=None, rotary_pos_emb=None,
                 is_first_microbatch=None):
         attn = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type,
                                    is_first_microbatch=is_first_microbatch, rotary_pos_emb=rotary_pos_emb)
         attn_out, residual = attn if self.post_ln_residual else (attn, hidden_states)
-        hidden = residual + F.dropout(attn_out, self.hidden_dropout, self.training)
+        with model_parallel_rng(self.split_sequence):
+            hidden = residual + F.dropout(attn_out, self.hidden_dropout, self.training)
         mlp = self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch)
         mlp_out, residual = mlp if self.post_ln_residual else (mlp, hidden)
-        return residual + F.dropout(mlp_out, self.hidden_dropout, self.training)
+        with model_parallel_rng(self.split_sequence):
+            return residual + F.dropout(mlp_out, self.hidden_dropout, self.training)

@@ -1,0 +1,289 @@
+"""Tensor and sequence parallelism over torch.distributed, and the dropout RNG tracker.
+
+Conventions (Megatron / Transformer Engine): a tensor-parallel (TP) group of `size` ranks. A column-parallel GEMM
+splits the weight's output rows ([out/tp, in] per rank; its output is split along the last dim), a row-parallel one
+its input columns ([out, in/tp]; its input is split along the last dim and the partial outputs are summed).
+Sequence parallelism (SP) splits the activations between those GEMMs along dim 0 (the sequence of "sbhd", or the
+tokens of a [tokens, hidden] input): all-gather before the column-parallel GEMM, reduce-scatter after the row one.
+`group=None` everywhere means the default group.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+PARALLEL_MODES = (None, "column", "row")
+MODEL_PARALLEL_RNG = "model-parallel-rng"  # the RNG tracker's state for dropout on split tensors
+
+
+def _initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group=None):
+    """Ranks in `group` (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size(group) if _initialized() else 1
+
+
+def group_rank(group=None):
+    """This process's rank in `group` (0 when torch.distributed is not initialised)."""
+    return dist.get_rank(group) if _initialized() else 0
+
+
+# --- collectives (no-ops on a group of one) ---
+def all_reduce(x, group=None):
+    """Sum of x over the group (in place on a contiguous copy; returns it)."""
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def all_gather_first_dim(x, group=None):
+    """[s, ...] per rank -> [size * s, ...], rank order."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def reduce_scatter_first_dim(x, group=None):
+    """[size * s, ...] per rank -> this rank's [s, ...] block of the sum over ranks."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(f"x: dim 0 ({x.shape[0]}) must be divisible by the group size {size}")
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def split_first_dim(x, group=None):
+    """This rank's block of x along dim 0 (dim 0 divisible by the group size)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(f"x: dim 0 ({x.shape[0]}) must be divisible by the group size {size}")
+    return x.chunk(size, dim=0)[group_rank(group)].contiguous()
+
+
+# --- autograd Functions: the TP/SP region boundaries, each a collective and its conjugate for the gradient ---
+def _identity(x, group):
+    return x.view_as(x)
+
+
+def _boundary(name, forward_op, backward_op, doc):
+    """An autograd Function (x, group) -> forward_op(x, group) whose backward is backward_op(grad, group)."""
+
+    def forward(ctx, x, group):
+        ctx.group = group
+        return forward_op(x, group)
+
+    def backward(ctx, grad):
+        return backward_op(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,),
+                {"__doc__": doc, "forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+_CopyToTP = _boundary("_CopyToTP", _identity, all_reduce,
+                      "Forward identity, backward all-reduce: a replicated tensor (or parameter) used by every TP rank.")
+_ReduceFromTP = _boundary("_ReduceFromTP", lambda x, group: all_reduce(x.clone(), group), _identity,
+                          "Forward all-reduce (the sum of the row-parallel partial outputs), backward identity.")
+_GatherFromSP = _boundary("_GatherFromSP", all_gather_first_dim, reduce_scatter_first_dim,
+                          "Forward all-gather along dim 0, backward reduce-scatter (the gradients are partial sums).")
+_ReduceScatterToSP = _boundary("_ReduceScatterToSP", reduce_scatter_first_dim, all_gather_first_dim,
+                               "Forward reduce-scatter along dim 0 (sum the partial outputs, keep this rank's block), "
+                               "backward all-gather.")
+_ScatterToSP = _boundary("_ScatterToSP", split_first_dim, all_gather_first_dim,
+                         "Forward: this rank's block along dim 0 of a replicated tensor; backward all-gather.")
+
+
+def copy_to_tensor_parallel_region(x, group=None):
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x, group=None):
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group=None):
+    return _GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group=None):
+    return _ReduceScatterToSP.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group=None):
+    return _ScatterToSP.apply(x, group)
+
+
+# --- a module's TP settings ---
+class TensorParallel:
+    """The TP settings of one module: group, size, rank, parallel_mode, sequence_parallel.
+
+    Amax reduction: every FP8 tensor a TP module casts gets its scale from the amax MAX-reduced over the autocast's
+    fp8_group at each update (the recipe's reduce_amax=True, the default), so the fp8_group must hold the TP group:
+    fp8_group=None (the default group) always does. Then every rank casts with the scale the single-process module
+    would use for the full tensor (sharded inputs, weights and gradients alike). Current scaling computes each
+    scale from the local tensor only (per-rank scales: valid, but not those of the single-process module)."""
+
+    def __init__(self, tp_group, tp_size, parallel_mode, sequence_parallel):
+        if parallel_mode not in PARALLEL_MODES:
+            raise ValueError(f"parallel_mode: expected one of {PARALLEL_MODES}, got {parallel_mode!r}")
+        size = group_size(tp_group) if tp_group is not None else tp_size
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size: expected a positive int, got {tp_size!r}")
+        if tp_group is not None and tp_size not in (1, size):
+            raise ValueError(f"tp_size: expected the size of tp_group ({size}), got {tp_size}")
+        if tp_group is None and (tp_size > 1 or sequence_parallel):
+            raise ValueError(f"tp_group: needed for tp_size={tp_size}, sequence_parallel={sequence_parallel}")
+        if sequence_parallel and parallel_mode is None:
+            raise ValueError("sequence_parallel: needs parallel_mode='column' or 'row' (set_parallel_mode=True on "
+                             "LayerNormMLP, MultiheadAttention, TransformerLayer)")
+        self.group, self.size = tp_group, size
+        self.rank = 0 if tp_group is None else group_rank(tp_group)
+        self.mode, self.sequence_parallel = parallel_mode, bool(sequence_parallel)
+        self._checked_amax_groups = set()
+
+    @classmethod
+    def create(cls, tp_group, tp_size, parallel_mode, sequence_parallel):
+        """TensorParallel, or None when nothing is split or communicated (the module runs as on one GPU)."""
+        tp = cls(tp_group, tp_size, parallel_mode, sequence_parallel)
+        return tp if tp.size > 1 and tp.mode is not None else None
+
+    def local(self, name, size):
+        """size // tp, after checking that tp divides it (`name` names the argument)."""
+        if size % self.size:
+            raise ValueError(f"{name}: expected a multiple of tp_size={self.size}, got {size}")
+        return size // self.size
+
+    def shard(self, full, dim, blocks=1):
+        """This rank's part of `full` along `dim`. blocks > 1: that dim is `blocks` equal blocks (e.g. SwiGLU's
+        [gate | up] rows), each split across ranks, and the rank's pieces are concatenated in block order."""
+        pieces = [b.chunk(self.size, dim)[self.rank] for b in full.chunk(blocks, dim)]
+        return torch.cat(pieces, dim).contiguous() if blocks > 1 else pieces[0].contiguous()
+
+    # activations at the region boundaries
+    def column_input(self, x):
+        """The input of a column-parallel GEMM: all-gathered along dim 0 (SP) or copied (its gradient all-reduced)."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, self.group)
+        return copy_to_tensor_parallel_region(x, self.group)
+
+    def row_output(self, partial):
+        """The sum of the row-parallel partial outputs: reduce-scattered along dim 0 (SP) or all-reduced."""
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.group)
+        return reduce_from_tensor_parallel_region(partial, self.group)
+
+    def replicated(self, param):
+        """A parameter replicated on every TP rank whose local gradient is a partial sum: all-reduced in backward."""
+        return None if param is None else copy_to_tensor_parallel_region(param, self.group)
+
+    def check_amax_group(self, fp8_group):
+        """Inside fp8_autocast: the fp8_group (None: the default group) must hold every rank of the TP group."""
+        key = id(fp8_group)
+        if key in self._checked_amax_groups:
+            return
+        tp_ranks = set(dist.get_process_group_ranks(self.group))
+        amax_ranks = set(range(dist.get_world_size())) if fp8_group is None else \
+            set(dist.get_process_group_ranks(fp8_group))
+        if not tp_ranks <= amax_ranks:
+            raise ValueError(f"fp8_group: must hold the TP group's ranks {sorted(tp_ranks)} (their amaxes are "
+                             f"reduced together), got ranks {sorted(amax_ranks)}")
+        self._checked_amax_groups.add(key)
+
+    def load_full_checkpoint_hook(self, sharded):
+        """A load_state_dict pre-hook that slices full tensors of the parameters in `sharded` ({name: (dim, blocks)})
+        to this rank's shard; tensors already of the shard's shape load as they are."""
+        def hook(module, state_dict, prefix, *args):
+            for name, (dim, blocks) in sharded.items():
+                full = state_dict.get(prefix + name)
+                local = getattr(module, name)
+                if full is not None and local is not None and full.dim() == local.dim() and \
+                        full.shape[dim] == local.shape[dim] * self.size:
+                    state_dict[prefix + name] = self.shard(full, dim, blocks)
+        return hook
+
+
+# --- dropout RNG tracker ---
+class RNGStatesTracker:
+    """Named RNG states (CPU, and the current CUDA device's when CUDA is initialised). `fork(name)` runs its block on
+    that state and leaves the default one untouched: seed a name identically on every TP rank for the same dropout
+    masks, or per rank (e.g. seed + rank) for independent ones."""
+
+    def __init__(self):
+        self.states = {}
+
+    def reset(self):
+        self.states = {}
+
+    def get_states(self):
+        return dict(self.states)
+
+    def set_states(self, states):
+        self.states = dict(states)
+
+    def add(self, name, seed):
+        if name in self.states:
+            raise ValueError(f"name: RNG state {name!r} already exists")
+        with _saved_default_rng():
+            torch.manual_seed(seed)
+            self.states[name] = _current_rng()
+
+    @contextlib.contextmanager
+    def fork(self, name=MODEL_PARALLEL_RNG):
+        if name not in self.states:
+            raise KeyError(f"name: no RNG state {name!r} (add it first)")
+        with _saved_default_rng():
+            _set_rng(self.states[name])
+            try:
+                yield
+            finally:
+                self.states[name] = _current_rng()
+
+
+def _current_rng():
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng(state):
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+@contextlib.contextmanager
+def _saved_default_rng():
+    saved = _current_rng()
+    try:
+        yield
+    finally:
+        _set_rng(saved)
+
+
+_RNG_TRACKER = RNGStatesTracker()
+
+
+def get_rng_state_tracker():
+    """The process-wide RNGStatesTracker."""
+    return _RNG_TRACKER
+
+
+def model_parallel_rng(active):
+    """The tracker's MODEL_PARALLEL_RNG fork when `active` and that state was added, else a no-op context: dropout
+    on tensors split across TP ranks (heads, sequence blocks) draws from it (seed it per rank)."""
+    if active and MODEL_PARALLEL_RNG in _RNG_TRACKER.states:
+        return _RNG_TRACKER.fork(MODEL_PARALLEL_RNG)
+    return contextlib.nullcontext()
