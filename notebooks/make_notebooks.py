@@ -193,9 +193,11 @@ Data parallel training keeps one copy of each layer per GPU; with delayed scalin
 copies, or each GPU would quantize with its own scales. `fp8_autocast(fp8_group=group)` all-reduces (MAX) the
 newest amaxes over `group` once per step, before the fused scale update.
 
-Tensor parallelism (`tp_size`, `tp_group`, `sequence_parallel`) is **not implemented yet**: the arguments are
-accepted with size 1 only. Below, the data-parallel layout runs in a single process: a process group of one rank,
-so the code is the one each rank of a `torchrun` job would run."""),
+Tensor parallelism splits each layer's GEMMs across the GPUs of a `tp_group`: `Linear(..., tp_group=g,
+tp_size=n, parallel_mode="column" | "row", sequence_parallel=...)`, and `set_parallel_mode=True` on `LayerNormMLP`,
+`MultiheadAttention` and `TransformerLayer` (QKV and FC1 column-parallel, projection and FC2 row-parallel). It is
+tested with 2 CPU processes (gloo); its multi-GPU runs are still to come. Below, the data-parallel layout runs in a
+single process: a process group of one rank, so the code is the one each rank of a `torchrun` job would run."""),
     new_code_cell('''import tempfile
 
 import torch.distributed as dist
@@ -205,7 +207,7 @@ store = tempfile.NamedTemporaryFile(delete=False)
 dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
 data_parallel_group = dist.new_group(ranks=[0])
 
-layer = make_layer(tp_size=1)  # tensor parallelism: not implemented yet (tp_size > 1 raises)
+layer = make_layer()
 model = torch.nn.parallel.DistributedDataParallel(layer) if DEVICE == "cuda" else layer
 
 
