@@ -3,9 +3,18 @@
     value = _data.float() * _scale_inv        _data: FP8 [*shape], _scale_inv: float32 [1], dtype: the fake dtype
 
 Our modules read `_data` / `_scale_inv` straight into the FP8 GEMM. detach, clone and device moves keep the
-Float8Tensor; every other aten op runs on the dequantized value
-and returns plain tensors, except in-place ops on a Float8Tensor (copy_, add_, ...: an optimizer step, load_state_dict),
-which compute in high precision and re-quantize the result into it with a fresh per-tensor scale (current scaling).
+Float8Tensor, and so do the view ops FSDP2 shards and unshards with (split/chunk, view, as_strided, the narrow
+method: views of the FP8 data sharing the scale_inv) and new_zeros; every other aten op (indexing included) runs on
+the dequantized value
+and returns plain tensors, except in-place ops on a Float8Tensor (copy_, add_, ..., and the _foreach_ ones of an
+optimizer step; load_state_dict), which compute in high precision and re-quantize the result into it with a fresh
+per-tensor scale (current scaling). That scale is shared with its views: re-quantize whole tensors (or FSDP2 shards,
+whose scale_inv is their own), not part of one.
+
+FSDP2 (torch.distributed.fsdp.fully_shard): each rank keeps its shard as a Float8Tensor with its own scale_inv, and
+the all-gather moves FP8 bytes plus one scale_inv per rank (fsdp_pre_all_gather / fsdp_post_all_gather); the
+unsharded weight is re-expressed in the largest scale_inv of the ranks (bytes unchanged where the scales agree).
+Shards must be even (dim 0 divisible by the world size).
 """
 import torch
 from torch.utils._pytree import tree_map
@@ -51,6 +60,10 @@ class Float8Tensor(torch.Tensor):
         self._data.copy_(tfp8.quantize(src.contiguous(), scale, self._data.dtype, None, self._scale_inv))
         return self
 
+    def narrow(self, dim, start, length):
+        """A Float8Tensor view (FSDP2 narrows its padded shards; indexing, aten.slice, still dequantizes)."""
+        return Float8Tensor(self._data.narrow(dim, start, length), self._scale_inv, self.dtype)
+
     def __repr__(self, *, tensor_contents=None):
         return (f"Float8Tensor(fp8_dtype={self._data.dtype}, scale_inv={self._scale_inv.item():.6g}, "
                 f"as {self.dequantize()!r})")
@@ -77,6 +90,14 @@ class Float8Tensor(torch.Tensor):
         if func is aten._to_copy.default and _keeps_fake_dtype(args[0], kwargs):
             t, device = args[0], kwargs.get("device") or args[0].device
             return Float8Tensor(t._data.to(device), t._scale_inv.to(device), t.dtype)
+        if func in _VIEW_OPS and isinstance(args[0], Float8Tensor):
+            t = args[0]
+            out = func(t._data, *args[1:], **kwargs)
+            return [Float8Tensor(o, t._scale_inv, t.dtype) for o in out] if isinstance(out, (list, tuple)) \
+                else Float8Tensor(out, t._scale_inv, t.dtype)
+        if func is aten.new_zeros.default and isinstance(args[0], Float8Tensor):
+            t = args[0]
+            return Float8Tensor(t._data.new_zeros(args[1]), torch.ones_like(t._scale_inv), t.dtype)
         if func is aten.copy_.default and isinstance(args[0], Float8Tensor):
             dst, src = args[0], args[1]
             if isinstance(src, Float8Tensor) and src._data.dtype == dst._data.dtype:
@@ -88,7 +109,36 @@ class Float8Tensor(torch.Tensor):
         out = func(*plain_args, **plain_kwargs)
         if _mutates_first_argument(func) and isinstance(args[0], Float8Tensor):
             return args[0].quantize_(plain_args[0])
+        if _mutates_first_argument(func) and isinstance(args[0], (list, tuple)):  # _foreach_*_ (optimizers)
+            for dst, src in zip(args[0], plain_args[0]):
+                if isinstance(dst, Float8Tensor):
+                    dst.quantize_(src)
         return out
+
+    # --- FSDP2 all-gather extension (torch.distributed.fsdp.fully_shard) ---
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """All-gather inputs of this rank's shard: its FP8 data and its scale_inv (metadata: none)."""
+        return (self._data, self._scale_inv), None
+
+    @torch.no_grad()
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """(data [world * shard rows, ...] FP8, scale_invs [world]) -> the unsharded Float8Tensor, its data in the
+        largest scale_inv. With `out` (the Float8Tensor of an earlier call, whose storage FSDP re-allocated) the
+        result is written into it."""
+        data, scale_invs = all_gather_outputs
+        common = scale_invs.amax().reshape(1)
+        per_rank = data.view(scale_invs.numel(), -1).float()
+        rescaled = (per_rank * (scale_invs / common).unsqueeze(1)).to(data.dtype).view(data.shape)
+        # (factors <= 1: no overflow; a factor of 1 keeps the bytes)
+        if out is not None:
+            out._data.copy_(rescaled.view(out._data.shape))
+            out._scale_inv.copy_(common)
+            return None
+        return Float8Tensor(rescaled, common, param_dtype), (rescaled,)
+
+
+_VIEW_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.view.default, aten.as_strided.default,
+             aten._unsafe_view.default)
 
 
 def _plain(x):
