@@ -116,7 +116,7 @@ def fsdp_results():
 
 def test_high_precision_parameters_match_single_process(fsdp_results):
     for local in fsdp_results:
-        (losses, grads, params), (ref_losses, ref_grads, ref_params) = local["hp/fsdp"], local["hp/single"]
+        (_, grads, params), (ref_losses, ref_grads, ref_params) = local["hp/fsdp"], local["hp/single"]
         assert local["hp/shards"] == ["Tensor"] * 3 and local["hp/all_gathered"] == []
         global_losses = torch.stack([r["hp/fsdp"][0] for r in fsdp_results]).sum(0)
         assert rel_error(global_losses[:1], ref_losses[:1] * WORLD) < 1e-5
@@ -132,7 +132,7 @@ def test_fp8_parameters_all_gather_fp8_and_train(fsdp_results, label):
         assert local[f"{label}/shards"] == ["Float8Tensor"] * 3  # the weights' shards (biases, norms: plain)
         # 3 weights per forward and per backward (re-gathered: reshard after forward), every step
         assert local[f"{label}/all_gathered"] == [torch.float8_e4m3fn] * (3 * 2 * STEPS)
-        (losses, grads, params), (ref_losses, ref_grads, ref_params) = local[f"{label}/fsdp"], \
+        (_, grads, params), (ref_losses, ref_grads, ref_params) = local[f"{label}/fsdp"], \
             local[f"{label}/single"]
         global_losses = torch.stack([r[f"{label}/fsdp"][0] for r in fsdp_results]).sum(0)
         assert rel_error(global_losses[:1], ref_losses[:1] * WORLD) < 1e-5  # step 1: the same FP8 weights
