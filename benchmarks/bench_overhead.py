@@ -12,7 +12,6 @@ Prints tables and writes JSON (--json).
 """
 import argparse
 import json
-import time
 
 import torch
 import torch.nn as nn
@@ -20,6 +19,7 @@ import torch.nn as nn
 import transformer_fp8 as te
 from transformer_fp8 import recipe
 from transformer_fp8.module import base
+from timing import host_time_us, loop_time_ms
 
 DEV, DT = "cuda", torch.bfloat16
 COMPILE_CASE = ("Linear", 128, 1024)  # torch.compile is measured at this one size (compile time)
@@ -55,21 +55,7 @@ def graphed(step):
 def host_and_wall_us(fn, iters=50, host_iters=8):
     """(host µs per call: time to issue host_iters calls from an idle GPU, few enough not to fill the launch queue;
     wall µs per call: CUDA events around iters back-to-back calls, what a training loop sees)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(host_iters):
-        fn()
-    host = (time.perf_counter() - t) / host_iters * 1e6
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return host, start.elapsed_time(end) / iters * 1e3
+    return host_time_us(fn, host_iters), loop_time_ms(fn, warmup=0, iters=iters, repeats=1) * 1e3
 
 
 class PlainLayer(nn.Module):

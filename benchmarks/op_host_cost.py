@@ -3,24 +3,12 @@ A diagnostic for the per-call floor of the modules (run on the device): then te.
 nn.Linear, and where its host time goes (cProfile by function, torch.profiler by op)."""
 import cProfile
 import pstats
-import time
 
 import torch
 
 import transformer_fp8 as te
 from transformer_fp8.ops import tfp8
-
-
-def per_call_us(fn, iters=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    dt = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return dt / iters * 1e6
+from timing import host_time_us
 
 
 def main():
@@ -70,7 +58,7 @@ def main():
     ref = torch.nn.Linear(64, 64, device=d, dtype=torch.bfloat16)
     cases["nn.Linear fwd+bwd"] = lambda: ref(xg).sum().backward()
     for name, fn in cases.items():
-        print(f"{name:28s} {per_call_us(fn, 500 if 'Linear' in name else 2000):8.1f} us", flush=True)
+        print(f"{name:28s} {host_time_us(fn, 500 if 'Linear' in name else 2000):8.1f} us", flush=True)
     profile = cProfile.Profile()
     profile.runcall(lambda: [linear_fwd_bwd() for _ in range(200)])
     pstats.Stats(profile).sort_stats("tottime").print_stats(30)
