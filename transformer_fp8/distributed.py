@@ -51,13 +51,17 @@ def all_gather_first_dim(x, group=None):
     return out
 
 
+def _check_divisible(x, size):
+    if x.shape[0] % size:
+        raise ValueError(f"x: dim 0 ({x.shape[0]}) must be divisible by the group size {size}")
+
+
 def reduce_scatter_first_dim(x, group=None):
     """[size * s, ...] per rank -> this rank's [s, ...] block of the sum over ranks."""
     size = group_size(group)
     if size == 1:
         return x
-    if x.shape[0] % size:
-        raise ValueError(f"x: dim 0 ({x.shape[0]}) must be divisible by the group size {size}")
+    _check_divisible(x, size)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x, group=group)
@@ -69,8 +73,7 @@ def split_first_dim(x, group=None):
     size = group_size(group)
     if size == 1:
         return x
-    if x.shape[0] % size:
-        raise ValueError(f"x: dim 0 ({x.shape[0]}) must be divisible by the group size {size}")
+    _check_divisible(x, size)
     return x.chunk(size, dim=0)[group_rank(group)].contiguous()
 
 

@@ -10,7 +10,7 @@ from .. import autocast
 from ..distributed import TensorParallel
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
 from .base import FP8ModuleBase, check_choice, check_input, check_positive, pack_outputs
-from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_bwd, norm_to_fp8
+from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
 
 
 class _FP8LayerNormLinear(torch.autograd.Function):
@@ -39,20 +39,15 @@ class _FP8LayerNormLinear(torch.autograd.Function):
         x, mean, rstd, ln_weight, lnqt, wqt = ctx.saved_tensors
         lnsinv, wsinv = ctx.scale_invs
         module, (need_dgrad, need_wgrad) = ctx.module, ctx.need
-        dx = dgamma = dbeta = dw = dbias = None
-        d_ln = None
+        dw = dbias = d_ln = None
         if grad is not None:
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
             dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, ctx.needs_input_grad[4], need_dgrad, need_wgrad)
             register_backward(module, *ctx.fp8_state)
             d_ln, dw = gemm_grads(module, ctx.weight, (dq, dqt, dsinv), (wqt, wsinv), (lnqt, lnsinv), x.dtype,
                                   need_dgrad, need_wgrad)
-        if grad_ln_out is not None and need_dgrad:
-            d_ln = grad_ln_out.reshape(x.shape) if d_ln is None else d_ln + grad_ln_out.reshape(x.shape)
-        if d_ln is not None:
-            dx, dgamma, dbeta = norm_bwd(module.normalization, d_ln.contiguous(), x, mean, rstd, ln_weight,
-                                         module.zero_centered_gamma)
-            dx = dx.view(ctx.inp_shape)
+        dx, dgamma, dbeta = norm_backward(module, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
+                                          ln_weight, ctx.inp_shape)
         return dx, dgamma, dbeta, dw, dbias, None, None, None
 
 

@@ -14,7 +14,7 @@ from ..ops import tfp8
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
 from .base import (FP8ModuleBase, cast_transpose, check_choice, check_input, check_positive, fp8_output_args,
                    pack_outputs)
-from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_bwd, norm_to_fp8
+from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
 
 
 def _swiglu(x):
@@ -81,7 +81,7 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         fc1_weight, fc2_weight = ctx.weights
         module, needs = ctx.module, ctx.needs
         need_dgrad, need_fc2_dgrad = any(needs[:3]), any(needs[:5])
-        dx = dgamma = dbeta = dw1 = dbias1 = dw2 = dbias2 = d_ln = None
+        dw1 = dbias1 = dw2 = dbias2 = d_ln = None
         if grad is not None:
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
             dy_fp8 = cast_grad_output(dy, module, 1, needs[6], need_fc2_dgrad, needs[5])
@@ -93,12 +93,8 @@ class _FP8LayerNormMLP(torch.autograd.Function):
                 dq1, dqt1, dsinv1, dbias1 = _dact_to_fp8(module, d_act, fc1_out, needs[4])
                 d_ln, dw1 = gemm_grads(module, fc1_weight, (dq1, dqt1, dsinv1), (w1qt, w1sinv), (lnqt, lnsinv),
                                        x.dtype, need_dgrad, needs[3])
-        if grad_ln_out is not None and need_dgrad:
-            d_ln = grad_ln_out.reshape(x.shape) if d_ln is None else d_ln + grad_ln_out.reshape(x.shape)
-        if d_ln is not None:
-            dx, dgamma, dbeta = norm_bwd(module.normalization, d_ln.contiguous(), x, mean, rstd, ln_weight,
-                                         module.zero_centered_gamma)
-            dx = dx.view(ctx.inp_shape)
+        dx, dgamma, dbeta = norm_backward(module, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
+                                          ln_weight, ctx.inp_shape)
         return dx, dgamma, dbeta, dw1, dbias1, dw2, dbias2, None, None, None
 
 

@@ -27,6 +27,18 @@ def norm_bwd(normalization, grad, x, mean, rstd, weight, zero_centered_gamma):
     return dx, dgamma, None
 
 
+def norm_backward(module, d_ln, grad_ln_out, x, mean, rstd, weight, inp_shape):
+    """The norm's backward at the end of LayerNormLinear / LayerNormMLP: the GEMM's input gradient d_ln plus the
+    gradient of the returned norm output (either may be None) -> (dx in inp_shape, dgamma, dbeta), Nones if no grad."""
+    if grad_ln_out is not None:
+        d_ln = grad_ln_out.reshape(x.shape) if d_ln is None else d_ln + grad_ln_out.reshape(x.shape)
+    if d_ln is None:
+        return None, None, None
+    dx, dgamma, dbeta = norm_bwd(module.normalization, d_ln.contiguous(), x, mean, rstd, weight,
+                                 module.zero_centered_gamma)
+    return dx.view(inp_shape), dgamma, dbeta
+
+
 def init_norm_params(module, hidden_size, normalization, zero_centered_gamma, prefix):
     """Register `<prefix>weight` (ones, or zeros when zero-centered) and, for LayerNorm, `<prefix>bias` (zeros)."""
     kwargs = {"dtype": module.params_dtype, "device": module._device}
