@@ -2,6 +2,7 @@
 plain PyTorch BF16 (SDPA), eager and torch.compile; then attention alone, our DotProductAttention vs torch SDPA
 (default choice and each fused backend). Prints tables and writes JSON (--json).
 
+Each step starts with the gradients set to None, as after optimizer.zero_grad() (no accumulation adds).
 Configs (no mask, no dropout, sbhd): guide = hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4;
 gqa = the same with 8 GQA groups, kv_channels 128, seq 1024, batch 32, bias.
 """
@@ -47,7 +48,10 @@ class TorchPreLNLayer(nn.Module):
 
 
 def train_step(layer, x, dy, fp8=False):
+    """One training step's forward and backward, gradients starting from None (optimizer.zero_grad's default)."""
     def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
         with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe.DelayedScaling()):
             y = layer(x)
         y.backward(dy)

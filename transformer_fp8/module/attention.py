@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..distributed import TensorParallel, model_parallel_rng
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
+from .qkv_split import split_qkv
 from .rope import apply_rotary_pos_emb
 
 ATTN_MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
@@ -246,12 +247,7 @@ class MultiheadAttention(nn.Module):
 
     def _split_qkv(self, qkv):
         """[*lead, (h + 2g) * d] -> q [*lead, h, d], k and v [*lead, g, d]."""
-        lead, d, h, g = qkv.shape[:-1], self.head_dim, self.heads, self.groups
-        if self.qkv_weight_interleaved:
-            per_group = qkv.view(*lead, g, h // g + 2, d)
-            return per_group[..., :-2, :].reshape(*lead, h, d), per_group[..., -2, :], per_group[..., -1, :]
-        q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
-        return q.view(*lead, h, d), k.view(*lead, g, d), v.view(*lead, g, d)
+        return split_qkv(qkv, self.heads, self.groups, self.head_dim, self.qkv_weight_interleaved)
 
     def forward(self, hidden_states, attention_mask=None, attn_mask_type=None, is_first_microbatch=None,
                 rotary_pos_emb=None):

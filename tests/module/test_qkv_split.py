@@ -1,0 +1,37 @@
+"""split_qkv equals autograd's own slicing of the fused QKV output, forward and backward, bit for bit."""
+import pytest
+import torch
+
+from transformer_fp8.module.qkv_split import split_qkv
+
+
+def reference_split(qkv, h, g, d, interleaved):
+    lead = qkv.shape[:-1]
+    if interleaved:
+        per_group = qkv.view(*lead, g, h // g + 2, d)
+        return per_group[..., :-2, :].reshape(*lead, h, d), per_group[..., -2, :], per_group[..., -1, :]
+    q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
+    return q.view(*lead, h, d), k.view(*lead, g, d), v.view(*lead, g, d)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("heads,groups", [(4, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("used", ["qkv", "k", "qv"])
+def test_split_matches_autograd_slicing(interleaved, heads, groups, used):
+    d = 16
+    qkv = torch.randn(5, 3, (heads + 2 * groups) * d, dtype=torch.float64, requires_grad=True)
+    ref_in = qkv.detach().clone().requires_grad_()
+    ours, ref = split_qkv(qkv, heads, groups, d, interleaved), reference_split(ref_in, heads, groups, d, interleaved)
+    weights = [torch.randn_like(t) for t in ref]
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    pick = ["qkv".index(c) for c in used]
+    sum((ours[i] * weights[i]).sum() for i in pick).backward()
+    sum((ref[i] * weights[i]).sum() for i in pick).backward()
+    assert torch.equal(qkv.grad, ref_in.grad)
+
+
+def test_no_grad_returns_views_of_input():
+    qkv = torch.randn(2, 6 * 8)
+    q, k, v = split_qkv(qkv, 4, 1, 8, False)
+    assert q.data_ptr() == qkv.data_ptr() and k._base is qkv and v._base is qkv
