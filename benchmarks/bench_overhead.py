@@ -3,10 +3,12 @@
 1. Linear and TransformerLayer forward+backward at tokens 128 and 2048, hidden 1024 and 4096: host time per call (issue
    calls without synchronising, divide) and time per call (CUDA events around back-to-back calls: what a training
    loop sees), eager vs CUDA graphs (torch.cuda.graph around the whole step, FP8 scaling updates included) vs
-   torch.compile, ours in FP8 (DelayedScaling, small-shape automatic path off) vs BF16 nn.Linear / a plain PyTorch
-   pre-LN layer (nn.TransformerEncoderLayer). torch.compile at one size only (COMPILE_CASE: compile time). A mode
+   te.make_graphed_callables ("mgc": forward and backward graphs replayed from autograd) vs torch.compile, ours in
+   FP8 (DelayedScaling, small-shape automatic path off) vs BF16 nn.Linear / a plain PyTorch pre-LN layer
+   (nn.TransformerEncoderLayer). torch.compile at one size only (COMPILE_CASE: compile time). A mode
    that fails prints its error and is skipped.
-2. A 24-layer TransformerLayer stack at hidden 1024, seq 512, batch 2 (launch-bound) fwd+bwd: eager and graphed.
+2. A 24-layer TransformerLayer stack at hidden 1024, seq 512, batch 2 (launch-bound) fwd+bwd: eager, graphed and
+   make_graphed_callables (the whole stack as one callable).
 3. Kernel launches per Linear forward+backward (torch.profiler, CUDA kernels and memsets/copies).
 Prints tables and writes JSON (--json).
 """
@@ -52,6 +54,19 @@ def graphed(step):
     return graph.replay
 
 
+def graphed_callables_step(model, x, fp8):
+    """make_graphed_callables on `model` (its forward is replaced: graph it last), then the step: replayed forward,
+    backward of a fixed upstream gradient (no fp8_autocast: the graphs carry their own)."""
+    graphed = te.make_graphed_callables(model, (x.detach().clone().requires_grad_(),), fp8_enabled=fp8,
+                                        fp8_recipe=FP8_RECIPE)
+    xi = x.detach().clone().requires_grad_()
+    dy = torch.randn_like(x)
+
+    def step():
+        graphed(xi).backward(dy)
+    return step
+
+
 def host_and_wall_us(fn, iters=50, host_iters=8):
     """(host µs per call: time to issue host_iters calls from an idle GPU, few enough not to fill the launch queue;
     wall µs per call: CUDA events around iters back-to-back calls, what a training loop sees)."""
@@ -89,11 +104,13 @@ def cases(kind, tokens, hidden):
 
 
 def measure_modes(model, x, fp8, with_compile):
-    """{mode: (host µs, wall µs) or an error string} for eager, graph and (with_compile) torch.compile."""
+    """{mode: (host µs, wall µs) or an error string} for eager, graph, (with_compile) torch.compile and mgc
+    (make_graphed_callables: last, it replaces the model's forward)."""
     result = {}
     builders = {"eager": lambda: make_step(model, x, fp8),
                 "graph": lambda: graphed(make_step(model, x, fp8)),
-                "compile": lambda: make_step(torch.compile(model), x, fp8)}
+                "compile": lambda: make_step(torch.compile(model), x, fp8),
+                "mgc": lambda: graphed_callables_step(model, x, fp8)}
     for mode, build in builders.items():
         if mode == "compile" and not with_compile:
             result[mode] = "not measured at this size (compile time)"
@@ -114,7 +131,8 @@ def fmt(value):
 def bench_small_sizes():
     rows = []
     print(f"{'module':26s} {'tokens':>6s} {'hidden':>6s} | {'eager host':>10s} {'wall':>6s} | "
-          f"{'graph host':>10s} {'wall':>6s} | {'compile host':>12s} {'wall':>6s}   (µs per fwd+bwd)")
+          f"{'graph host':>10s} {'wall':>6s} | {'compile host':>12s} {'wall':>6s} | {'mgc host':>8s} {'wall':>6s}"
+          f"   (µs per fwd+bwd)")
     for kind in ("Linear", "TransformerLayer"):
         for hidden in (1024, 4096):
             for tokens in (128, 2048):
@@ -123,7 +141,7 @@ def bench_small_sizes():
                     rows.append({"module": name, "tokens": tokens, "hidden": hidden, **{
                         m: (list(v) if isinstance(v, tuple) else v) for m, v in modes.items()}})
                     print(f"{name:26s} {tokens:6d} {hidden:6d} | {fmt(modes['eager'])} | {fmt(modes['graph'])} | "
-                          f"{fmt(modes['compile'])}", flush=True)
+                          f"{fmt(modes['compile'])} | {fmt(modes['mgc'])}", flush=True)
                     for mode, v in modes.items():
                         if not isinstance(v, tuple) and not v.startswith("not measured"):
                             print(f"    {mode} failed: {v}")
@@ -140,15 +158,16 @@ def bench_stack(layers=24, hidden=1024, seq=512, batch=2):
         stack = nn.Sequential(*[make() for _ in range(layers)])
         row = {"model": name, "layers": layers}
         for mode, build in (("eager", lambda: make_step(stack, x, fp8)),
-                            ("graph", lambda: graphed(make_step(stack, x, fp8)))):
+                            ("graph", lambda: graphed(make_step(stack, x, fp8))),
+                            ("mgc", lambda: graphed_callables_step(stack, x, fp8))):
             try:
                 row[mode] = list(host_and_wall_us(build(), iters=10, host_iters=2))
             except Exception as err:
                 row[mode] = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
         rows.append(row)
-        print(f"{layers}-layer stack h={hidden} s={seq} b={batch} {name:24s}: eager host/wall "
-              f"{fmt(tuple(row['eager']) if isinstance(row['eager'], list) else row['eager'])} µs | graph "
-              f"{fmt(tuple(row['graph']) if isinstance(row['graph'], list) else row['graph'])} µs", flush=True)
+        print(f"{layers}-layer stack h={hidden} s={seq} b={batch} {name:24s}: host/wall µs " + " | ".join(
+            f"{mode} {fmt(tuple(v) if isinstance(v, list) else v)}" for mode, v in row.items()
+            if mode in ("eager", "graph", "mgc")), flush=True)
         del stack
         torch.cuda.empty_cache()
     return rows

@@ -5,13 +5,14 @@ from . import cpu, ops  # noqa: F401  (registers the CPU reference kernels and t
 from . import distributed, recipe
 from .autocast import fp8_autocast, fp8_model_init, get_fp8_recipe, is_fp8_enabled
 from .float8_tensor import Float8Tensor
+from .graphs import make_graphed_callables
 from .module import (DotProductAttention, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm,
                      RotaryPositionEmbedding, TransformerLayer, apply_rotary_pos_emb)
 
 __all__ = ["DotProductAttention", "Float8Tensor", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear",
            "MultiheadAttention", "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "apply_rotary_pos_emb",
            "cuda_kernels_available", "distributed", "fp8_autocast", "fp8_model_init", "get_fp8_recipe",
-           "is_fp8_enabled", "recipe"]
+           "is_fp8_enabled", "make_graphed_callables", "recipe"]
 
 __version__ = "0.1.0"
 
