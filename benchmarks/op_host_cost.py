@@ -1,14 +1,24 @@
-"""Host (CPU) cost per call of each op on tiny CUDA tensors: issue many calls, no sync inside, divide.
-A diagnostic for the per-call floor of the modules (run on the device): then te.Linear's FP8 path (forced) against
-nn.Linear, and where its host time goes (cProfile by function, torch.profiler by op)."""
+"""Host (CPU) cost per call of each op on tiny CUDA tensors: issue many calls, no sync inside, divide (median of
+REPEATS such loops). A diagnostic for the per-call floor of the modules (run on the device): fp8_gemm's variants
+against torch._scaled_mm (same 16x64x64 problem) and against its own early-exit path (M = 0: dispatch, checks and
+output allocation, no cuBLASLt), te.Linear's FP8 path (forced) against nn.Linear, and where the Linear's host time
+goes (cProfile by function, torch.profiler by op)."""
 import cProfile
 import pstats
+import statistics
 
 import torch
 
 import transformer_fp8 as te
 from transformer_fp8.ops import tfp8
 from timing import host_time_us
+
+REPEATS = 5
+
+
+def host_us(fn, iters):
+    """Median over REPEATS loops of `iters` calls of the host time per call, in microseconds."""
+    return statistics.median(host_time_us(fn, iters) for _ in range(REPEATS))
 
 
 def main():
@@ -22,6 +32,10 @@ def main():
     hist = torch.zeros(16, 4, device=d)
     sc, si = torch.ones(4, device=d), torch.ones(4, device=d)
     gamma = torch.ones(64, device=d, dtype=torch.bfloat16)
+    q_empty = torch.empty(0, 64, device=d, dtype=e4)
+    acc = torch.zeros(16, 64, device=d)
+    hists = [torch.zeros(16, 4, device=d) for _ in range(300)]
+    scs, sis = [torch.ones(4, device=d) for _ in hists], [torch.ones(4, device=d) for _ in hists]
     cases = {
         "torch.add (baseline)": lambda: torch.add(x, x),
         "torch.empty(1)": lambda: torch.empty(1, device=d),
@@ -30,9 +44,14 @@ def main():
         "fp8_transpose": lambda: tfp8.fp8_transpose(q),
         "fp8_gemm": lambda: tfp8.fp8_gemm(q, one, w, one, torch.bfloat16),
         "torch._scaled_mm": lambda: torch._scaled_mm(q, w.t(), one, one, out_dtype=torch.bfloat16),
+        "fp8_gemm M=0 (no GEMM)": lambda: tfp8.fp8_gemm(q_empty, one, w, one, torch.bfloat16),
+        "fp8_gemm bias": lambda: tfp8.fp8_gemm(q, one, w, one, torch.bfloat16, gamma),
+        "fp8_gemm e4m3 out + amax": lambda: tfp8.fp8_gemm(q, one, w, one, e4, out_scale=one, out_amax=amax),
+        "fp8_gemm_accumulate": lambda: tfp8.fp8_gemm_accumulate(q, one, w, one, acc),
         "layernorm_fwd fp8": lambda: tfp8.layernorm_fwd(x, gamma, gamma, 1e-5, False, one, e4, amax, sinv),
         "activation_fwd gelu": lambda: tfp8.activation_fwd(x, "gelu"),
         "delayed_scaling_update x1": lambda: tfp8.delayed_scaling_update([hist], [sc], [si], 448.0, 0.0, "max"),
+        "delayed_scaling_update x300": lambda: tfp8.delayed_scaling_update(hists, scs, sis, 448.0, 0.0, "max"),
     }
     lin = te.Linear(64, 64, params_dtype=torch.bfloat16, fp8_min_gemm_size=0)
     auto = te.Linear(64, 64, params_dtype=torch.bfloat16)
@@ -57,8 +76,12 @@ def main():
     cases["te.Linear fwd no_grad"] = linear_fwd_nograd
     ref = torch.nn.Linear(64, 64, device=d, dtype=torch.bfloat16)
     cases["nn.Linear fwd+bwd"] = lambda: ref(xg).sum().backward()
+    us = {}
     for name, fn in cases.items():
-        print(f"{name:28s} {host_time_us(fn, 500 if 'Linear' in name else 2000):8.1f} us", flush=True)
+        us[name] = host_us(fn, 100 if "Linear" in name else 400)
+        print(f"{name:32s} {us[name]:8.1f} us", flush=True)
+    print(f"fp8_gemm / torch._scaled_mm host time: {us['fp8_gemm'] / us['torch._scaled_mm']:.2f}")
+    print(f"te.Linear / nn.Linear fwd+bwd host time: {us['te.Linear fwd+bwd'] / us['nn.Linear fwd+bwd']:.2f}")
     profile = cProfile.Profile()
     profile.runcall(lambda: [linear_fwd_bwd() for _ in range(200)])
     pstats.Stats(profile).sort_stats("tottime").print_stats(30)

@@ -1,4 +1,6 @@
 // FP8 GEMM entry points without torch types (implemented in gemm_cublaslt.cpp and gemm_amax.cu).
+// A call: fill Fp8GemmArgs (all but the workspace), ask fp8_gemm_workspace_bytes, give that much workspace, run
+// fp8_gemm_cublaslt on the same thread with the same arguments.
 //
 // Row-major "TN": out [m, n] = epilogue((a * a_scale_inv) @ (b * b_scale_inv)^T) (+ out when accumulating),
 // a [m, k] and b [n, k] FP8 with k-contiguous rows. The caller pads: k % 16 == 0, ld_out % 16 == 0, every pointer
@@ -11,6 +13,8 @@
 
 namespace tfp8 {
 
+// The most workspace the algorithm search may pick an algorithm for (cuBLAS's recommendation for Hopper); a call
+// allocates only what its algorithm needs (fp8_gemm_workspace_bytes).
 constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
 
 struct Fp8GemmArgs {
@@ -31,10 +35,16 @@ struct Fp8GemmArgs {
   DType pre_gelu_type = DType::kBFloat16;
   bool accumulate = false;           // out += result (beta = 1)
   bool fast_accum = false;           // FP8 fast accumulation (no periodic promotion to float32)
-  void* workspace = nullptr;         // kGemmWorkspaceBytes on the device
+  void* workspace = nullptr;         // workspace_bytes on the device (null when 0)
+  size_t workspace_bytes = 0;        // at least fp8_gemm_workspace_bytes(args)
 };
 
-// Enqueues the GEMM on `stream` (the current device's). Throws std::runtime_error when cuBLASLt refuses it.
+// Bytes of workspace the GEMM of `args` needs (on the current device; the pointers' values do not matter, their
+// alignment does). Builds and caches the cuBLASLt setup on first use, so it throws what fp8_gemm_cublaslt would.
+size_t fp8_gemm_workspace_bytes(const Fp8GemmArgs& args);
+
+// Enqueues the GEMM on `stream` (the current device's). Throws std::runtime_error when cuBLASLt refuses it, and
+// std::invalid_argument when args.workspace_bytes is less than the GEMM needs.
 void fp8_gemm_cublaslt(const Fp8GemmArgs& args, cudaStream_t stream);
 
 // *amax = max(*amax, *value), both device scalars (value >= 0 or NaN).

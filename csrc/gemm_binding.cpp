@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <string>
-#include <vector>
 
 #include "common.h"
 #include "gemm.h"
@@ -79,8 +78,7 @@ at::Tensor padded_bias(const at::Tensor& bias, int64_t n_to) {
 }
 
 Fp8GemmArgs operand_args(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
-                         const at::Tensor& b_scale_inv, int64_t m, int64_t n, int64_t k, bool use_split_accumulator,
-                         const at::Tensor& workspace) {
+                         const at::Tensor& b_scale_inv, int64_t m, int64_t n, int64_t k, bool use_split_accumulator) {
   Fp8GemmArgs args{};
   args.a = a.data_ptr();
   args.b = b.data_ptr();
@@ -92,12 +90,17 @@ Fp8GemmArgs operand_args(const at::Tensor& a, const at::Tensor& a_scale_inv, con
   args.n = n;
   args.k = k;
   args.fast_accum = !use_split_accumulator;
-  args.workspace = workspace.data_ptr();
   return args;
 }
 
-at::Tensor workspace_for(const at::Tensor& like) {
-  return at::empty({int64_t(kGemmWorkspaceBytes)}, like.options().dtype(at::kByte));
+// Gives the fully described GEMM `args` the workspace its algorithm needs (possibly none); the tensor returned
+// owns it (undefined when none) and must live until the GEMM is enqueued.
+at::Tensor attach_workspace(Fp8GemmArgs& args, const at::TensorOptions& options) {
+  args.workspace_bytes = fp8_gemm_workspace_bytes(args);
+  if (args.workspace_bytes == 0) return {};
+  at::Tensor workspace = at::empty({int64_t(args.workspace_bytes)}, options.dtype(at::kByte));
+  args.workspace = workspace.data_ptr();
+  return workspace;
 }
 
 std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
@@ -129,24 +132,23 @@ std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tenso
   }
 
   const c10::cuda::CUDAGuard guard(a.device());
+  const at::TensorOptions options = a.options();
   const at::ScalarType pre_dtype = pre_gelu_dtype(out_dtype, bias);
   if (m == 0 || n == 0) {
-    return {at::empty({m, n}, a.options().dtype(out_dtype)),
-            gelu ? at::empty({m, n}, a.options().dtype(pre_dtype)) : at::empty({0}, a.options().dtype(pre_dtype))};
+    return {at::empty({m, n}, options.dtype(out_dtype)),
+            gelu ? at::empty({m, n}, options.dtype(pre_dtype)) : at::empty({0}, options.dtype(pre_dtype))};
   }
   const int64_t k_pad = std::max(kPad, round_up(k, kPad)), n_pad = round_up(n, kPad);
   const at::Tensor a_p = padded(a, m, k_pad), b_p = padded(b, n_pad, k_pad);
-  const at::Tensor workspace = workspace_for(a);
-  at::Tensor out = at::empty({m, n_pad}, a.options().dtype(out_dtype));
+  at::Tensor out = at::empty({m, n_pad}, options.dtype(out_dtype));
   // cuBLASLt has no GELU_AUX_BIAS epilogue for a float32 output with a BF16 pre-activation: there the GEMM adds the
   // bias and GELU runs after it (a rare combination; the fused epilogue serves every other one).
   const bool fused_gelu = gelu && !(out_dtype == at::kFloat && bias.has_value());
-  at::Tensor pre_gelu = at::empty(fused_gelu ? std::vector<int64_t>{m, n_pad} : std::vector<int64_t>{0},
-                                  a.options().dtype(pre_dtype));
+  at::Tensor pre_gelu =
+      fused_gelu ? at::empty({m, n_pad}, options.dtype(pre_dtype)) : at::empty({0}, options.dtype(pre_dtype));
   at::Tensor bias_p, amax_scratch;
 
-  Fp8GemmArgs args = operand_args(a_p, a_scale_inv, b_p, b_scale_inv, m, n_pad, k_pad, use_split_accumulator,
-                                  workspace);
+  Fp8GemmArgs args = operand_args(a_p, a_scale_inv, b_p, b_scale_inv, m, n_pad, k_pad, use_split_accumulator);
   args.out = out.data_ptr();
   args.out_type = to_dtype(out_dtype, "out_dtype");
   args.ld_out = n_pad;
@@ -162,10 +164,11 @@ std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tenso
   if (is_fp8(out_dtype)) {
     args.out_scale = out_scale->data_ptr<float>();
     if (out_amax.has_value()) {
-      amax_scratch = at::empty({1}, a.options().dtype(at::kFloat));
+      amax_scratch = at::empty({1}, options.dtype(at::kFloat));
       args.amax_scratch = amax_scratch.data_ptr<float>();
     }
   }
+  const at::Tensor workspace = attach_workspace(args, options);
   const cudaStream_t stream = current_stream();
   fp8_gemm_cublaslt(args, stream);
   if (amax_scratch.defined()) launch_fold_amax(amax_scratch.data_ptr<float>(), out_amax->data_ptr<float>(), stream);
@@ -198,14 +201,13 @@ void fp8_gemm_accumulate(const at::Tensor& a, const at::Tensor& a_scale_inv, con
   const bool in_place = n_pad == n && aligned16(out);
   at::Tensor acc = in_place ? out : at::zeros({m, n_pad}, out.options());
   if (!in_place) acc.narrow(1, 0, n).copy_(out);
-  const at::Tensor workspace = workspace_for(a);
 
-  Fp8GemmArgs args = operand_args(a_p, a_scale_inv, b_p, b_scale_inv, m, n_pad, k_pad, use_split_accumulator,
-                                  workspace);
+  Fp8GemmArgs args = operand_args(a_p, a_scale_inv, b_p, b_scale_inv, m, n_pad, k_pad, use_split_accumulator);
   args.out = acc.data_ptr();
   args.out_type = DType::kFloat32;
   args.ld_out = n_pad;
   args.accumulate = true;
+  const at::Tensor workspace = attach_workspace(args, a.options());
   fp8_gemm_cublaslt(args, current_stream());
   if (!in_place) out.copy_(acc.narrow(1, 0, n));
 }

@@ -1,19 +1,28 @@
 // FP8 GEMM through cuBLASLt. Row-major TN maps onto cuBLASLt's column-major as out^T = b . a^T:
 // cuBLASLt A = b (TRANSA = T), B = a (TRANSB = N), m = n, n = m, k = k, lda = ldb = k, ldc = ldd = ld_out.
-// One handle per device (created on first use, kept for the process); the heuristic's algorithm is cached per
-// problem key, so a repeated call makes no heuristic query.
+//
+// Host cost: the setup of a problem (the matmul descriptor with its fixed attributes, the four matrix layouts, the
+// heuristic's algorithm and its workspace size) is a Plan, built once per thread and PlanKey (every argument but the
+// pointers' values) and kept in a thread_local table. A call looks its plan up, sets the pointer attributes (scales,
+// amax, bias, GELU aux) on the plan's descriptor and runs: no lock, no descriptor creation, no heuristic query.
+// A descriptor is only ever used by the thread that owns it. One handle per device, shared, kept for the process.
 #include <cublasLt.h>
 
 #include <array>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 
 #include "gemm.h"
 
 namespace tfp8 {
 namespace {
+
+// Plans a thread keeps before it drops them all (a bound for workloads whose shapes keep changing).
+constexpr size_t kMaxPlansPerThread = 1024;
 
 void check_cublas(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS)
@@ -44,11 +53,9 @@ const char* torch_name(DType t) {
 
 bool is_fp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
 
-cublasLtHandle_t handle_for_current_device() {
+cublasLtHandle_t handle_for_device(int device) {
   static std::mutex mutex;
   static std::map<int, cublasLtHandle_t> handles;
-  int device = 0;
-  TFP8_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mutex);
   cublasLtHandle_t& handle = handles[device];
   if (handle == nullptr) check_cublas(cublasLtCreate(&handle), "cublasLtCreate");
@@ -57,39 +64,9 @@ cublasLtHandle_t handle_for_current_device() {
 
 // Largest power of two <= 256 dividing the address: the alignment the chosen algorithm may assume.
 uint32_t alignment(const void* p) {
-  uint32_t a = 256;
-  while (a > 1 && reinterpret_cast<uintptr_t>(p) % a != 0) a /= 2;
-  return a;
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  return address % 256 == 0 ? 256 : uint32_t(1) << __builtin_ctzll(address);
 }
-
-// RAII owners of the cuBLASLt descriptors.
-struct MatmulDesc {
-  cublasLtMatmulDesc_t desc = nullptr;
-  MatmulDesc() { check_cublas(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate"); }
-  ~MatmulDesc() { cublasLtMatmulDescDestroy(desc); }
-  template <typename T>
-  void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
-    check_cublas(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)), "MatmulDescSetAttribute");
-  }
-};
-
-struct Layout {
-  cublasLtMatrixLayout_t layout = nullptr;
-  Layout(DType type, int64_t rows, int64_t cols, int64_t ld) {
-    check_cublas(cublasLtMatrixLayoutCreate(&layout, cuda_type(type), rows, cols, ld), "MatrixLayoutCreate");
-  }
-  ~Layout() { cublasLtMatrixLayoutDestroy(layout); }
-};
-
-struct Preference {
-  cublasLtMatmulPreference_t pref = nullptr;
-  Preference() { check_cublas(cublasLtMatmulPreferenceCreate(&pref), "MatmulPreferenceCreate"); }
-  ~Preference() { cublasLtMatmulPreferenceDestroy(pref); }
-  template <typename T>
-  void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
-    check_cublas(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)), "PreferenceSetAttribute");
-  }
-};
 
 cublasLtEpilogue_t epilogue_of(const Fp8GemmArgs& g) {
   if (g.pre_gelu != nullptr) return g.bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
@@ -102,15 +79,26 @@ DType c_type_of(const Fp8GemmArgs& g) {
   return g.bias != nullptr ? g.bias_type : DType::kBFloat16;
 }
 
-// Everything the algorithm choice depends on.
-using AlgoKey = std::array<int64_t, 17>;
+// Everything the descriptor, the layouts and the algorithm choice depend on: device, shape, dtypes, epilogue, which
+// optional pointers are set, accumulation mode and the operands' alignment classes. Two calls with equal keys differ
+// only in pointer values, which are set on the descriptor per call.
+using PlanKey = std::array<int64_t, 17>;
 
-AlgoKey key_of(const Fp8GemmArgs& g, int device) {
+PlanKey key_of(const Fp8GemmArgs& g, int device) {
+  const int64_t flags = int64_t(g.accumulate) | int64_t(g.fast_accum) << 1 | int64_t(g.amax_scratch != nullptr) << 2;
   return {device, g.m, g.n, g.k, g.ld_out, int64_t(g.a_type), int64_t(g.b_type), int64_t(g.out_type),
           int64_t(c_type_of(g)), g.bias ? int64_t(g.bias_type) : -1, g.pre_gelu ? int64_t(g.pre_gelu_type) : -1,
-          int64_t(epilogue_of(g)), int64_t(g.accumulate) * 2 + int64_t(g.fast_accum) + 4 * (g.amax_scratch != nullptr),
-          alignment(g.a), alignment(g.b), alignment(g.out), g.pre_gelu ? alignment(g.pre_gelu) : 0};
+          int64_t(epilogue_of(g)), flags, alignment(g.a), alignment(g.b), alignment(g.out),
+          g.pre_gelu ? alignment(g.pre_gelu) : 0};
 }
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& key) const {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int64_t v : key) h = (h ^ uint64_t(v)) * 0x100000001b3ull;
+    return size_t(h ^ (h >> 32));
+  }
+};
 
 std::string describe(const Fp8GemmArgs& g) {
   return std::string("a ") + torch_name(g.a_type) + ", b " + torch_name(g.b_type) + ", out " + torch_name(g.out_type) +
@@ -120,78 +108,130 @@ std::string describe(const Fp8GemmArgs& g) {
          " K=" + std::to_string(g.k);
 }
 
-cublasLtMatmulAlgo_t heuristic_algo(cublasLtHandle_t handle, MatmulDesc& desc, const Layout& A, const Layout& B,
-                                    const Layout& C, const Layout& D, const Fp8GemmArgs& g) {
-  Preference pref;
-  pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(kGemmWorkspaceBytes));
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(g.b));
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(g.a));
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(g.out));
-  pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(g.out));
-  cublasLtMatmulHeuristicResult_t result = {};
-  int count = 0;
-  cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc.desc, A.layout, B.layout, C.layout, D.layout,
-                                                         pref.pref, 1, &result, &count);
-  if (status != CUBLAS_STATUS_SUCCESS || count == 0)
-    throw std::runtime_error("fp8_gemm: this combination is not supported by cuBLASLt (" + describe(g) +
-                             "): " + cublasLtGetStatusString(status));
-  return result.algo;
-}
+// RAII owners of the cuBLASLt descriptors (not copyable: each destroys its own).
+struct MatmulDesc {
+  cublasLtMatmulDesc_t desc = nullptr;
+  MatmulDesc() { check_cublas(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate"); }
+  MatmulDesc(const MatmulDesc&) = delete;
+  MatmulDesc& operator=(const MatmulDesc&) = delete;
+  ~MatmulDesc() { cublasLtMatmulDescDestroy(desc); }
+  template <typename T>
+  void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
+    check_cublas(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)), "MatmulDescSetAttribute");
+  }
+};
 
-cublasLtMatmulAlgo_t cached_algo(cublasLtHandle_t handle, MatmulDesc& desc, const Layout& A, const Layout& B,
-                                 const Layout& C, const Layout& D, const Fp8GemmArgs& g) {
-  static std::mutex mutex;
-  static std::map<AlgoKey, cublasLtMatmulAlgo_t> cache;
+struct Layout {
+  cublasLtMatrixLayout_t layout = nullptr;
+  Layout(DType type, int64_t rows, int64_t cols, int64_t ld) {
+    check_cublas(cublasLtMatrixLayoutCreate(&layout, cuda_type(type), rows, cols, ld), "MatrixLayoutCreate");
+  }
+  Layout(const Layout&) = delete;
+  Layout& operator=(const Layout&) = delete;
+  ~Layout() { cublasLtMatrixLayoutDestroy(layout); }
+};
+
+struct Preference {
+  cublasLtMatmulPreference_t pref = nullptr;
+  Preference() { check_cublas(cublasLtMatmulPreferenceCreate(&pref), "MatmulPreferenceCreate"); }
+  Preference(const Preference&) = delete;
+  Preference& operator=(const Preference&) = delete;
+  ~Preference() { cublasLtMatmulPreferenceDestroy(pref); }
+  template <typename T>
+  void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
+    check_cublas(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)), "PreferenceSetAttribute");
+  }
+};
+
+// The cuBLASLt setup of one PlanKey. The descriptor holds the fixed attributes; set_pointers writes the per-call ones.
+struct Plan {
+  cublasLtHandle_t handle;
+  MatmulDesc desc;
+  Layout a, b, c, d;  // cuBLASLt's A (our b), B (our a), C and D (out)
+  cublasLtMatmulAlgo_t algo;
+  size_t workspace_bytes;
+
+  Plan(const Fp8GemmArgs& g, cublasLtHandle_t handle)
+      : handle(handle),
+        a(g.b_type, g.k, g.n, g.k),
+        b(g.a_type, g.k, g.m, g.k),
+        c(c_type_of(g), g.n, g.m, g.ld_out),
+        d(g.out_type, g.n, g.m, g.ld_out) {
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+    desc.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(g.fast_accum ? 1 : 0));
+    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue_of(g));
+    if (g.bias != nullptr) desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(cuda_type(g.bias_type)));
+    if (g.pre_gelu != nullptr) {
+      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.ld_out);
+      if (g.pre_gelu_type != g.out_type)
+        desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, int32_t(cuda_type(g.pre_gelu_type)));
+    }
+    set_pointers(g);  // the heuristic sees which of them are set (an amax pointer narrows the choice)
+    choose_algo(g);
+  }
+
+  // Which pointers are set is part of the key, so each call overwrites exactly the attributes the plan was built with.
+  void set_pointers(const Fp8GemmArgs& g) {
+    desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, g.b_scale_inv);  // cuBLASLt's A is our b
+    desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, g.a_scale_inv);
+    if (is_fp8(g.out_type)) {
+      desc.set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, g.out_scale);
+      if (g.amax_scratch != nullptr) desc.set(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, g.amax_scratch);
+    }
+    if (g.bias != nullptr) desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+    if (g.pre_gelu != nullptr) desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.pre_gelu);
+  }
+
+ private:
+  void choose_algo(const Fp8GemmArgs& g) {
+    Preference pref;
+    pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(kGemmWorkspaceBytes));
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(g.b));
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(g.a));
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(g.out));
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(g.out));
+    cublasLtMatmulHeuristicResult_t result = {};
+    int count = 0;
+    cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc.desc, a.layout, b.layout, c.layout, d.layout,
+                                                           pref.pref, 1, &result, &count);
+    if (status != CUBLAS_STATUS_SUCCESS || count == 0)
+      throw std::runtime_error("fp8_gemm: this combination is not supported by cuBLASLt (" + describe(g) +
+                               "): " + cublasLtGetStatusString(status));
+    algo = result.algo;
+    workspace_bytes = result.workspaceSize;
+  }
+};
+
+// This thread's plan for g on the current device, built on first use.
+Plan& plan_for(const Fp8GemmArgs& g) {
+  thread_local std::unordered_map<PlanKey, std::unique_ptr<Plan>, PlanKeyHash> plans;
   int device = 0;
   TFP8_CUDA_CHECK(cudaGetDevice(&device));
-  const AlgoKey key = key_of(g, device);
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
-  cublasLtMatmulAlgo_t algo = heuristic_algo(handle, desc, A, B, C, D, g);
-  std::lock_guard<std::mutex> lock(mutex);
-  cache.emplace(key, algo);
-  return algo;
+  const PlanKey key = key_of(g, device);
+  auto it = plans.find(key);
+  if (it != plans.end()) return *it->second;
+  auto plan = std::make_unique<Plan>(g, handle_for_device(device));
+  if (plans.size() >= kMaxPlansPerThread) plans.clear();
+  return *plans.emplace(key, std::move(plan)).first->second;
 }
 
 }  // namespace
 
+size_t fp8_gemm_workspace_bytes(const Fp8GemmArgs& g) { return plan_for(g).workspace_bytes; }
+
 void fp8_gemm_cublaslt(const Fp8GemmArgs& g, cudaStream_t stream) {
-  cublasLtHandle_t handle = handle_for_current_device();
-  MatmulDesc desc;
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
-  desc.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
-  desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, g.b_scale_inv);  // cuBLASLt's A is our b
-  desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, g.a_scale_inv);
-  desc.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(g.fast_accum ? 1 : 0));
-  if (is_fp8(g.out_type)) {
-    desc.set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, g.out_scale);
-    if (g.amax_scratch != nullptr) desc.set(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, g.amax_scratch);
-  }
-  desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue_of(g));
-  if (g.bias != nullptr) {
-    desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
-    desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(cuda_type(g.bias_type)));
-  }
-  if (g.pre_gelu != nullptr) {
-    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.pre_gelu);
-    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.ld_out);
-    if (g.pre_gelu_type != g.out_type)
-      desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, int32_t(cuda_type(g.pre_gelu_type)));
-  }
-  const Layout A(g.b_type, g.k, g.n, g.k);
-  const Layout B(g.a_type, g.k, g.m, g.k);
-  const Layout C(c_type_of(g), g.n, g.m, g.ld_out);
-  const Layout D(g.out_type, g.n, g.m, g.ld_out);
-  const cublasLtMatmulAlgo_t algo = cached_algo(handle, desc, A, B, C, D, g);
+  Plan& plan = plan_for(g);
+  if (g.workspace_bytes < plan.workspace_bytes)
+    throw std::invalid_argument("fp8_gemm_cublaslt: workspace of " + std::to_string(g.workspace_bytes) +
+                                " bytes, the algorithm needs " + std::to_string(plan.workspace_bytes));
+  plan.set_pointers(g);
   const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
   // C is read only when accumulating (then C = D = out, float32). Otherwise beta = 0 and C is null: passing D there
   // with a C dtype that differs from D's (FP8 outputs) is refused as an in-place call with mismatched layouts.
   const void* c = g.accumulate ? g.out : nullptr;
-  check_cublas(cublasLtMatmul(handle, desc.desc, &alpha, g.b, A.layout, g.a, B.layout, &beta, c, C.layout, g.out,
-                              D.layout, &algo, g.workspace, kGemmWorkspaceBytes, stream),
+  check_cublas(cublasLtMatmul(plan.handle, plan.desc.desc, &alpha, g.b, plan.a.layout, g.a, plan.b.layout, &beta, c,
+                              plan.c.layout, g.out, plan.d.layout, &plan.algo, g.workspace, g.workspace_bytes, stream),
                "cublasLtMatmul");
 }
 

@@ -13,12 +13,18 @@
 namespace tfp8 {
 namespace {
 
-void check_slot_tensor(const at::Tensor& t, at::IntArrayRef expected_shape, const at::Device& device,
-                       const std::string& arg) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, arg, ": expected a float32 tensor, got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == expected_shape, arg, ": expected shape ", dims(expected_shape), ", got ", dims(t.sizes()));
-  TORCH_CHECK(t.is_contiguous(), arg, ": expected a contiguous tensor (got strides ", dims(t.strides()), ")");
-  TORCH_CHECK(t.device() == device, arg, ": expected a tensor on ", device, ", got one on ", t.device());
+// Checks list[index]: float32, expected_shape, contiguous, on device. Messages name it "list[index]"; TORCH_CHECK
+// formats them only on failure, so a passing check builds no string.
+void check_slot_tensor(const at::Tensor& t, at::IntArrayRef expected_shape, const at::Device& device, const char* list,
+                       size_t index) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, list, "[", num(index), "]: expected a float32 tensor, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.sizes() == expected_shape, list, "[", num(index), "]: expected shape ", dims(expected_shape), ", got ",
+              dims(t.sizes()));
+  TORCH_CHECK(t.is_contiguous(), list, "[", num(index), "]: expected a contiguous tensor (got strides ",
+              dims(t.strides()), ")");
+  TORCH_CHECK(t.device() == device, list, "[", num(index), "]: expected a tensor on ", device, ", got one on ",
+              t.device());
 }
 
 void check_arguments(at::TensorList amax_histories, at::TensorList scales, at::TensorList scale_invs, double fp8_max,
@@ -36,15 +42,15 @@ void check_arguments(at::TensorList amax_histories, at::TensorList scales, at::T
   const at::Device device = amax_histories[0].device();
   constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
   for (size_t i = 0; i < n; ++i) {
-    const std::string index = "[" + std::to_string(i) + "]";
     const at::Tensor& history = amax_histories[i];
     TORCH_CHECK(history.dim() == 2 && history.size(0) >= 1 && history.size(0) <= kMaxDim &&
                     history.size(1) <= kMaxDim,
-                "amax_histories", index, ": expected shape [H, n] with 1 <= H, n < 2**31, got ",
+                "amax_histories[", num(i), "]: expected shape [H, n] with 1 <= H, n < 2**31, got ",
                 dims(history.sizes()));
-    check_slot_tensor(history, history.sizes(), device, "amax_histories" + index);
-    check_slot_tensor(scales[i], {history.size(1)}, device, "scales" + index);
-    check_slot_tensor(scale_invs[i], {history.size(1)}, device, "scale_invs" + index);
+    const int64_t slots = history.size(1);
+    check_slot_tensor(history, history.sizes(), device, "amax_histories", i);
+    check_slot_tensor(scales[i], {slots}, device, "scales", i);
+    check_slot_tensor(scale_invs[i], {slots}, device, "scale_invs", i);
   }
 }
 
