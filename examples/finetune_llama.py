@@ -11,7 +11,9 @@ The FP8 run is the BF16 run plus two things: a conversion and `fp8_autocast` aro
 --fp8-layers transformer (default): `convert_llama(model)`, each LlamaDecoderLayer becomes a transformer_fp8
 TransformerLayer (fused norm + FP8 GEMMs, fused attention); or --fp8-layers linear: `convert_linear_layers(model)`,
 every nn.Linear but lm_head becomes a transformer_fp8.Linear. Parameters are BF16 in both runs; AdamW updates FP32
-master copies of them. --grad-accum N passes is_first_microbatch to the FP8 layers (weights cast once per step);
+master copies of them (fused AdamW on CUDA). Both runs compute the loss with --loss chunked (default):
+`causal_lm_loss(model, batch)`, the LM head and cross-entropy chunk by chunk, never holding the [tokens, vocab] logits;
+--loss model: `model(input_ids=batch, labels=batch).loss`. --grad-accum N passes is_first_microbatch to the FP8 layers (weights cast once per step);
 --fuse-wgrad makes those layers accumulate their weight gradients into FP32 `weight.main_grad`, which the optimizer
 reads. Prints loss, tokens/s and peak GPU memory of each run; writes loss.png and summary.json under --out.
 Needs transformers (and optionally tqdm, matplotlib).
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 import transformer_fp8 as te
-from transformer_fp8.integrations import convert_linear_layers, convert_llama, microbatch
+from transformer_fp8.integrations import causal_lm_loss, convert_linear_layers, convert_llama, microbatch
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 PARAMS_DTYPE = torch.bfloat16
@@ -142,7 +144,8 @@ class MasterWeightAdamW:
     def __init__(self, params, lr, weight_decay=0.01):
         self.params = [p for p in params if p.requires_grad]
         self.masters = [p.detach().float().clone() for p in self.params]
-        self.adamw = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+        self.adamw = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay,
+                                       fused=self.masters[0].is_cuda)
 
     def set_lr(self, lr):
         for group in self.adamw.param_groups:
@@ -188,6 +191,13 @@ def lr_at(step, args):
 
 # --- training --------------------------------------------------------------------------------------------------------
 
+def training_loss(model, batch, args):
+    """Mean next-token loss of the batch [b, s] (--loss chunked: causal_lm_loss; model: the model's own loss)."""
+    if args.loss == "chunked":
+        return causal_lm_loss(model, batch)
+    return model(input_ids=batch, labels=batch).loss
+
+
 def fp8_context(fp8):
     if not fp8:
         return contextlib.nullcontext()
@@ -208,7 +218,7 @@ def evaluate(model, tokens, args, fp8, device, max_batches=8):
     for batch in windows.split(args.batch_size):
         batch = batch.to(device)
         with fp8_context(fp8):
-            losses.append(model(input_ids=batch, labels=batch).loss.float())
+            losses.append(training_loss(model, batch, args).float())
     model.train()
     return torch.stack(losses).mean().item()
 
@@ -288,7 +298,7 @@ def train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, d
         for micro in range(args.grad_accum):
             batch = batches.next().to(device)
             with fp8_context(fp8), microbatch(model, is_first=micro == 0):
-                loss = model(input_ids=batch, labels=batch).loss
+                loss = training_loss(model, batch, args)
             (loss / args.grad_accum).backward()
             step_loss += loss.detach().float() / args.grad_accum
         optimizer.step(args.max_grad_norm)
@@ -365,6 +375,9 @@ def parse_args(argv):
     p.add_argument("--fp8-layers", choices=("transformer", "linear"), default="transformer",
                    help="FP8 run: replace each LlamaDecoderLayer by our TransformerLayer (default), or only swap the "
                         "nn.Linear layers for our Linear")
+    p.add_argument("--loss", choices=("chunked", "model"), default="chunked",
+                   help="chunked: LM head + cross-entropy by causal_lm_loss, chunk by chunk (no full logits); model: "
+                        "model(input_ids, labels=input_ids).loss")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available); cpu trains a tiny model")
     p.add_argument("--steps", type=int, help="optimizer steps (default 200 on GPU, 20 on CPU)")
     p.add_argument("--batch-size", type=int, help="sequences per micro-batch (default 16 on GPU, 4 on CPU)")

@@ -1,5 +1,5 @@
 """examples/finetune_llama.py end to end on the CPU with a tiny model: summary, losses, grad accumulation with fused
-wgrad, checkpoint resume, .jsonl data."""
+wgrad, checkpoint resume, .jsonl data, the chunked loss against the model's own."""
 import importlib.util
 import json
 import math
@@ -31,7 +31,8 @@ def test_runs_both_precisions_and_writes_its_summary(example, tmp_path):
     assert bf16["fp8_modules"] == {}
     per_layer = {"LlamaTransformerLayer": 1, "TransformerLayer": 1, "MultiheadAttention": 1, "LayerNormLinear": 1,
                  "DotProductAttention": 1, "Linear": 1, "LayerNormMLP": 1}
-    assert fp8["fp8_modules"] == {name: 2 * n for name, n in per_layer.items()}  # the tiny model has 2 layers
+    assert fp8["fp8_modules"] == {"RMSNorm": 1,  # the final norm; the tiny model has 2 layers
+                                  **{name: 2 * n for name, n in per_layer.items()}}
     assert bf16["losses"][0] == pytest.approx(math.log(258), rel=0.05)  # random init over the 258 byte tokens
     assert bf16["losses"][-1] < bf16["losses"][0]
     for a, b in zip(bf16["losses"], fp8["losses"]):  # same init, same batches: FP8 tracks BF16
@@ -64,6 +65,14 @@ def test_jsonl_documents_are_wrapped_in_bos_eos(example, tmp_path):
     summary = example.main(TINY + ["--data", str(data), "--precision", "bf16", "--steps", "2",
                                    "--out", str(tmp_path / "out")])
     assert list(summary["runs"]) == ["bf16"] and len(summary["runs"]["bf16"]["losses"]) == 2
+
+
+def test_chunked_loss_trains_as_the_models_own_loss(example, tmp_path):
+    args = TINY + ["--precision", "bf16", "--steps", "3"]
+    chunked = example.main(args + ["--out", str(tmp_path / "a")])["runs"]["bf16"]
+    own = example.main(args + ["--loss", "model", "--out", str(tmp_path / "b")])["runs"]["bf16"]
+    for a, b in zip(chunked["losses"] + [chunked["eval_loss"]], own["losses"] + [own["eval_loss"]]):
+        assert a == pytest.approx(b, rel=1e-2)
 
 
 def test_data_too_short_for_a_sequence_is_reported(example, tmp_path):

@@ -1,6 +1,7 @@
 """integrations.convert_llama: Hugging Face LlamaDecoderLayers -> our TransformerLayer. Same logits and gradients as
 the Hugging Face model outside fp8_autocast (fp32 on the CPU, bf16 on the GPU), FP8 inside it; GQA, head_dim, padding
-masks, per-sequence position ids, linear RoPE scaling; local checkpoints; state dicts; refused configurations."""
+masks, per-sequence position ids, linear RoPE scaling; local checkpoints; state dicts; refused configurations;
+causal_lm_loss (the chunked head + loss) against the model's own loss."""
 import copy
 
 import pytest
@@ -9,8 +10,9 @@ import torch
 import transformer_fp8 as te
 from tests.utils import FP8_RTOL, rel_error
 from transformer_fp8 import recipe
-from transformer_fp8.integrations import LlamaTransformerLayer, convert_llama, microbatch
+from transformer_fp8.integrations import LlamaTransformerLayer, causal_lm_loss, convert_llama, microbatch
 from transformer_fp8.module import base
+from transformer_fp8.module.norm import RMSNorm
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,6 +68,8 @@ def test_every_decoder_layer_is_replaced_with_its_weights_mapped():
         assert torch.equal(mine, theirs)
     assert not converted.config.use_cache
     assert not any(name.endswith("_proj.weight") for name, _ in converted.model.layers.named_parameters())
+    assert type(converted.model.norm) is RMSNorm and torch.equal(converted.model.norm.weight, model.model.norm.weight)
+    assert converted.model.norm.eps == model.model.norm.variance_epsilon
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -195,6 +199,43 @@ def test_fused_wgrad_and_microbatch_weight_cache():
     assert rel_error(recast, first.logits) > 0.1
 
 
+def loss_and_grads(model, loss_fn):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("convert", [False, True])
+def test_causal_lm_loss_equals_the_models_loss_and_gradients(convert):
+    model = random_llama(llama_config())
+    model = converted_copy(model) if convert else model
+    ids = torch.randint(0, VOCAB, (3, 17))
+    labels = ids.clone()
+    labels[0, :5] = -100  # e.g. a prompt that is not trained on
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ref, ref_grads = loss_and_grads(model, lambda m: m(input_ids=ids, labels=labels, attention_mask=mask).loss)
+    loss, grads = loss_and_grads(model, lambda m: causal_lm_loss(m, ids, labels, chunk_size=8, attention_mask=mask))
+    assert rel_error(loss, ref) < 1e-6
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert rel_error(grad, ref_grads[name]) < 1e-5, name
+
+
+def test_causal_lm_loss_in_fp8_and_refused_logit_transforms():
+    converted = converted_copy(random_llama(llama_config()))
+    ids = torch.randint(0, VOCAB, (2, 16))
+    current = recipe.Float8CurrentScaling()  # scales from the tensors alone: both calls compute the same FP8 layers
+    with te.fp8_autocast(enabled=True, fp8_recipe=current):
+        ref = converted(input_ids=ids, labels=ids).loss
+        loss = causal_lm_loss(converted, ids)
+    assert rel_error(loss, ref) < 1e-6
+    converted.config.final_logit_softcapping = 30.0
+    with pytest.raises(NotImplementedError, match="final_logit_softcapping"):
+        causal_lm_loss(converted, ids)
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0, "low_freq_factor": 1.0,
                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), "rope_type"),
@@ -244,3 +285,16 @@ def test_cuda_bf16_logits_match_and_fp8_training_learns():
         hp_logits = converted(input_ids=ids).logits
     # the logits of a whole trained model: the FP8 roundings of 8 GEMMs add up (0.065 measured on an H100)
     assert 0 < rel_error(fp8_logits, hp_logits) < 2 * FP8_RTOL[torch.float8_e4m3fn]
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_causal_lm_loss_matches_the_models_loss():
+    config = llama_config(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=2,
+                          vocab_size=4000)
+    converted = converted_copy(random_llama(config, torch.bfloat16, "cuda"))
+    ids = torch.randint(0, 4000, (4, 128), device="cuda")
+    ref, ref_grads = loss_and_grads(converted, lambda m: m(input_ids=ids, labels=ids).loss)
+    loss, grads = loss_and_grads(converted, lambda m: causal_lm_loss(m, ids, chunk_size=128))  # 4 chunks
+    assert rel_error(loss, ref) < 1e-3
+    for name, grad in grads.items():
+        assert rel_error(grad, ref_grads[name]) < 2e-2, name

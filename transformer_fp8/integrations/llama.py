@@ -9,15 +9,20 @@ with the weights mapped from the Hugging Face layer:
     post_attention_layernorm.weight   -> layernorm_mlp.layer_norm_weight
     gate_proj | up_proj weights       -> layernorm_mlp.fc1_weight              (rows [gate | up], as our swiglu)
     down_proj.weight                  -> layernorm_mlp.fc2_weight
-(each under `<layer>.layer.`). Outside fp8_autocast the converted model computes what the Hugging Face one does;
-inside it every GEMM of the decoder layers runs in FP8. Nothing here imports transformers.
+(each under `<layer>.layer.`). The final LlamaRMSNorm (outside the decoder layers) becomes our RMSNorm, same `weight`
+(fused kernels instead of Hugging Face's float32 chain of elementwise ops, which also saves float32 copies for the
+backward). Outside fp8_autocast the converted model computes what the Hugging Face one does; inside it every GEMM of
+the decoder layers runs in FP8. Nothing here imports transformers.
+For training, `causal_lm_loss(model, input_ids)` gives the loss without the [tokens, vocab] logits.
 """
 import torch
 import torch.nn as nn
 
+from ..module.norm import RMSNorm
 from ..module.transformer import TransformerLayer
 
 HF_LAYER_CLASS = "LlamaDecoderLayer"
+HF_NORM_CLASS = "LlamaRMSNorm"
 
 
 def _skip_init(weight):
@@ -150,8 +155,8 @@ class LlamaTransformerLayer(nn.Module):
 
 
 def convert_llama(model, params_dtype=None, fuse_wgrad_accumulation=False):
-    """Replace every Hugging Face LlamaDecoderLayer inside `model` by a LlamaTransformerLayer with its weights; in
-    place, returns `model`.
+    """Replace every Hugging Face LlamaDecoderLayer inside `model` by a LlamaTransformerLayer with its weights, and
+    the LlamaRMSNorm left outside them (the final norm) by our RMSNorm; in place, returns `model`.
 
     params_dtype: dtype of the new parameters (default: each layer's own weight dtype); they go on the layer's device.
     fuse_wgrad_accumulation: the GEMM weights' gradients accumulate into `weight.main_grad` (FP32, to be attached).
@@ -173,6 +178,20 @@ def convert_llama(model, params_dtype=None, fuse_wgrad_accumulation=False):
         new.train(hf_layer.training)
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, new)
+    for name, hf_norm in [(name, m) for name, m in model.named_modules() if type(m).__name__ == HF_NORM_CLASS]:
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child_name, _converted_norm(hf_norm, config, params_dtype))
     config.use_cache = False
     config._attn_implementation = "sdpa"
     return model
+
+
+def _converted_norm(hf_norm, config, params_dtype):
+    """Our RMSNorm with the weight (and epsilon) of a Hugging Face LlamaRMSNorm, on its device."""
+    weight = hf_norm.weight
+    norm = RMSNorm(weight.shape[0], eps=getattr(hf_norm, "variance_epsilon", config.rms_norm_eps),
+                   params_dtype=params_dtype or weight.dtype, device=weight.device)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    norm.weight.requires_grad_(weight.requires_grad)
+    return norm.train(hf_norm.training)
