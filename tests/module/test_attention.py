@@ -179,7 +179,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="attn_mask_type"):
         DotProductAttention(4, 16, attn_mask_type="arbitrary")
     with pytest.raises(ValueError, match="qkv_format"):
-        DotProductAttention(4, 16, qkv_format="thd")
+        DotProductAttention(4, 16, qkv_format="tbhd")
     with pytest.raises(ValueError, match="num_gqa_groups"):
         DotProductAttention(4, 16, num_gqa_groups=3)
     with pytest.raises(ValueError, match="kv_channels"):

@@ -15,13 +15,14 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..distributed import TensorParallel, model_parallel_rng
+from .attention_varlen import check_packed_qkv, packed_attention
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from .qkv_split import split_qkv
 from .rope import apply_rotary_pos_emb
 
 ATTN_MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
-QKV_FORMATS = ("sbhd", "bshd")
+QKV_FORMATS = ("sbhd", "bshd", "thd")  # "thd" (packed sequences): DotProductAttention only
 FUSED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 MAX_HEAD_DIM = 256
 NO_KERNEL_ERRORS = ("No available kernel", "No viable backend")  # what SDPA raises when no allowed backend fits
@@ -118,6 +119,12 @@ class DotProductAttention(nn.Module):
     attn_mask_type: "no_mask", "causal" (top-left aligned), "padding", "padding_causal"; the padding types take
     attention_mask, bool [b, 1, 1, s_kv] (or [b, 1, s_q, s_kv]) with True = masked out (TE's convention).
     Dropout on the attention probabilities in training mode only.
+
+    qkv_format "thd" (packed sequences, no padding tokens): q [total_q, h, d], k/v [total_kv, g, d], with forward's
+    cu_seqlens_q / cu_seqlens_kv (int32 [batch + 1] offsets; cu_seqlens_kv=None: as q) and optional max_seqlen_q /
+    max_seqlen_kv; output [total_q, h * d]. attention_mask must be None; "padding" and "no_mask" mean no causal
+    mask, "padding_causal" and "causal" a causal mask top-left aligned within each sequence. Kernels, fallbacks and
+    host syncs: attention_varlen.py.
     """
 
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
@@ -153,17 +160,29 @@ class DotProductAttention(nn.Module):
             raise ValueError(f"key_layer/value_layer: batch and sequence dims must match ({fmt}), got q "
                              f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
 
-    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, attn_mask_type=None,
-                qkv_format=None):
+    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None, cu_seqlens_q=None,
+                cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None):
         fmt = qkv_format or self.qkv_format
         mask_type = attn_mask_type or self.attn_mask_type
         _check_choice(fmt, QKV_FORMATS, "qkv_format")
         _check_choice(mask_type, ATTN_MASK_TYPES, "attn_mask_type")
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if fmt == "thd":
+            check_packed_qkv(query_layer, key_layer, value_layer, self.num_attention_heads, self.num_gqa_groups,
+                             self.kv_channels)
+            if attention_mask is not None:
+                raise ValueError("attention_mask: must be None with qkv_format='thd' (cu_seqlens give the sequences)")
+            out = packed_attention(query_layer, key_layer, value_layer, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                                   max_seqlen_kv, causal="causal" in mask_type, dropout_p=dropout_p,
+                                   scale=self.softmax_scale)
+            return out.reshape(out.shape[0], -1)
+        if any(a is not None for a in (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)):
+            raise ValueError(f"cu_seqlens_q/cu_seqlens_kv/max_seqlen_q/max_seqlen_kv: only taken with "
+                             f"qkv_format='thd', got qkv_format={fmt!r} (padding there: attention_mask)")
         self._check_qkv(query_layer, key_layer, value_layer, fmt)
         to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if fmt == "sbhd" else (lambda t: t.transpose(1, 2))
         q, k, v = to_bhsd(query_layer), to_bhsd(key_layer), to_bhsd(value_layer)
         attn_mask, is_causal = _sdpa_mask(attention_mask, mask_type, q.shape[2], k.shape[2], q.device)
-        dropout_p = self.attention_dropout if self.training else 0.0
         out = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
                                            scale=self.softmax_scale)  # [b, h, sq, d]
         b, h, sq, d = out.shape
@@ -191,9 +210,10 @@ class MultiheadAttention(nn.Module):
     Tensor parallelism (set_parallel_mode=True, a tp_group of size tp > 1; interleaved QKV weights): the QKV
     projection is column-parallel (this rank's num_gqa_groups/tp groups, i.e. num_attention_heads/tp query heads),
     attention runs on those heads, the output projection is row-parallel. With sequence_parallel ("sbhd" only) the
-    input and output are this rank's sequence block. Attention dropout then draws from the RNG tracker's
-    "model-parallel-rng" state when it has one (distributed.get_rng_state_tracker(): seed it per rank for independent
-    masks). return_layernorm_output is not supported with TP.
+    input and output are this rank's sequence block: the input norm runs on it, and the QKV projection all-gathers
+    its (normalised) input along the sequence, in FP8 inside fp8_autocast. Attention dropout then draws from the RNG
+    tracker's "model-parallel-rng" state when it has one (distributed.get_rng_state_tracker(): seed it per rank for
+    independent masks). return_layernorm_output is not supported with TP.
     """
 
     def __init__(self, hidden_size, num_attention_heads, kv_channels=None, attention_dropout=0.1,
@@ -210,6 +230,9 @@ class MultiheadAttention(nn.Module):
         if return_layernorm_output and not input_layernorm:
             raise ValueError("return_layernorm_output: needs input_layernorm=True")
         self.qkv_format = attn_input_format or qkv_format
+        if self.qkv_format == "thd":
+            raise NotImplementedError("qkv_format: MultiheadAttention and TransformerLayer take 'sbhd' or 'bshd'; "
+                                      "'thd' (packed sequences) is supported by DotProductAttention only")
         kv_channels = kv_channels or hidden_size // num_attention_heads
         num_gqa_groups = num_gqa_groups or num_attention_heads
         tp = TensorParallel.create(tp_group, tp_size, "column" if set_parallel_mode else None, sequence_parallel)
@@ -264,6 +287,7 @@ class MultiheadAttention(nn.Module):
             q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format)
             k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format)
+            v = v.contiguous()  # q and k are new tensors now: a view v alone would keep the whole QKV output alive
         with model_parallel_rng(self.tp is not None):  # dropout on this rank's heads
             context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
         out = self.proj(context, is_first_microbatch=is_first_microbatch)
