@@ -13,7 +13,7 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-FAMILIES = ("quantize", "gemm", "norm", "activation", "scaling")
+FAMILIES = ("quantize", "gemm", "norm", "activation", "scaling", "rope")
 
 
 def cuda_sources():

@@ -65,6 +65,18 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // A zero, NaN or Inf amax keeps the old scale; a NaN/Inf amax enters the history as 0.
   m.def("delayed_scaling_update(Tensor(a!)[] amax_histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
         "float fp8_max, float margin, str amax_compute_algo) -> ()");
+
+  // --- rope family --- rotary position embeddings. t [s, b, h, d] (qkv_format "sbhd") or [b, s, h, d] ("bshd") of
+  // float32/float16/bfloat16, last dim contiguous, any strides elsewhere (q, k, v may be views of a fused QKV tensor);
+  // freqs float32 angles [>= s, 1 or b, 1, rot_dim] (rows past s unused), last dim contiguous, rot_dim even,
+  // 2 <= rot_dim <= d. Channels (i, j) pair up as (i, i + rot_dim/2) for i < rot_dim/2, or (2i, 2i + 1) when
+  // interleaved; each pair (x_i, x_j) -> (x_i cos f_i - x_j sin f_i, x_j cos f_j + x_i sin f_j) (the "rotate half"
+  // formula t * cos(freqs) + rotate_half(t) * sin(freqs)); channels rot_dim.. pass through. Math in float32; out is
+  // contiguous, in t's shape and dtype.
+  m.def("rope_fwd(Tensor t, Tensor freqs, str qkv_format, bool interleaved=False) -> Tensor");
+  // d(t) of rope_fwd for grad_out (t's shape, the same rules): each pair (g_i, g_j) ->
+  // (g_i cos f_i + g_j sin f_j, g_j cos f_j - g_i sin f_i), the rotation by the negated angle when f_i == f_j.
+  m.def("rope_bwd(Tensor grad_out, Tensor freqs, str qkv_format, bool interleaved=False) -> Tensor");
 }
 
 // A Python module with no functions: importing transformer_fp8._C loads this library and runs the registrations.

@@ -20,5 +20,5 @@ __version__ = "0.1.0"
 def cuda_kernels_available(which=all) -> bool:
     """True when the extension was built with its CUDA kernels (and so can run on a GPU).
     `which=any` asks whether some op family has them (a partial TFP8_ONLY build)."""
-    ops_ = ("quantize", "fp8_gemm", "layernorm_fwd", "activation_fwd", "delayed_scaling_update")
+    ops_ = ("quantize", "fp8_gemm", "layernorm_fwd", "activation_fwd", "delayed_scaling_update", "rope_fwd")
     return which(torch._C._dispatch_has_kernel_for_dispatch_key(f"transformer_fp8::{op}", "CUDA") for op in ops_)

@@ -101,6 +101,26 @@ def _(input, activation, scale=None, fp8_dtype=None, amax=None, scale_inv=None):
     return input.new_empty(shape, dtype=fp8_dtype or input.dtype)
 
 
+def activation_high_precision(input, activation):
+    """activation_fwd(input, activation) (no FP8 output). Traced by torch.compile it goes through the op `activation`
+    below instead: inductor (torch 2.11) fails to lower a call of an op with mutable arguments that returns one
+    tensor when all those arguments are None ("getitem is not an OpOverload")."""
+    if torch.compiler.is_compiling():
+        return _activation(input, activation)
+    return tfp8.activation_fwd(input, activation)
+
+
+@torch.library.custom_op("transformer_fp8::activation", mutates_args=())
+def _activation(input: torch.Tensor, activation: str) -> torch.Tensor:
+    """activation_fwd without an FP8 output, under a schema with no mutable arguments."""
+    return tfp8.activation_fwd(input, activation)
+
+
+@_activation.register_fake
+def _(input, activation):
+    return input.new_empty((*input.shape[:-1], activation_out_features(activation, input.shape[-1])))
+
+
 @_register_fake("transformer_fp8::activation_bwd")
 def _(grad_out, input, activation):
     return torch.empty_like(input)
@@ -116,3 +136,13 @@ def _(grad_out, input, activation, scale, fp8_dtype, amax=None, scale_inv=None, 
 @_register_fake("transformer_fp8::delayed_scaling_update")
 def _(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo):
     return None
+
+
+@_register_fake("transformer_fp8::rope_fwd")
+def _(t, freqs, qkv_format, interleaved=False):
+    return t.new_empty(t.shape)  # contiguous, whatever t's strides
+
+
+@_register_fake("transformer_fp8::rope_bwd")
+def _(grad_out, freqs, qkv_format, interleaved=False):
+    return grad_out.new_empty(grad_out.shape)
