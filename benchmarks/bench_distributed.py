@@ -1,15 +1,19 @@
-"""TransformerLayer forward+backward per rank under fp8_autocast with tensor parallelism: TP=1 (rank 0 alone),
-TP=2 and TP=2 + sequence parallelism, and the bytes the TP/SP collectives move per step. Prints a table and writes
-JSON (--json, rank 0).
+"""TransformerLayer forward+backward per rank under fp8_autocast with tensor parallelism: TP=1 (rank 0 alone, in the
+same run), TP=2, TP=2 + sequence parallelism (the norm outputs all-gathered in FP8), and TP=2 + SP with per-rank
+scales (DelayedScaling(reduce_amax=False): the norm outputs all-gathered in BF16), and the bytes the TP/SP
+collectives move per step. Prints a table and writes JSON (--json, rank 0). Target: TP=2 at most 0.6x TP=1's time.
 
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py [--json out.json]        (2 GPUs, NCCL)
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --device cpu --tiny       (smoke test, gloo)
 
 Config "guide": hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4, BF16 parameters, sbhd, no dropout, delayed
-scaling (amaxes reduced over the TP group). "tiny" (--tiny): hidden 64, ffn 128, 4 heads, seq 16, batch 2.
+scaling (amaxes reduced over the TP group). "tiny" (--tiny): hidden 64, ffn 128, 4 heads, seq 16, batch 2, the FP8
+path at every size (base.FP8_MIN_GEMM_SIZE = 0: no small-shape automatic path).
 Bytes: per rank and step, the full buffer of each collective issued by transformer_fp8.distributed (the all-reduce's
 tensor, the all-gather's output, the reduce-scatter's input), counted on one extra step; the amax all-reduce (a few
-hundred bytes) is not included. Time: median over --iters steps (CUDA events on GPU), the slowest rank's.
+hundred bytes) is not included. "sent": what each rank sends of those in a ring algorithm, (n-1)/n of the buffer for
+an all-gather or reduce-scatter and twice that for an all-reduce (n ranks): the figure to compare across variants.
+Time: median over --iters steps (CUDA events on GPU), the slowest rank's.
 """
 import argparse
 import json
@@ -26,12 +30,20 @@ import torch.distributed as dist  # noqa: E402
 import transformer_fp8 as te  # noqa: E402
 from transformer_fp8 import distributed as tpd  # noqa: E402
 from transformer_fp8 import recipe  # noqa: E402
+from transformer_fp8.module import base  # noqa: E402
 
 CONFIGS = {
     "guide": dict(hidden=4096, ffn=16384, heads=32, seq=2048, batch=4),
     "tiny": dict(hidden=64, ffn=128, heads=4, seq=16, batch=2),
 }
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+TARGET_TP2_VS_TP1 = 0.6
+
+
+def sent_bytes(collectives, world):
+    """Bytes each rank sends per step in a ring algorithm, from {collective[dtype]: buffer bytes}."""
+    share = (world - 1) / world
+    return sum(v * share * (2 if k.startswith("all_reduce") else 1) for k, v in collectives.items())
 
 
 class CollectiveBytes:
@@ -90,7 +102,7 @@ def step_ms(step, device, warmup, iters):
     return statistics.median(times)
 
 
-def run_variant(c, tp_group, sequence_parallel, device, dtype, amax_group, args):
+def run_variant(c, tp_group, sequence_parallel, device, dtype, amax_group, fp8_recipe, args):
     """(ms per step, {collective: bytes per step}) of one TransformerLayer configuration on this rank."""
     tp = tp_group is not None
     size = dist.get_world_size(tp_group) if tp else 1
@@ -101,7 +113,6 @@ def run_variant(c, tp_group, sequence_parallel, device, dtype, amax_group, args)
     seq = c["seq"] // size if sequence_parallel else c["seq"]  # SP: this rank's sequence block
     x = torch.randn(seq, c["batch"], c["hidden"], dtype=dtype, device=device, requires_grad=True)
     dy = torch.randn_like(x)
-    fp8_recipe = recipe.DelayedScaling(amax_history_len=16)
 
     def step():
         with te.fp8_autocast(fp8_recipe=fp8_recipe, fp8_group=amax_group):
@@ -137,15 +148,22 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     name = "tiny" if args.tiny else "guide"
     c = CONFIGS[name]
+    if args.tiny:
+        base.FP8_MIN_GEMM_SIZE = 0
+    shared_scales = recipe.DelayedScaling(amax_history_len=16)
+    per_rank_scales = recipe.DelayedScaling(amax_history_len=16, reduce_amax=False)
     rank0_only = dist.new_group([0])  # every rank creates it; TP=1 runs on rank 0 and reduces amaxes there only
     world_group = dist.group.WORLD
     results = {}
     try:
         if rank == 0:
-            results["TP=1"] = run_variant(c, None, False, device, dtype, rank0_only, args)
+            results["TP=1"] = run_variant(c, None, False, device, dtype, rank0_only, shared_scales, args)
         dist.barrier()
-        results[f"TP={world}"] = run_variant(c, world_group, False, device, dtype, world_group, args)
-        results[f"TP={world}+SP"] = run_variant(c, world_group, True, device, dtype, world_group, args)
+        results[f"TP={world}"] = run_variant(c, world_group, False, device, dtype, world_group, shared_scales, args)
+        results[f"TP={world}+SP"] = run_variant(c, world_group, True, device, dtype, world_group, shared_scales,
+                                                args)
+        results[f"TP={world}+SP per-rank scales"] = run_variant(c, world_group, True, device, dtype, world_group,
+                                                                per_rank_scales, args)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, results)
     finally:
@@ -157,21 +175,24 @@ def main():
         times = [r[variant][0] for r in per_rank if variant in r]
         collectives = results[variant][1]
         rows.append(dict(variant=variant, ms=max(times), ms_per_rank=times, bytes=collectives,
-                         total_bytes=sum(collectives.values())))
-    base = rows[0]["ms"]
+                         total_bytes=sum(collectives.values()), sent_bytes=sent_bytes(collectives, world)))
+    tp1_ms = rows[0]["ms"]
     for row in rows:
-        row["vs_tp1"] = row["ms"] / base
+        row["vs_tp1"] = row["ms"] / tp1_ms
     print(f"TransformerLayer fwd+bwd, config {name} {c}, FP8 (delayed scaling), {dtype}, {device.type}, "
           f"world {world}")
-    print(f"{'variant':<10} {'ms/step':>10} {'vs TP=1':>8} {'MiB moved/step':>15}  collectives")
+    print(f"{'variant':<24} {'ms/step':>9} {'vs TP=1':>8} {'buffers MiB':>12} {'sent MiB':>9}  collectives (buffers)")
     for row in rows:
         detail = ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in sorted(row["bytes"].items())) or "-"
-        print(f"{row['variant']:<10} {row['ms']:>10.2f} {row['vs_tp1']:>8.2f} "
-              f"{row['total_bytes'] / 2**20:>15.1f}  {detail}")
+        print(f"{row['variant']:<24} {row['ms']:>9.2f} {row['vs_tp1']:>8.2f} {row['total_bytes'] / 2**20:>12.1f} "
+              f"{row['sent_bytes'] / 2**20:>9.1f}  {detail}")
+    tp_vs_tp1 = rows[1]["vs_tp1"]
+    target_met = tp_vs_tp1 <= TARGET_TP2_VS_TP1
+    print(f"target TP={world} <= {TARGET_TP2_VS_TP1}x TP=1: {'met' if target_met else 'NOT met'} ({tp_vs_tp1:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(config=name, shape=c, dtype=str(dtype), device=device.type, world=world, rows=rows), f,
-                      indent=2)
+            json.dump(dict(config=name, shape=c, dtype=str(dtype), device=device.type, world=world, rows=rows,
+                           target_tp_vs_tp1=TARGET_TP2_VS_TP1, target_met=target_met), f, indent=2)
 
 
 if __name__ == "__main__":

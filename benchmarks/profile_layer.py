@@ -23,7 +23,7 @@ def kernel_table(step, top):
         step()
         torch.cuda.synchronize()
     gaps(prof)
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events)
     print(f"\nGPU time by kernel (one step, total {total / 1e3:.2f} ms)")
@@ -51,7 +51,15 @@ def gaps(prof, top=8):
         print(f"{gap:8.1f} us after {name[:100]}")
         for e in host_ops:
             if e.time_range.end > start and e.time_range.start < end:
-                print(f"{'':12}host {e.name[:80]} {e.time_range.elapsed_us():.0f} us")
+                print(f"{'':12}host {e.name[:80]} {e.time_range.elapsed_us():.0f} us, the longest of its ops:")
+                for child in sorted(_descendants(e), key=lambda c: -c.time_range.elapsed_us())[:top]:
+                    print(f"{'':16}{child.name[:80]} {child.time_range.elapsed_us():.0f} us")
+
+
+def _descendants(event):
+    for child in event.cpu_children:
+        yield child
+        yield from _descendants(child)
 
 
 def origin(frames):

@@ -1,4 +1,5 @@
-"""Data parallelism under torch.nn.parallel.DistributedDataParallel: 2 CPU processes (gloo), one spawned job.
+"""Data parallelism under torch.nn.parallel.DistributedDataParallel: 2 processes (gloo on CPU; NCCL on 2 GPUs with
+TFP8_DIST_BACKEND=nccl, see tests/dist_utils.py), one spawned job.
 
 Each rank trains the same small model of our modules (Linear, LayerNormMLP) on its half of every global batch for a
 few SGD steps inside fp8_autocast(fp8_group=WORLD) (delayed scaling). Both ranks also train the single-process model
@@ -9,26 +10,32 @@ backward scales are 1/WORLD of the single-process ones: a power of two, the FP8 
 Checked: parameters and FP8 scales identical on both ranks, and equal to the single-process run's (float32 summation
 order aside), with FP8 visibly different from a float32 run.
 """
+import json
 import os
-import socket
-import traceback
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import transformer_fp8 as te
 from transformer_fp8 import recipe
+from tests.dist_utils import DEVICE, WORLD, free_port, run_workers
 from tests.utils import rel_error
 
-WORLD, TOKENS, HIDDEN, FFN, STEPS = 2, 14, 32, 64, 3
+TOKENS, HIDDEN, FFN, STEPS = 14, 32, 64, 3
+# Under torchrun with gloo, rank 1 of bench_distributed.py sometimes aborts at interpreter exit, after
+# destroy_process_group and its atexit handlers (about 1 run in 12 on the CPU machine, with this commit's benchmark
+# and the previous one; a bare torch.distributed script did not reproduce it). Its stderr then holds this line.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
 def _model():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(te.Linear(HIDDEN, HIDDEN, params_dtype=torch.float32, device="cpu"),
-                                te.LayerNormMLP(HIDDEN, FFN, params_dtype=torch.float32, device="cpu"))
+    model = torch.nn.Sequential(te.Linear(HIDDEN, HIDDEN, params_dtype=torch.float32, device=DEVICE),
+                                te.LayerNormMLP(HIDDEN, FFN, params_dtype=torch.float32, device=DEVICE))
     with torch.no_grad():  # non-trivial norm and bias parameters
         for p in model.parameters():
             if p.dim() == 1:
@@ -48,7 +55,7 @@ def _train(model, rank, fp8, loss_divisor):
     losses = []
     for step in range(STEPS):
         torch.manual_seed(100 + step)
-        x = torch.randn(WORLD * TOKENS, HIDDEN)
+        x = torch.randn(WORLD * TOKENS, HIDDEN).to(DEVICE)
         x = x if rank is None else x.chunk(WORLD)[rank]
         with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe, fp8_group=dist.group.WORLD):
             out = model(x)
@@ -62,27 +69,18 @@ def _train(model, rank, fp8, loss_divisor):
     return torch.stack(losses), params, (_scales(inner) if fp8 else None)
 
 
-def _worker(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        local = {}
-        for label, fp8 in (("hp", False), ("fp8", True)):
-            ddp = torch.nn.parallel.DistributedDataParallel(_model())
-            local[f"{label}/ddp"] = _train(ddp, rank, fp8, 1)
-            local[f"{label}/single"] = _train(_model(), None, fp8, WORLD)
-        results[rank] = local
-    except Exception:
-        results[rank] = {"exception": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
+def _worker(rank):
+    local = {}
+    for label, fp8 in (("hp", False), ("fp8", True)):
+        ddp = torch.nn.parallel.DistributedDataParallel(_model())
+        local[f"{label}/ddp"] = _train(ddp, rank, fp8, 1)
+        local[f"{label}/single"] = _train(_model(), None, fp8, WORLD)
+    return local
 
 
 @pytest.fixture(scope="module")
 def dp_results():
-    shared = mp.Manager().dict()
-    mp.spawn(_worker, args=(_free_port(), shared), nprocs=WORLD, join=True)
-    per_rank = [dict(shared[r]) for r in range(WORLD)]
+    per_rank = run_workers(_worker)
     for local in per_rank:
         assert "exception" not in local, local["exception"]
     return per_rank
@@ -97,7 +95,10 @@ def test_parameters_and_scales_stay_identical_across_ranks(dp_results, label):
         assert (torch.cat(scales0) != 1).float().mean() > 0.5  # the updates ran on the reduced amaxes
 
 
-@pytest.mark.parametrize("label, tol", [("hp", 1e-5), ("fp8", 1e-4)])
+# FP8 on CUDA: cuBLASLt sums the half-batch and whole-batch wgrads in different orders, and a float32 difference in a
+# weight can flip its FP8 rounding at the next step's cast: parameters 2.7e-4 and scales (amaxes of those weights and
+# of what they compute) 1.9e-5 apart, seen on 2 H200s with NCCL
+@pytest.mark.parametrize("label, tol", [("hp", 1e-5), ("fp8", 1e-4 if DEVICE == "cpu" else 1e-3)])
 def test_matches_single_process_on_the_whole_batch(dp_results, label, tol):
     for rank_results in dp_results:
         ddp_losses, ddp_params, ddp_scales = rank_results[f"{label}/ddp"]
@@ -106,8 +107,9 @@ def test_matches_single_process_on_the_whole_batch(dp_results, label, tol):
         assert rel_error(local_total, ref_losses * WORLD) < tol
         assert rel_error(ddp_params, ref_params) < tol
         if label == "fp8":
-            assert rel_error(ddp_scales[0], ref_scales[0]) < 1e-5
-            assert rel_error(ddp_scales[1] * WORLD, ref_scales[1]) < 1e-5
+            scale_tol = 1e-5 if DEVICE == "cpu" else tol
+            assert rel_error(ddp_scales[0], ref_scales[0]) < scale_tol
+            assert rel_error(ddp_scales[1] * WORLD, ref_scales[1]) < scale_tol
 
 
 def test_fp8_ran(dp_results):
@@ -116,31 +118,34 @@ def test_fp8_ran(dp_results):
 
 
 def test_bench_distributed_smoke(tmp_path):
-    """benchmarks/bench_distributed.py under torchrun on CPU (gloo, tiny config): the three variants time, and the
-    counted SP collectives move the activations twice per step each way: 2 all-gathers (QKV, FC1 inputs) and 2
-    reduce-scatters (proj, FC2 outputs) forward, the conjugates backward, each [seq, batch, hidden] float32."""
-    import json
-    import pathlib
-    import subprocess
-    import sys
-
+    """benchmarks/bench_distributed.py under torchrun (tiny config; CPU and gloo, or the GPUs with NCCL): the
+    variants time, and the counted SP collectives move the activations twice per step each way. Forward: 2
+    all-gathers (QKV, FC1 inputs) in FP8 (one byte an element) and 2 reduce-scatters (proj, FC2 outputs); backward:
+    2 all-gathers of the output gradients and 2 reduce-scatters of the gathered inputs' gradients; each of
+    [seq, batch, hidden] elements, high precision ones in the parameter dtype. With per-rank scales
+    (reduce_amax=False) the forward all-gathers are high precision too."""
     root = pathlib.Path(__file__).resolve().parents[1]
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
-           str(_free_port()), str(root / "benchmarks" / "bench_distributed.py"), "--device", "cpu", "--tiny",
+           str(free_port()), str(root / "benchmarks" / "bench_distributed.py"), "--device", DEVICE, "--tiny",
            "--warmup", "1", "--iters", "2", "--json", str(out)]
-    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=180, env=env)
+    if done.returncode != 0 and GLOO_EXIT_ABORT in done.stderr:  # (see GLOO_EXIT_ABORT) once more
+        done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["TP=1", "TP=2", "TP=2+SP"] and all(row["ms"] > 0 for row in rows.values())
-    activation = 16 * 2 * 64 * 4  # tiny: seq 16, batch 2, hidden 64, float32
+    result = json.loads(out.read_text())
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert list(rows) == ["TP=1", "TP=2", "TP=2+SP", "TP=2+SP per-rank scales"]
+    assert all(row["ms"] > 0 for row in rows.values())
+    elements, hp = 16 * 2 * 64, result["dtype"].removeprefix("torch.")  # tiny: seq 16, batch 2, hidden 64
+    itemsize = torch.empty(0, dtype=getattr(torch, hp)).element_size()
     assert rows["TP=1"]["bytes"] == {}
-    assert rows["TP=2"]["bytes"]["all_reduce[float32]"] >= 4 * activation
-    assert rows["TP=2+SP"]["bytes"]["all_gather_into_tensor[float32]"] == 4 * activation
-    assert rows["TP=2+SP"]["bytes"]["reduce_scatter_tensor[float32]"] == 4 * activation
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    assert rows["TP=2"]["bytes"][f"all_reduce[{hp}]"] >= 4 * elements * itemsize
+    sp = rows["TP=2+SP"]["bytes"]
+    assert sp["all_gather_into_tensor[uint8]"] == 2 * elements  # forward, FP8
+    assert sp[f"all_gather_into_tensor[{hp}]"] == 2 * elements * itemsize  # backward
+    assert sp[f"reduce_scatter_tensor[{hp}]"] == 4 * elements * itemsize
+    per_rank = rows["TP=2+SP per-rank scales"]["bytes"]
+    assert "all_gather_into_tensor[uint8]" not in per_rank
+    assert per_rank[f"all_gather_into_tensor[{hp}]"] == 4 * elements * itemsize

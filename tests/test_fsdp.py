@@ -1,5 +1,6 @@
-"""FSDP2 (torch.distributed.fsdp.fully_shard) with our modules: 2 CPU processes (gloo, a CPU device mesh), one
-spawned job; plus single-process tests of the Float8Tensor pieces FSDP2 relies on.
+"""FSDP2 (torch.distributed.fsdp.fully_shard) with our modules: 2 processes (gloo on CPU; NCCL on 2 GPUs with
+TFP8_DIST_BACKEND=nccl, see tests/dist_utils.py), one spawned job; plus single-process tests of the Float8Tensor
+pieces FSDP2 relies on.
 
 Each rank trains a model of our modules (Linear, LayerNormMLP; each module and the root fully_shard-ed) on its half
 of every global batch for a few SGD steps inside fp8_autocast (delayed scaling, amaxes reduced over the world), and
@@ -9,27 +10,23 @@ the single-process model on the whole batch (loss divided by the world size: FSD
   bytes (recorded in fsdp_post_all_gather), and training follows the single-process run within FP8 tolerance (each
   rank re-quantizes its shard after the optimizer step with its own scale, the single process the whole tensor).
 """
-import os
-import socket
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import transformer_fp8 as te
 from transformer_fp8 import Float8Tensor, recipe
+from tests.dist_utils import DEVICE, WORLD, run_workers
 from tests.utils import FP8_RTOL, rel_error
 
-WORLD, TOKENS, HIDDEN, FFN, STEPS = 2, 14, 32, 64, 3
+TOKENS, HIDDEN, FFN, STEPS = 14, 32, 64, 3
 
 
 def _model(fp8_params):
     torch.manual_seed(0)
     with te.fp8_model_init(fp8_params):
-        return torch.nn.Sequential(te.Linear(HIDDEN, HIDDEN, params_dtype=torch.float32, device="cpu"),
-                                   te.LayerNormMLP(HIDDEN, FFN, params_dtype=torch.float32, device="cpu"))
+        return torch.nn.Sequential(te.Linear(HIDDEN, HIDDEN, params_dtype=torch.float32, device=DEVICE),
+                                   te.LayerNormMLP(HIDDEN, FFN, params_dtype=torch.float32, device=DEVICE))
 
 
 def _full(t):
@@ -45,7 +42,7 @@ def _train(model, rank, loss_divisor, foreach):
     losses, grads = [], None
     for step in range(STEPS):
         torch.manual_seed(100 + step)
-        x = torch.randn(WORLD * TOKENS, HIDDEN)
+        x = torch.randn(WORLD * TOKENS, HIDDEN).to(DEVICE)
         x = x if rank is None else x.chunk(WORLD)[rank]
         with te.fp8_autocast(fp8_recipe=fp8_recipe, fp8_group=dist.group.WORLD):
             out = model(x)
@@ -64,7 +61,7 @@ def _sharded(fp8_params):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(DEVICE, (WORLD,))
     model = _model(fp8_params)
     for module in model:
         fully_shard(module, mesh=mesh)
@@ -73,9 +70,7 @@ def _sharded(fp8_params):
     return model, shards
 
 
-def _worker(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank):
     all_gathered = []
     post_all_gather = Float8Tensor.fsdp_post_all_gather
 
@@ -93,22 +88,14 @@ def _worker(rank, port, results):
             local[f"{label}/fsdp"] = _train(model, rank, 1, foreach)
             local[f"{label}/all_gathered"] = list(all_gathered)
             local[f"{label}/single"] = _train(_model(fp8_params), None, WORLD, foreach)
-        results[rank] = local
-    except Exception:
-        results[rank] = {"exception": traceback.format_exc()}
+        return local
     finally:
         Float8Tensor.fsdp_post_all_gather = post_all_gather
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def fsdp_results():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    shared = mp.Manager().dict()
-    mp.spawn(_worker, args=(port, shared), nprocs=WORLD, join=True)
-    per_rank = [dict(shared[r]) for r in range(WORLD)]
+    per_rank = run_workers(_worker)
     for local in per_rank:
         assert "exception" not in local, local["exception"]
     return per_rank

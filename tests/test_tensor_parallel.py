@@ -1,58 +1,69 @@
-"""Tensor and sequence parallelism on CPU: 2 processes (gloo), one spawned job for the whole file.
+"""Tensor and sequence parallelism: 2 processes (gloo on CPU; NCCL on 2 GPUs with TFP8_DIST_BACKEND=nccl, see
+tests/dist_utils.py), one spawned job for the whole file.
 
 Each case builds the single-process module and its TP=2 counterpart, loads the full state dict into the TP one
 (sliced by rank), feeds both the same full input (the TP one its shard: dim 0 with sequence_parallel, last dim for
-row-parallel) and checks the output and every gradient against the matching part of the single-process ones: outside
-fp8_autocast (float32) and inside it (delayed scaling, second step: the scales then come from amaxes reduced over the
-TP group and must equal the single-process module's).
+row-parallel) and checks the output and every gradient against the matching part of the single-process ones, for each
+of RECIPES: outside fp8_autocast, delayed scaling (second step: the scales then come from amaxes reduced over the TP
+group and must equal the single-process module's), current scaling (amaxes reduced over the TP group before each
+cast: the same scales again) and delayed scaling without amax reduction (per-rank scales: the sequence-parallel input
+is gathered in high precision). Also recorded: the collectives transformer_fp8.distributed issues (the
+sequence-parallel all-gathers move FP8 bytes inside fp8_autocast) and the rows every norm runs on (this rank's
+sequence block with sequence_parallel).
 """
-import os
-import socket
 import traceback
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import transformer_fp8 as te
 from transformer_fp8 import distributed as tpd
 from transformer_fp8 import recipe
-from tests.utils import rel_error
+from transformer_fp8.module import norm as norm_ops
+from tests.dist_utils import DEVICE, WORLD, run_workers
+from tests.utils import FP8_RTOL, rel_error
 
-WORLD = 2
-S, B, H, N, FFN = 6, 3, 32, 48, 64  # sequence, batch, hidden, Linear/LayerNormLinear width, MLP ffn width
+S, B, H, N, FFN = 8, 4, 32, 48, 64  # sequence, batch, hidden, Linear/LayerNormLinear width, MLP ffn width
+RECIPES = {  # label: recipe (None: outside fp8_autocast)
+    "hp": None,
+    "fp8": recipe.DelayedScaling(amax_history_len=2),
+    "fp8_current": recipe.Float8CurrentScaling(),
+    "fp8_per_rank": recipe.DelayedScaling(amax_history_len=2, reduce_amax=False),
+}
+FP8_LABELS = ("fp8", "fp8_current")  # the scales equal the single-process module's
 
 
 def _linear(**tp):
-    return te.Linear(H, N, params_dtype=torch.float32, device="cpu", **tp)
+    return te.Linear(H, N, params_dtype=torch.float32, device=DEVICE, **tp)
 
 
 def _row_linear(**tp):
-    return te.Linear(N, H, params_dtype=torch.float32, device="cpu", **tp)
+    return te.Linear(N, H, params_dtype=torch.float32, device=DEVICE, **tp)
 
 
 def _ln_linear(**tp):
-    return te.LayerNormLinear(H, N, params_dtype=torch.float32, device="cpu", **tp)
+    return te.LayerNormLinear(H, N, params_dtype=torch.float32, device=DEVICE, **tp)
 
 
 def _mlp(activation="gelu", normalization="LayerNorm"):
     def make(parallel_mode=None, **tp):
         return te.LayerNormMLP(H, FFN, activation=activation, normalization=normalization,
-                               params_dtype=torch.float32, device="cpu", set_parallel_mode=parallel_mode is not None,
+                               params_dtype=torch.float32, device=DEVICE, set_parallel_mode=parallel_mode is not None,
                                **tp)
     return make
 
 
 def _attention(parallel_mode=None, **tp):
     return te.MultiheadAttention(H, 4, num_gqa_groups=2, attention_dropout=0.0, input_layernorm=True,
-                                 params_dtype=torch.float32, device="cpu", set_parallel_mode=parallel_mode is not None,
+                                 params_dtype=torch.float32, device=DEVICE, set_parallel_mode=parallel_mode is not None,
                                  **tp)
 
 
 def _transformer_layer(parallel_mode=None, **tp):
     return te.TransformerLayer(H, FFN, 4, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
-                               device="cpu", set_parallel_mode=parallel_mode is not None, **tp)
+                               device=DEVICE, set_parallel_mode=parallel_mode is not None, **tp)
 
 
 # name: (constructor, parallel_mode, sequence_parallel, input split, output split, input width)
@@ -72,6 +83,49 @@ CASES = {
     "transformer_layer": (_transformer_layer, "column", False, None, None, H),
     "transformer_layer_sp": (_transformer_layer, "column", True, "seq", "seq", H),
 }
+# per case: (column-parallel GEMMs fed by an all-gather with sequence_parallel, whether the module has norms)
+GATHERS = {"column_sp": 1, "layernorm_linear_sp": 1, "layernorm_mlp_sp": 1, "layernorm_mlp_swiglu_rmsnorm_sp": 1,
+           "multihead_attention_sp": 1, "transformer_layer_sp": 2}
+HAS_NORM = ("layernorm", "attention", "transformer")
+# attention runs in BF16 on CUDA (float32 inputs are cast around SDPA): looser there
+HP_TOL = {"cpu": 1e-5, "cuda": 1e-5}
+HP_TOL_ATTENTION = {"cpu": 1e-5, "cuda": 1e-2}
+
+
+class _Recorder:
+    """Records (collective, dtype, numel of the full buffer) of the collectives transformer_fp8.distributed issues,
+    the names of those started asynchronously, and the rows of every norm forward, while active."""
+
+    def __init__(self):
+        self.collectives, self.started_async, self.norm_rows = [], [], []
+
+    def _collective(self, name):
+        real = getattr(dist, name)
+
+        def recorded(*args, **kwargs):
+            full = args[1] if name == "reduce_scatter_tensor" else args[0]
+            self.collectives.append((name, str(full.dtype).removeprefix("torch."), full.numel()))
+            if kwargs.get("async_op"):
+                self.started_async.append(name)
+            return real(*args, **kwargs)
+        return recorded
+
+    def _norm_fwd(self, real):
+        def recorded(normalization, x, *args, **kwargs):
+            self.norm_rows.append(x.shape[0])
+            return real(normalization, x, *args, **kwargs)
+        return recorded
+
+    def __enter__(self):
+        self.saved = tpd.dist, norm_ops.norm_fwd
+        proxy = types.SimpleNamespace(**{n: getattr(dist, n) for n in dir(dist) if not n.startswith("__")})
+        for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+            setattr(proxy, name, self._collective(name))
+        tpd.dist, norm_ops.norm_fwd = proxy, self._norm_fwd(norm_ops.norm_fwd)
+        return self
+
+    def __exit__(self, *exc):
+        tpd.dist, norm_ops.norm_fwd = self.saved
 
 
 def _part(full, split, rank):
@@ -97,16 +151,25 @@ def _scales(module):
 
 
 def _step(module, x_full, dy_full, in_split, out_split, sp, rank):
-    """One forward and backward: (output, input gradient (full), {name: grad})."""
+    """One forward and backward: (output, input gradient (full), {name: grad}, forward Recorder, backward Recorder)."""
     module.zero_grad(set_to_none=True)
     x = x_full.clone().requires_grad_()
     if in_split == "seq":
         inp = tpd.scatter_to_sequence_parallel_region(x, dist.group.WORLD) if sp else x
     else:
         inp = _part(x, in_split, rank)
-    out = module(inp)
-    (out * _part(dy_full, out_split, rank)).sum().backward()
-    return out.detach(), x.grad, {n: p.grad for n, p in module.named_parameters()}
+    with _Recorder() as forward:
+        out = module(inp)
+    with _Recorder() as backward:
+        (out * _part(dy_full, out_split, rank)).sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in module.named_parameters()}, forward, backward
+
+
+def _across_ranks(t):
+    """Largest relative difference between the ranks' copies of t."""
+    copies = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(copies, t.contiguous())
+    return max(rel_error(c, copies[0]) for c in copies[1:])
 
 
 def _compare_case(name, rank, results):
@@ -127,17 +190,17 @@ def _compare_case(name, rank, results):
                 p.copy_(torch.randn_like(p))
     tp.load_state_dict(ref.state_dict())
     torch.manual_seed(1)
-    x_full, dy_full = torch.randn(S, B, width), torch.randn(S, B, H if out_split != "last" else N)
+    x_full = torch.randn(S, B, width).to(DEVICE)
+    dy_full = torch.randn(S, B, H if out_split != "last" else N).to(DEVICE)
     ref_outs = {}
-    for label, fp8 in (("hp", False), ("fp8", True)):
-        fp8_recipe = recipe.DelayedScaling(amax_history_len=2)
+    for label, fp8_recipe in RECIPES.items():
         outs = []
         for module, splits in ((ref, (None, None, False)), (tp, (in_split, out_split, sp))):
-            for _ in range(2 if fp8 else 1):  # FP8: the second step runs on the reduced amaxes' scales
-                with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe):
-                    out, dx, grads = _step(module, x_full, dy_full, *splits, rank)
-            outs.append((out, dx, grads))
-        (ref_out, ref_dx, ref_grads), (out, dx, grads) = outs
+            for _ in range(1 if fp8_recipe is None else 2):  # FP8: the second step runs on updated scales
+                with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+                    step = _step(module, x_full, dy_full, *splits, rank)
+            outs.append(step)
+        (ref_out, ref_dx, ref_grads, *_), (out, dx, grads, forward, backward) = outs
         ref_outs[label] = ref_out
         dx_part = _part(ref_dx, in_split if in_split == "last" else None, rank)
         dx_local = _part(dx, in_split if in_split == "last" else None, rank)
@@ -145,10 +208,14 @@ def _compare_case(name, rank, results):
         results[f"{name}/{label}/dx"] = rel_error(dx_local, dx_part)
         for n, g in grads.items():
             results[f"{name}/{label}/d{n}"] = rel_error(g, _param_part(ref_grads[n], g, rank, blocks(n)))
-        if fp8:
-            results[f"{name}/fp8_vs_hp"] = rel_error(ref_outs["fp8"], ref_outs["hp"])  # FP8 did run
-            results[f"{name}/fp8/scales"] = rel_error(_scales(tp), _scales(ref))
-            results[f"{name}/fp8_scales_moved"] = float((_scales(ref) != 1).float().mean())
+        results[f"{name}/collectives/{label}"] = (forward.collectives, backward.collectives)
+        results[f"{name}/norm_rows/{label}"] = forward.norm_rows
+        results[f"{name}/started_async/{label}"] = backward.started_async
+        if fp8_recipe is not None:
+            results[f"{name}/fp8_vs_hp/{label}"] = rel_error(ref_outs[label], ref_outs["hp"])  # FP8 did run
+            results[f"{name}/scales_vs_single/{label}"] = rel_error(_scales(tp), _scales(ref))
+            results[f"{name}/scales_across_ranks/{label}"] = _across_ranks(_scales(tp))
+            results[f"{name}/scales_moved/{label}"] = float((_scales(ref) != 1).float().mean())
 
 
 def _errors_in_group(rank):
@@ -161,6 +228,8 @@ def _errors_in_group(rank):
         "tp_size": lambda: te.Linear(H, N, device="cpu", tp_group=group, tp_size=3, parallel_mode="column"),
         "sequence_parallel": lambda: te.Linear(H, N, device="cpu", tp_group=group, sequence_parallel=True),
         "parallel_mode": lambda: te.LayerNormLinear(H, N, device="cpu", tp_group=group, parallel_mode="row"),
+        "inp": lambda: te.Linear(H, N, device=DEVICE, tp_group=group, parallel_mode="column",
+                                 sequence_parallel=True)(torch.randn(H, device=DEVICE)),
     }
     out = {}
     for name, build in checks.items():
@@ -181,32 +250,23 @@ def _errors_in_group(rank):
     return out
 
 
-def _worker(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        local = {}
-        for name in CASES:
-            try:
-                _compare_case(name, rank, local)
-            except Exception:  # reported per case by the tests
-                local[f"{name}/exception"] = traceback.format_exc()
-        local["errors"] = _errors_in_group(rank)
-        results[rank] = local
-    finally:
-        dist.destroy_process_group()
+def _worker(rank):
+    local = {}
+    for name in CASES:
+        try:
+            _compare_case(name, rank, local)
+        except Exception:  # reported per case by the tests
+            local[f"{name}/exception"] = traceback.format_exc()
+    local["errors"] = _errors_in_group(rank)
+    return local
 
 
 @pytest.fixture(scope="module")
 def tp_results():
-    """{check: value} merged over the ranks (the worse of the two errors)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = mp.Manager()
-    shared = manager.dict()
-    mp.spawn(_worker, args=(port, shared), nprocs=WORLD, join=True)
-    per_rank = [dict(shared[r]) for r in range(WORLD)]
+    """{check: value} merged over the ranks (floats: the worse of the two; anything else: rank 0's)."""
+    per_rank = run_workers(_worker)
+    for local in per_rank:
+        assert "exception" not in local, local["exception"]
     merged = {}
     for local in per_rank:
         for key, value in local.items():
@@ -220,7 +280,7 @@ def tp_results():
 
 def _case_results(results, name, label):
     assert f"{name}/exception" not in results, results[f"{name}/exception"]
-    checks = {k: v for k, v in results.items() if k.startswith(f"{name}/{label}/") and not k.endswith("scales")}
+    checks = {k: v for k, v in results.items() if k.startswith(f"{name}/{label}/")}
     assert len(checks) >= 3  # out, dx and at least one parameter gradient
     return checks
 
@@ -233,21 +293,74 @@ def test_weights_are_created_as_the_rank_part_of_the_full_init(tp_results, name)
 
 @pytest.mark.parametrize("name", CASES)
 def test_matches_single_process_outside_autocast(tp_results, name):
+    tol = (HP_TOL_ATTENTION if "attention" in name or "transformer" in name else HP_TOL)[DEVICE]
     for check, err in _case_results(tp_results, name, "hp").items():
-        assert err < 1e-5, f"{check}: relative error {err:.2e}"
+        assert err < tol, f"{check}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("label", FP8_LABELS)
+@pytest.mark.parametrize("name", CASES)
+def test_matches_single_process_inside_fp8_autocast(tp_results, name, label):
+    """Delayed and current scaling: every rank casts with the single-process module's scales."""
+    for check, err in _case_results(tp_results, name, label).items():
+        assert err < 5e-3, f"{check}: relative error {err:.2e}"
+    assert tp_results[f"{name}/scales_moved/{label}"] > 0.5  # the scales were set from amaxes...
+    assert tp_results[f"{name}/scales_vs_single/{label}"] < 1e-6  # ...TP-reduced: the single-process ones...
+    assert tp_results[f"{name}/scales_across_ranks/{label}"] == 0.0  # ...on every rank
+    assert tp_results[f"{name}/fp8_vs_hp/{label}"] > 1e-3  # (the FP8 path ran: its output differs from float32's)
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_matches_single_process_inside_fp8_autocast(tp_results, name):
-    for check, err in _case_results(tp_results, name, "fp8").items():
-        assert err < 5e-3, f"{check}: relative error {err:.2e}"
-    assert tp_results[f"{name}/fp8_scales_moved"] > 0.5  # the second step ran on updated scales...
-    assert tp_results[f"{name}/fp8/scales"] < 1e-6  # ...and the TP-reduced amaxes give the single-process ones
-    assert tp_results[f"{name}/fp8_vs_hp"] > 1e-3  # (the FP8 path ran: its output differs from float32's)
+def test_per_rank_delayed_scales_stay_within_fp8_tolerance(tp_results, name):
+    """reduce_amax=False: sharded tensors get per-rank scales (the gathered input is cast after a high-precision
+    gather), so results differ from the single-process module's by FP8 roundings only."""
+    for check, err in _case_results(tp_results, name, "fp8_per_rank").items():
+        assert err < FP8_RTOL[torch.float8_e5m2], f"{check}: relative error {err:.2e}"
+    assert tp_results[f"{name}/fp8_vs_hp/fp8_per_rank"] > 1e-3
+
+
+@pytest.mark.parametrize("name", GATHERS)
+def test_sequence_parallel_gathers_fp8_inside_autocast(tp_results, name):
+    """Forward: one all-gather per column-parallel GEMM, of the whole [S, B, H] input, as FP8 bytes (uint8: half of
+    BF16's) inside fp8_autocast with shared scales, in float32 outside it and with per-rank scales. Backward: the
+    dgrad of each gathered input is reduce-scattered in high precision."""
+    gathered = S * B * H
+    expected_forward = {"hp": "float32", "fp8": "uint8", "fp8_current": "uint8", "fp8_per_rank": "float32"}
+    for label, dtype in expected_forward.items():
+        forward, backward = tp_results[f"{name}/collectives/{label}"]
+        gathers = [c for c in forward if c[0] == "all_gather_into_tensor"]
+        assert gathers == [("all_gather_into_tensor", dtype, gathered)] * GATHERS[name], (label, forward)
+        scatters = [c for c in backward if c[0] == "reduce_scatter_tensor"]
+        assert scatters.count(("reduce_scatter_tensor", "float32", gathered)) >= GATHERS[name], (label, backward)
+        assert not any(c[1] == "uint8" for c in backward), (label, backward)
+
+
+# FP8 backward: the collectives that sum a column-parallel input's dgrad, started before the wgrad GEMM (overlapping it)
+DGRAD_SUMS = {"column": [], "row": [], "row_sp": [], "column_sp": ["reduce_scatter_tensor"],
+              "layernorm_linear": ["all_reduce"], "layernorm_linear_sp": ["reduce_scatter_tensor"],
+              "layernorm_mlp": ["all_reduce"], "layernorm_mlp_sp": ["reduce_scatter_tensor"],
+              "multihead_attention": ["all_reduce"], "transformer_layer": ["all_reduce"] * 2,
+              "transformer_layer_sp": ["reduce_scatter_tensor"] * 2}
+
+
+@pytest.mark.parametrize("name", DGRAD_SUMS)
+def test_dgrad_sums_overlap_the_wgrad_gemm_inside_fp8_autocast(tp_results, name):
+    """(Linear without SP sums its input gradient outside its Function, after the wgrad: not overlapped.)"""
+    for label in FP8_LABELS:
+        assert tp_results[f"{name}/started_async/{label}"] == DGRAD_SUMS[name], label
+    assert tp_results[f"{name}/started_async/hp"] == []
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith(HAS_NORM)])
+def test_norms_run_on_this_ranks_sequence_block(tp_results, name):
+    rows = S * B // WORLD if CASES[name][2] else S * B
+    for label in RECIPES:
+        norm_rows = tp_results[f"{name}/norm_rows/{label}"]
+        assert norm_rows and set(norm_rows) == {rows}, (label, norm_rows)
 
 
 @pytest.mark.parametrize("check", ["out_features", "in_features", "ffn_hidden_size", "tp_size", "sequence_parallel",
-                                   "parallel_mode", "fp8_group"])
+                                   "parallel_mode", "fp8_group", "inp"])
 def test_bad_arguments_in_a_group_raise_naming_the_argument(tp_results, check):
     assert tp_results["errors"][check].startswith(f"{check}:"), tp_results["errors"][check]
 

@@ -4,7 +4,9 @@ Conventions (Megatron / Transformer Engine): a tensor-parallel (TP) group of `si
 splits the weight's output rows ([out/tp, in] per rank; its output is split along the last dim), a row-parallel one
 its input columns ([out, in/tp]; its input is split along the last dim and the partial outputs are summed).
 Sequence parallelism (SP) splits the activations between those GEMMs along dim 0 (the sequence of "sbhd", or the
-tokens of a [tokens, hidden] input): all-gather before the column-parallel GEMM, reduce-scatter after the row one.
+tokens of a [tokens, hidden] input): norms, residual adds and dropout run on this rank's block; the column-parallel
+module all-gathers its (normalised) input right before its GEMM, in FP8 inside fp8_autocast (all_gather_fp8; see
+module/_sequence_parallel.py), and the row-parallel output is reduce-scattered.
 `group=None` everywhere means the default group.
 """
 import contextlib
@@ -49,6 +51,46 @@ def all_gather_first_dim(x, group=None):
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
     dist.all_gather_into_tensor(out, x, group=group)
     return out
+
+
+def all_gather_fp8(q, group=None):
+    """FP8 [s, ...] per rank -> [size * s, ...] FP8, rank order, moved as raw bytes (a uint8 view: NCCL and gloo take
+    it; one byte an element, half of BF16's). Every rank must have cast with the same scale."""
+    if group_size(group) == 1:
+        return q
+    return all_gather_first_dim(q.view(torch.uint8), group).view(q.dtype)
+
+
+class Pending:
+    """A collective started with async_op=True: wait() returns its result once it is done (on CUDA: once the current
+    stream has been made to wait for it; the work issued in between overlaps it)."""
+
+    def __init__(self, out, work):
+        self.out, self.work = out, work
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+        return self.out
+
+
+def start_all_reduce(x, group=None):
+    """Start the sum of x over the group (in place on a contiguous copy): a Pending."""
+    if group_size(group) == 1:
+        return Pending(x, None)
+    x = x.contiguous()
+    return Pending(x, dist.all_reduce(x, group=group, async_op=True))
+
+
+def start_reduce_scatter_first_dim(x, group=None):
+    """Start reduce_scatter_first_dim(x): a Pending."""
+    size = group_size(group)
+    if size == 1:
+        return Pending(x, None)
+    _check_divisible(x, size)
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    return Pending(out, dist.reduce_scatter_tensor(out, x, group=group, async_op=True))
 
 
 def _check_divisible(x, size):
@@ -131,13 +173,16 @@ def scatter_to_sequence_parallel_region(x, group=None):
 
 # --- a module's TP settings ---
 class TensorParallel:
-    """The TP settings of one module: group, size, rank, parallel_mode, sequence_parallel.
+    """The TP settings of one module: group, size, rank, parallel_mode, sequence_parallel; gathers_input: the module
+    all-gathers its sequence-parallel input itself (column-parallel with sequence_parallel).
 
-    Amax reduction: every FP8 tensor a TP module casts gets its scale from the amax MAX-reduced over the autocast's
-    fp8_group at each update (the recipe's reduce_amax=True, the default), so the fp8_group must hold the TP group:
-    fp8_group=None (the default group) always does. Then every rank casts with the scale the single-process module
-    would use for the full tensor (sharded inputs, weights and gradients alike). Current scaling computes each
-    scale from the local tensor only (per-rank scales: valid, but not those of the single-process module)."""
+    Shared scales: every rank casts each FP8 tensor with the scale the single-process module would use for the full
+    tensor (sharded inputs, weights and gradients alike), so the sequence-parallel FP8 all-gather joins blocks of
+    one scale. Delayed scaling: each amax is MAX-reduced over the autocast's fp8_group at each update (the recipe's
+    reduce_amax=True, the default), so the fp8_group must hold the TP group (check_amax_group; fp8_group=None, the
+    default group, always does); with reduce_amax=False the scales are per rank and the sequence-parallel input is
+    all-gathered in high precision instead. Current scaling: each amax is MAX-reduced over the TP group right before
+    its cast (ScalingState.amax_group)."""
 
     def __init__(self, tp_group, tp_size, parallel_mode, sequence_parallel):
         if parallel_mode not in PARALLEL_MODES:
@@ -155,6 +200,7 @@ class TensorParallel:
         self.group, self.size = tp_group, size
         self.rank = 0 if tp_group is None else group_rank(tp_group)
         self.mode, self.sequence_parallel = parallel_mode, bool(sequence_parallel)
+        self.gathers_input = self.sequence_parallel and parallel_mode == "column"
         self._checked_amax_groups = set()
 
     @classmethod
@@ -177,7 +223,8 @@ class TensorParallel:
 
     # activations at the region boundaries
     def column_input(self, x):
-        """The input of a column-parallel GEMM: all-gathered along dim 0 (SP) or copied (its gradient all-reduced)."""
+        """The high-precision input of a column-parallel GEMM: all-gathered along dim 0 (SP) or copied (its gradient
+        all-reduced)."""
         if self.sequence_parallel:
             return gather_from_sequence_parallel_region(x, self.group)
         return copy_to_tensor_parallel_region(x, self.group)

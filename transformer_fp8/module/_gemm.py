@@ -9,16 +9,20 @@ import torch.nn.functional as F
 from .. import autocast
 from ..ops import tfp8
 from ..recipe import FP8_MAX
+from ._compiled_backward import queue_backward_update
 from .base import cast_transpose
 
 
 def fp8_gemm_bias(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     """out [M, N] = a bᵀ (+ bias [N]) in out_dtype. The bias rides in the GEMM epilogue for 16-bit outputs (cast to
-    out_dtype); a float32 output gets it added afterwards in float32 (cuBLASLt takes no float32 bias there)."""
+    out_dtype); a float32 output gets it added afterwards in float32 (cuBLASLt takes no float32 bias there): in place,
+    except under torch.compile, whose autograd.Function support drops the gradient of a forward output that was
+    modified in place (torch 2.11: it arrives as zeros)."""
     if bias is None or out_dtype != torch.float32:
         bias = bias.to(out_dtype) if bias is not None and bias.dtype != out_dtype else bias
         return tfp8.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)[0]
-    return tfp8.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype)[0].add_(bias)
+    out = tfp8.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype)[0]
+    return out + bias if torch.compiler.is_compiling() else out.add_(bias)
 
 
 def cast_grad_output(dy, module, slot, with_dbias, rowwise, transpose):
@@ -37,8 +41,15 @@ def cast_grad_output(dy, module, slot, with_dbias, rowwise, transpose):
 
 
 def register_backward(module, recipe, group):
-    """Queue the module's gradient state for the update after this backward (delayed scaling only)."""
-    if not module.fp8_current:
+    """Queue the module's gradient state for the update after this backward (delayed scaling only). Call after the
+    backward's casts of that state. Traced by torch.compile: the op queue_backward_update queues it when the compiled
+    backward runs (see _compiled_backward.py)."""
+    if module.fp8_current:
+        return
+    if torch.compiler.is_compiling():
+        state = module.fp8_bwd
+        queue_backward_update(state.amaxes[0], id(state))
+    else:
         autocast.register_backward(module.fp8_bwd, recipe, group)
 
 

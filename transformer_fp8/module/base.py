@@ -18,6 +18,7 @@ import torch.nn as nn
 from .. import autocast
 from ..float8_tensor import Float8Tensor
 from ..ops import tfp8
+from ._compiled_backward import file_backward_state
 from ..recipe import FP8_MAX, Float8CurrentScaling
 
 # Small-shape automatic path: inside fp8_autocast, a module on a CUDA input whose GEMM work M*K*N (summed over its
@@ -29,7 +30,11 @@ FP8_MIN_GEMM_SIZE = 2 ** 35
 
 
 class ScalingState:
-    """One set of FP8 slots, with one-element views of every slot made once (rebuilt when the tensors move)."""
+    """One set of FP8 slots, with one-element views of every slot made once (rebuilt when the tensors move).
+    amax_group: a process group (the module's TP group under current scaling) over which each current-scaling amax
+    is MAX-reduced before its scale is computed, or None."""
+
+    amax_group = None
 
     def __init__(self, n, history_len, device):
         self.amax_history = torch.zeros(history_len, n, dtype=torch.float32, device=device)
@@ -71,10 +76,14 @@ class ScalingState:
         return self
 
     def set_current_scale(self, x, i, fp8_max):
-        """Current scaling: slot i's scale from amax(x) (the update re-zeroes the amax slot)."""
-        tfp8.compute_amax(x, self.amaxes[i])
-        tfp8.delayed_scaling_update([self.histories[i]], [self.scales[i]], [self.scale_inv_slots[i]], fp8_max, 0.0,
-                                    "most_recent")
+        """Current scaling: slot i's scale from amax(x), MAX-reduced over amax_group if set (the update re-zeroes the
+        amax slot). The amax goes through histories[i] ([1, 1]), the view the update reads: torch.compile makes
+        overlapping views (amaxes[i]) separate graph inputs and loses writes through one of them in a backward."""
+        amax = self.histories[i]
+        tfp8.compute_amax(x, amax)
+        if self.amax_group is not None:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_group)
+        tfp8.delayed_scaling_update([amax], [self.scales[i]], [self.scale_inv_slots[i]], fp8_max, 0.0, "most_recent")
 
 
 def cast_transpose(x, state, i, fp8_dtype, current, rowwise=True, transpose=True):
@@ -172,30 +181,40 @@ class FP8ModuleBase(nn.Module):
         return nn.Parameter(torch.full((size,), float(value), dtype=self.params_dtype, device=self._device))
 
     # --- per-call FP8 setup ---
-    def _runs_fp8(self, inp):
+    def _runs_fp8(self, inp, rows_factor=1):
         """Inside fp8_autocast (the caller checks): False when the small-shape automatic path applies (CUDA input,
-        high-precision weights, inp.numel() * gemm_n < fp8_min_gemm_size), True otherwise."""
+        high-precision weights, inp.numel() * rows_factor * gemm_n < fp8_min_gemm_size), True otherwise.
+        rows_factor: GEMM rows per input row (the TP size where the module all-gathers a sequence-parallel input)."""
         if self._fp8_params or not inp.is_cuda:
             return True
         threshold = FP8_MIN_GEMM_SIZE if self.fp8_min_gemm_size is None else self.fp8_min_gemm_size
-        return inp.numel() * self._gemm_n >= threshold
+        return inp.numel() * rows_factor * self._gemm_n >= threshold
 
     def _fp8_begin(self, state):
         """Adopt the active recipe and queue the forward state for the update (delayed scaling)."""
         recipe = state.recipe
         if recipe is not self._fp8_recipe:
             self._adopt_recipe(recipe)
-        if not self.fp8_current and not self.fp8_fwd.pending:
-            autocast.register_forward(self.fp8_fwd, recipe, state.group)
+        if not self.fp8_current:
+            if not self.fp8_fwd.pending:
+                autocast.register_forward(self.fp8_fwd, recipe, state.group)
+            if torch.compiler.is_compiling():  # (for the compiled backward: see _compiled_backward.py)
+                file_backward_state(self.fp8_bwd, recipe, state.group)
         return recipe
 
     def _adopt_recipe(self, recipe):
         self.fp8_current = isinstance(recipe, Float8CurrentScaling)
         history_len = 1 if self.fp8_current else recipe.amax_history_len
         if self.fp8_fwd is None or self.fp8_fwd.history_len != history_len:
+            if torch.compiler.is_compiling():  # (a compiled backward's writes to a state made in its graph are lost)
+                raise RuntimeError(f"{type(self).__name__}: torch.compile(fullgraph=True) needs the module's FP8 "
+                                   "scaling state before the compiled call: run one forward eagerly inside "
+                                   "fp8_autocast with this recipe first (or load a checkpoint saved with it)")
             device = self._param_device()
             self.fp8_fwd = ScalingState(self._n_fwd, history_len, device)
             self.fp8_bwd = ScalingState(self._n_bwd, history_len, device)
+        tp = getattr(self, "tp", None)  # (TP modules: current-scaling amaxes are shared over the TP group)
+        self.fp8_fwd.amax_group = self.fp8_bwd.amax_group = tp.group if tp is not None and self.fp8_current else None
         self.fwd_dtype, self.bwd_dtype = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
         self._fp8_recipe = recipe
 

@@ -7,14 +7,19 @@ Returns out, (out, bias) with return_bias, (out, ln_out) with return_layernorm_o
 import torch
 
 from .. import autocast
-from ..distributed import TensorParallel
-from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
+from ..distributed import TensorParallel, gather_from_sequence_parallel_region
+from ._column_parallel import (check_sequence_block, dgrad_collective, gather_norm, gathered_shape, gathers_input,
+                               input_grads)
+from ._gemm import cast_grad_output, fp8_gemm_bias, high_precision_linear, register_backward
 from .base import FP8ModuleBase, check_choice, check_input, check_positive, pack_outputs
 from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
 
 
 class _FP8LayerNormLinear(torch.autograd.Function):
-    """Saves x (high precision, for the norm backward), mean/rstd, and the FP8 norm(x)ᵀ and Wᵀ."""
+    """Saves x (high precision, for the norm backward), mean/rstd, and the FP8 norm(x)ᵀ and Wᵀ. Tensor parallel: the
+    gradient of norm(x) is summed over the TP ranks before the norm backward (so the norm's weight gradients are
+    complete); sequence parallel: x, mean/rstd are this rank's block, norm(x) is all-gathered in FP8 and its
+    gradient reduce-scattered (see _column_parallel.py)."""
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, weight, bias, module, training, is_first_microbatch):
@@ -22,7 +27,13 @@ class _FP8LayerNormLinear(torch.autograd.Function):
         need_dgrad = training and any(ctx.needs_input_grad[:3])
         need_wgrad = training and ctx.needs_input_grad[3]
         x = inp.reshape(-1, inp.shape[-1])
-        lnq, lnqt, lnsinv, ln_out, mean, rstd = norm_to_fp8(module, x, need_wgrad, module.return_layernorm_output)
+        out_shape = inp.shape
+        if gathers_input(module):
+            out_shape = gathered_shape(inp.shape, module)
+            lnq, lnqt, lnsinv, mean, rstd = gather_norm(module, x, need_wgrad)
+            ln_out = None
+        else:
+            lnq, lnqt, lnsinv, ln_out, mean, rstd = norm_to_fp8(module, x, need_wgrad, module.return_layernorm_output)
         wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
         out = fp8_gemm_bias(lnq, lnsinv, wq, wsinv, inp.dtype, bias)
         if training:
@@ -31,7 +42,7 @@ class _FP8LayerNormLinear(torch.autograd.Function):
             ctx.weight = weight  # for main_grad and its dtype; its values are not used (the FP8 copies are)
             ctx.module, ctx.fp8_state = module, (autocast.STATE.recipe, autocast.STATE.group)
             ctx.need, ctx.inp_shape = (need_dgrad, need_wgrad), inp.shape
-        out = out.view(*inp.shape[:-1], out.shape[-1])
+        out = out.view(*out_shape[:-1], out.shape[-1])
         return out, (ln_out.view(inp.shape) if ln_out is not None else inp.new_empty(0))
 
     @staticmethod
@@ -44,8 +55,8 @@ class _FP8LayerNormLinear(torch.autograd.Function):
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
             dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, ctx.needs_input_grad[4], need_dgrad, need_wgrad)
             register_backward(module, *ctx.fp8_state)
-            d_ln, dw = gemm_grads(module, ctx.weight, (dq, dqt, dsinv), (wqt, wsinv), (lnqt, lnsinv), x.dtype,
-                                  need_dgrad, need_wgrad)
+            d_ln, dw = input_grads(module, dgrad_collective(module, True), ctx.weight, (dq, dqt, dsinv),
+                                   (wqt, wsinv), (lnqt, lnsinv), x.dtype, need_dgrad, need_wgrad)
         dx, dgamma, dbeta = norm_backward(module, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
                                           ln_weight, ctx.inp_shape)
         return dx, dgamma, dbeta, dw, dbias, None, None, None
@@ -59,9 +70,10 @@ class LayerNormLinear(FP8ModuleBase):
     forward(inp [..., in], is_first_microbatch=None). Small-shape automatic path: as Linear's (M*in*out).
 
     Tensor parallelism: parallel_mode="column" only (as Linear's: weight [out/tp, in], bias [out/tp], output
-    [..., out/tp]). The input is copied, or with sequence_parallel all-gathered along dim 0, before the norm: every
-    rank normalises the whole sequence (the norm's weight gradients are all-reduced over the TP group).
-    return_layernorm_output is not supported with tensor parallelism."""
+    [..., out/tp]). The input is copied to every rank, or with sequence_parallel it is this rank's dim-0 block: the
+    norm runs on the block and its output is all-gathered along dim 0 before the GEMM (in FP8 inside fp8_autocast,
+    else in high precision), the output covering the whole dim 0. The norm's weight gradients are all-reduced over
+    the TP group. return_layernorm_output is not supported with tensor parallelism."""
 
     def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
                  zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None, device="cuda",
@@ -88,22 +100,28 @@ class LayerNormLinear(FP8ModuleBase):
     def forward(self, inp, is_first_microbatch=None):
         check_input(inp, self.in_features)
         ln_weight, ln_bias = self.layer_norm_weight, self.layer_norm_bias
-        if self.tp is not None:  # the column-parallel input, and norm parameters whose gradients are partial sums
-            inp, ln_weight, ln_bias = self.tp.column_input(inp), self.tp.replicated(ln_weight), \
-                self.tp.replicated(ln_bias)
-            if autocast.STATE.enabled:
-                self.tp.check_amax_group(autocast.STATE.group)
+        tp, gathers = self.tp, gathers_input(self)
+        state = autocast.STATE
+        if tp is not None:
+            if gathers:
+                check_sequence_block(inp)
+            if state.enabled:
+                tp.check_amax_group(state.group)
         inp = inp if inp.is_contiguous() else inp.contiguous()
         bias = None if self.return_bias else self.bias
-        state = autocast.STATE
-        if state.enabled and self._runs_fp8(inp):
+        fp8 = state.enabled and self._runs_fp8(inp, tp.size if gathers else 1)
+        if tp is not None and (gathers or not fp8):  # norm weights whose gradients are partial sums over ranks
+            ln_weight, ln_bias = tp.replicated(ln_weight), tp.replicated(ln_bias)
+        if fp8:  # (TP: the Function sums the input gradient over the ranks itself)
             self._fp8_begin(state)
             out, ln_out = _FP8LayerNormLinear.apply(inp, ln_weight, ln_bias, self.weight, bias, self,
                                                     torch.is_grad_enabled(), is_first_microbatch)
         else:
+            inp = tp.column_input(inp) if tp is not None and not gathers else inp
             ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps,
                                          self.zero_centered_gamma)
-            out = high_precision_linear(self, ln_out, self.weight, bias)
+            gemm_in = gather_from_sequence_parallel_region(ln_out, tp.group) if gathers else ln_out
+            out = high_precision_linear(self, gemm_in, self.weight, bias)
         return pack_outputs(self, out, self.bias, ln_out)
 
     def extra_repr(self):

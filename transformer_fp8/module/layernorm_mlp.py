@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import autocast
-from ..distributed import TensorParallel
-from ..ops import tfp8
+from ..distributed import TensorParallel, gather_from_sequence_parallel_region
+from ..ops import activation_high_precision, tfp8
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
+from ._column_parallel import (check_sequence_block, dgrad_collective, gather_norm, gathered_shape, gathers_input,
+                               start_dgrad_sum)
 from .base import (FP8ModuleBase, cast_transpose, check_choice, check_input, check_positive, fp8_output_args,
                    pack_outputs)
 from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
@@ -28,12 +30,18 @@ ACTIVATIONS = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, 
 def _activation_to_fp8(module, fc1_out, need_transpose):
     """act(fc1_out [M, F1]) into FP8 forward slot 2: (q [M, F], qT [F, M] or None, scale_inv [1])."""
     if module.fp8_current:
-        act = tfp8.activation_fwd(fc1_out, module.activation)
+        act = activation_high_precision(fc1_out, module.activation)
         q, qt, scale_inv = cast_transpose(act, module.fp8_fwd, 2, module.fwd_dtype, True, transpose=need_transpose)
         return q, (qt if need_transpose else None), scale_inv
     fp8_args = fp8_output_args(module.fp8_fwd, 2, module.fwd_dtype)
     q = tfp8.activation_fwd(fc1_out, module.activation, *fp8_args)
     return q, (tfp8.fp8_transpose(q) if need_transpose else None), fp8_args[3]
+
+
+def _take(stash, key):
+    """stash.pop(key): the backward drops each stashed tensor after its last use. Under torch.compile, which cannot
+    trace the pop of a dict made in the forward, stash[key] (the compiled backward frees its inputs itself)."""
+    return stash[key] if torch.compiler.is_compiling() else stash.pop(key)
 
 
 def _dact_to_fp8(module, d_act, fc1_out, with_dbias):
@@ -48,7 +56,10 @@ def _dact_to_fp8(module, d_act, fc1_out, with_dbias):
 
 
 class _FP8LayerNormMLP(torch.autograd.Function):
-    """Saves x, mean/rstd, fc1_out (high precision, for the activation backward) and the FP8 transposes."""
+    """Saves x, mean/rstd, fc1_out (high precision, for the activation backward) and the FP8 transposes. Sequence
+    parallel: x, mean/rstd are this rank's block, norm(x) is all-gathered in FP8. Tensor parallel: the gradient of
+    norm(x) is summed over the TP ranks (all-reduce, or SP reduce-scatter) while the FC1 wgrad GEMM runs, before the
+    norm backward (see _column_parallel.py)."""
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, training,
@@ -58,41 +69,70 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         need_dgrad, need_fc1_wgrad, need_fc2_wgrad = any(needs[:3]), needs[3], needs[5]
         need_fc2_dgrad = any(needs[:5])
         x = inp.reshape(-1, inp.shape[-1])
-        dtype = inp.dtype
-        lnq, lnqt, lnsinv, ln_out, mean, rstd = norm_to_fp8(module, x, need_fc1_wgrad, module.return_layernorm_output)
+        dtype, out_shape = inp.dtype, inp.shape
+        if gathers_input(module):
+            out_shape = gathered_shape(inp.shape, module)
+            lnq, lnqt, lnsinv, mean, rstd = gather_norm(module, x, need_fc1_wgrad)
+            ln_out = None
+        else:
+            lnq, lnqt, lnsinv, ln_out, mean, rstd = norm_to_fp8(module, x, need_fc1_wgrad,
+                                                                module.return_layernorm_output)
         w1q, w1qt, w1sinv = module._fp8_weight("fc1_weight", fc1_weight, 1, need_dgrad, is_first_microbatch)
         fc1_out = fp8_gemm_bias(lnq, lnsinv, w1q, w1sinv, dtype, fc1_bias)
         aq, aqt, asinv = _activation_to_fp8(module, fc1_out, need_fc2_wgrad)
         w2q, w2qt, w2sinv = module._fp8_weight("fc2_weight", fc2_weight, 3, need_fc2_dgrad, is_first_microbatch)
         out = fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, fc2_bias)
         if training:
-            ctx.save_for_backward(x, mean, rstd, ln_weight, lnqt, w1qt, fc1_out, aqt, w2qt)
+            ctx.save_for_backward(x, mean, rstd, ln_weight)
+            # The big intermediates sit outside save_for_backward so that the backward can drop each one right
+            # after its last use (save_for_backward holds everything until the backward returns).
+            ctx.stash = dict(lnqt=lnqt, w1qt=w1qt, fc1_out=fc1_out, aqt=aqt, w2qt=w2qt)
             ctx.scale_invs = (lnsinv, w1sinv, asinv, w2sinv)  # snapshots: outside save_for_backward (see base.py)
             ctx.weights = (fc1_weight, fc2_weight)  # for main_grad and dtypes; backward uses the FP8 copies
             ctx.module, ctx.fp8_state = module, (autocast.STATE.recipe, autocast.STATE.group)
             ctx.needs, ctx.inp_shape = needs, inp.shape
-        out = out.view(*inp.shape[:-1], out.shape[-1])
+        out = out.view(*out_shape[:-1], out.shape[-1])
         return out, (ln_out.view(inp.shape) if ln_out is not None else inp.new_empty(0))
 
     @staticmethod
     def backward(ctx, grad, grad_ln_out):
-        x, mean, rstd, ln_weight, lnqt, w1qt, fc1_out, aqt, w2qt = ctx.saved_tensors
+        """FC2 dgrad, activation backward, FC2 wgrad, FC1 dgrad, FC1 wgrad, norm backward: in this order, each
+        stashed tensor dropped after its last use, so the peak holds at most one of the [tokens, ffn] gradients."""
+        x, mean, rstd, ln_weight = ctx.saved_tensors
+        if ctx.stash is None:
+            raise RuntimeError("LayerNormMLP: backward ran twice through one forward (retain_graph is not supported)")
+        stash, ctx.stash = ctx.stash, None
         lnsinv, w1sinv, asinv, w2sinv = ctx.scale_invs
         fc1_weight, fc2_weight = ctx.weights
-        module, needs = ctx.module, ctx.needs
+        module, needs, dtype = ctx.module, ctx.needs, x.dtype
         need_dgrad, need_fc2_dgrad = any(needs[:3]), any(needs[:5])
         dw1 = dbias1 = dw2 = dbias2 = d_ln = None
         if grad is not None:
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
-            dy_fp8 = cast_grad_output(dy, module, 1, needs[6], need_fc2_dgrad, needs[5])
+            dq, dqt, dsinv, dbias2 = cast_grad_output(dy, module, 1, needs[6], need_fc2_dgrad, needs[5])
             register_backward(module, *ctx.fp8_state)
-            d_act, dw2 = gemm_grads(module, fc2_weight, dy_fp8[:3], (w2qt, w2sinv), (aqt, asinv), x.dtype,
-                                    need_fc2_dgrad, needs[5])
-            dbias2 = dy_fp8[3]
+            d_act, _ = gemm_grads(module, fc2_weight, (dq, None, dsinv), (_take(stash, "w2qt"), w2sinv), None, dtype,
+                                  need_fc2_dgrad, False)
+            del dy, dq
+            d_fc1 = None
             if d_act is not None:
-                dq1, dqt1, dsinv1, dbias1 = _dact_to_fp8(module, d_act, fc1_out, needs[4])
-                d_ln, dw1 = gemm_grads(module, fc1_weight, (dq1, dqt1, dsinv1), (w1qt, w1sinv), (lnqt, lnsinv),
-                                       x.dtype, need_dgrad, needs[3])
+                d_fc1 = _dact_to_fp8(module, d_act, _take(stash, "fc1_out"), needs[4])
+                del d_act
+            _, dw2 = gemm_grads(module, fc2_weight, (None, dqt, dsinv), None, (_take(stash, "aqt"), asinv), dtype,
+                                False, needs[5])
+            del dqt
+            if d_fc1 is not None:
+                dq1, dqt1, dsinv1, dbias1 = d_fc1
+                del d_fc1
+                d_ln, _ = gemm_grads(module, fc1_weight, (dq1, None, dsinv1), (_take(stash, "w1qt"), w1sinv), None,
+                                     dtype, need_dgrad, False)
+                del dq1
+                d_ln_sum = start_dgrad_sum(module, dgrad_collective(module, True), d_ln)
+                _, dw1 = gemm_grads(module, fc1_weight, (None, dqt1, dsinv1), None, (_take(stash, "lnqt"), lnsinv),
+                                    dtype, False, needs[3])
+                del dqt1
+                d_ln = d_ln_sum.wait()
+        del stash
         dx, dgamma, dbeta = norm_backward(module, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
                                           ln_weight, ctx.inp_shape)
         return dx, dgamma, dbeta, dw1, dbias1, dw2, dbias2, None, None, None
@@ -108,10 +148,11 @@ class LayerNormMLP(FP8ModuleBase):
 
     Tensor parallelism (set_parallel_mode=True and a tp_group of size tp > 1): FC1 column-parallel (fc1_weight
     [F1/tp, hidden], fc1_bias [F1/tp]; for swiglu this rank's gate rows then its up rows), FC2 row-parallel
-    (fc2_weight [hidden, ffn/tp], fc2_bias [hidden] added after the sum over ranks). The input is copied, or with
-    sequence_parallel all-gathered along dim 0 before the norm (every rank normalises the whole sequence; the norm's
-    weight gradients are all-reduced over the TP group), and the output all-reduced, or reduce-scattered along
-    dim 0. Full checkpoints load (sliced by rank). return_layernorm_output is not supported with TP."""
+    (fc2_weight [hidden, ffn/tp], fc2_bias [hidden] added after the sum over ranks). The input is copied to every
+    rank and the output all-reduced; or with sequence_parallel the input is this rank's dim-0 block, normalised on
+    the block, the norm output all-gathered along dim 0 before FC1 (in FP8 inside fp8_autocast, else in high
+    precision), and the output reduce-scattered back to the block. The norm's weight gradients are all-reduced over
+    the TP group. Full checkpoints load (sliced by rank). return_layernorm_output is not supported with TP."""
 
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
                  activation="gelu", zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None,
@@ -148,29 +189,37 @@ class LayerNormMLP(FP8ModuleBase):
         check_input(inp, self.hidden_size)
         if self.tp is not None:
             return self._parallel_forward(inp, is_first_microbatch)
-        out, ln_out = self._local_mlp(inp, self.layer_norm_weight, self.layer_norm_bias,
-                                      None if self.return_bias else self.fc2_bias, is_first_microbatch)
+        out, ln_out = self._local_mlp(inp, None if self.return_bias else self.fc2_bias, is_first_microbatch)
         return pack_outputs(self, out, self.fc2_bias, ln_out)
 
-    def _local_mlp(self, inp, ln_weight, ln_bias, fc2_bias, is_first_microbatch):
-        """(fc2(act(fc1(norm(inp)))) with this rank's weights, norm output) in FP8 inside fp8_autocast."""
+    def _local_mlp(self, inp, fc2_bias, is_first_microbatch):
+        """(fc2(act(fc1(norm(inp)))) with this rank's weights, norm output) in FP8 inside fp8_autocast. TP: the
+        output is this rank's partial sum; with sequence_parallel inp is this rank's block and the norm output is
+        all-gathered before FC1."""
         inp = inp if inp.is_contiguous() else inp.contiguous()
-        state = autocast.STATE
-        if state.enabled and self._runs_fp8(inp):
+        tp, gathers, state = self.tp, gathers_input(self), autocast.STATE
+        ln_weight, ln_bias = self.layer_norm_weight, self.layer_norm_bias
+        fp8 = state.enabled and self._runs_fp8(inp, tp.size if gathers else 1)
+        if tp is not None and (gathers or not fp8):  # norm weights whose gradients are partial sums over ranks
+            ln_weight, ln_bias = tp.replicated(ln_weight), tp.replicated(ln_bias)
+        if fp8:  # (TP: the Function sums the norm output's gradient over the ranks itself)
             self._fp8_begin(state)
             return _FP8LayerNormMLP.apply(inp, ln_weight, ln_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
                                           fc2_bias, self, torch.is_grad_enabled(), is_first_microbatch)
+        inp = tp.column_input(inp) if tp is not None and not gathers else inp
         ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps, self.zero_centered_gamma)
-        act = ACTIVATIONS[self.activation](high_precision_linear(self, ln_out, self.fc1_weight, self.fc1_bias))
+        fc1_in = gather_from_sequence_parallel_region(ln_out, self.tp.group) if gathers else ln_out
+        act = ACTIVATIONS[self.activation](high_precision_linear(self, fc1_in, self.fc1_weight, self.fc1_bias))
         return high_precision_linear(self, act, self.fc2_weight, fc2_bias), ln_out
 
     def _parallel_forward(self, inp, is_first_microbatch):
-        """Copy / all-gather, the local MLP (partial sums), all-reduce / reduce-scatter, then fc2_bias."""
+        """The local MLP (partial sums), all-reduce / reduce-scatter, then fc2_bias."""
         tp = self.tp
         if autocast.STATE.enabled:
             tp.check_amax_group(autocast.STATE.group)
-        partial, _ = self._local_mlp(tp.column_input(inp), tp.replicated(self.layer_norm_weight),
-                                     tp.replicated(self.layer_norm_bias), None, is_first_microbatch)
+        if tp.gathers_input:
+            check_sequence_block(inp)
+        partial, _ = self._local_mlp(inp, None, is_first_microbatch)
         out = tp.row_output(partial)
         bias = tp.replicated(self.fc2_bias) if tp.sequence_parallel else self.fc2_bias
         if self.return_bias:

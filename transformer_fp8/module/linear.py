@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from .. import autocast
 from ..distributed import TensorParallel
-from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
+from ._column_parallel import (check_sequence_block, dgrad_collective, gather_cast, gathered_shape, gathers_input,
+                               input_grads)
+from ._gemm import cast_grad_output, fp8_gemm_bias, high_precision_linear, register_backward
 from .base import FP8ModuleBase, cast_transpose, check_input, check_positive
 
 
@@ -21,8 +23,13 @@ class _FP8Linear(torch.autograd.Function):
         need_dgrad = training and ctx.needs_input_grad[0]
         need_wgrad = training and ctx.needs_input_grad[1]
         x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
-        xq, xqt, xsinv = cast_transpose(x, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
-                                        transpose=need_wgrad)
+        out_shape = inp.shape
+        if gathers_input(module):  # sequence parallel: x is this rank's block, cast and all-gathered in FP8
+            xq, xqt, xsinv = gather_cast(module, x, need_wgrad)
+            out_shape = gathered_shape(inp.shape, module)
+        else:
+            xq, xqt, xsinv = cast_transpose(x, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
+                                            transpose=need_wgrad)
         wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
         out = fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias)
         if training:
@@ -31,7 +38,7 @@ class _FP8Linear(torch.autograd.Function):
             # scale_inv snapshots ride outside save_for_backward (their buffer's other slots get written: see base.py);
             # the weight is kept for main_grad and its dtype, its values are not used (the FP8 copies are)
             ctx.info = (module, weight, xsinv, wsinv, state.recipe, state.group, need_dgrad, need_wgrad, inp.dtype)
-        return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
+        return out if inp.dim() == 2 else out.view(*out_shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
@@ -40,9 +47,12 @@ class _FP8Linear(torch.autograd.Function):
         dy = grad if grad.dim() == 2 and grad.is_contiguous() else grad.reshape(-1, grad.shape[-1]).contiguous()
         dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, ctx.needs_input_grad[2], need_dgrad, need_wgrad)
         register_backward(module, recipe, group)
-        dx, dw = gemm_grads(module, weight, (dq, dqt, dsinv), (wqt, wsinv), (xqt, xsinv), dx_dtype, need_dgrad,
-                            need_wgrad)
-        if dx is not None and grad.dim() != 2:
+        # (sequence parallel: dx reduce-scattered to this rank's block while the wgrad GEMM runs)
+        dx, dw = input_grads(module, dgrad_collective(module, False), weight, (dq, dqt, dsinv), (wqt, wsinv),
+                             (xqt, xsinv), dx_dtype, need_dgrad, need_wgrad)
+        if dx is not None and gathers_input(module):
+            dx = dx.view(-1, *grad.shape[1:-1], dx.shape[-1])
+        elif dx is not None and grad.dim() != 2:
             dx = dx.view(*grad.shape[:-1], dx.shape[-1])
         return dx, dw, dbias, None, None, None
 
@@ -59,7 +69,8 @@ class Linear(FP8ModuleBase):
 
     Tensor parallelism (tp_group of size tp > 1; see distributed.TensorParallel for the amax reduction):
     parallel_mode="column": weight [out/tp, in] and bias [out/tp] (this rank's rows); input [..., in] (with
-    sequence_parallel: this rank's dim-0 block, all-gathered), output [..., out/tp]. parallel_mode="row": weight
+    sequence_parallel: this rank's dim-0 block, all-gathered: cast to FP8 on the block and gathered in FP8 inside
+    fp8_autocast), output [..., out/tp]. parallel_mode="row": weight
     [out, in/tp], bias [out] (full); input [..., in/tp], output [..., out] summed over ranks (with
     sequence_parallel: reduce-scattered along dim 0), the bias added after the sum. The weight is created by
     initialising the full [out, in] tensor and keeping this rank's part; load_state_dict takes full tensors (sliced
@@ -109,8 +120,11 @@ class Linear(FP8ModuleBase):
             tp.check_amax_group(autocast.STATE.group)
         if tp.mode == "column":
             check_input(inp, self.in_features)
-            out = self._local_linear(tp.column_input(inp), None if self.return_bias else self.bias,
-                                     is_first_microbatch)
+            bias = None if self.return_bias else self.bias
+            if tp.gathers_input:
+                out = self._gathering_linear(inp, bias, is_first_microbatch)
+            else:
+                out = self._local_linear(tp.column_input(inp), bias, is_first_microbatch)
             return (out, self.bias) if self.return_bias else out
         check_input(inp, self.weight.shape[1])
         out = tp.row_output(self._local_linear(inp, None, is_first_microbatch))
@@ -118,6 +132,17 @@ class Linear(FP8ModuleBase):
         if self.return_bias:
             return out, bias
         return out if bias is None else out + bias
+
+    def _gathering_linear(self, inp, bias, is_first_microbatch):
+        """Column-parallel with sequence_parallel: inp is this rank's dim-0 block, all-gathered in FP8 inside the FP8
+        GEMM's Function, else in high precision before the local linear."""
+        check_sequence_block(inp)
+        state = autocast.STATE
+        if state.enabled and self._runs_fp8(inp, self.tp.size):
+            self._fp8_begin(state)
+            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
+                                    torch.is_grad_enabled(), is_first_microbatch)
+        return self._local_linear(self.tp.column_input(inp), bias, is_first_microbatch)
 
     def extra_repr(self):
         tp = "" if self.tp is None else f", parallel_mode={self.parallel_mode}, tp_size={self.tp.size}, " \

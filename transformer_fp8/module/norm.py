@@ -29,8 +29,9 @@ def norm_bwd(normalization, grad, x, mean, rstd, weight, zero_centered_gamma):
 
 def norm_backward(module, d_ln, grad_ln_out, x, mean, rstd, weight, inp_shape):
     """The norm's backward at the end of LayerNormLinear / LayerNormMLP: the GEMM's input gradient d_ln plus the
-    gradient of the returned norm output (either may be None) -> (dx in inp_shape, dgamma, dbeta), Nones if no grad."""
-    if grad_ln_out is not None:
+    gradient of the returned norm output (either may be None) -> (dx in inp_shape, dgamma, dbeta), Nones if no grad.
+    An empty grad_ln_out (that of the empty placeholder output) counts as None: torch.compile passes one."""
+    if grad_ln_out is not None and grad_ln_out.numel() == x.numel():
         d_ln = grad_ln_out.reshape(x.shape) if d_ln is None else d_ln + grad_ln_out.reshape(x.shape)
     if d_ln is None:
         return None, None, None

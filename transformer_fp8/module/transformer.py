@@ -19,7 +19,8 @@ class TransformerLayer(nn.Module):
 
     Tensor parallelism: tp_group (size tp) with set_parallel_mode=True splits the attention heads and the MLP's ffn
     across ranks (see MultiheadAttention and LayerNormMLP); with sequence_parallel the input and output are this
-    rank's sequence block ("sbhd"), and the residual adds and hidden dropout run on it (hidden dropout then draws
+    rank's sequence block ("sbhd"), and the norms, residual adds and hidden dropout run on it (the QKV and FC1 inputs
+    are all-gathered after their norms, in FP8 inside fp8_autocast) (hidden dropout then draws
     from the RNG tracker's "model-parallel-rng" state when it has one: see distributed.model_parallel_rng)."""
 
     def __init__(self, hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups=None,
