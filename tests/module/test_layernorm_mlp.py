@@ -41,3 +41,34 @@ def test_parameter_shapes_and_return_values(device):
     with te.fp8_autocast():
         out, bias, ln_out = m(x)
     assert out.shape == x.shape and bias is m.fc2_bias and ln_out.shape == x.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_frees_ffn_sized_tensors_after_their_last_use(device, monkeypatch):
+    """The [tokens, ffn] tensors (fc1 output, its gradient) are gone before the FC1 GEMMs run (peak memory); a second
+    backward through the same forward is a clear error."""
+    import weakref
+
+    from transformer_fp8.module import layernorm_mlp
+    seen, alive_at_gemm = [], []
+    dact, gemm_grads = layernorm_mlp._dact_to_fp8, layernorm_mlp.gemm_grads
+
+    def recording_dact(module, d_act, fc1_out, with_dbias):
+        seen.extend(weakref.ref(t) for t in (d_act, fc1_out))
+        return dact(module, d_act, fc1_out, with_dbias)
+
+    def checking_gemm_grads(*args):
+        alive_at_gemm.append([ref() is not None for ref in seen])
+        return gemm_grads(*args)
+
+    monkeypatch.setattr(layernorm_mlp, "_dact_to_fp8", recording_dact)
+    monkeypatch.setattr(layernorm_mlp, "gemm_grads", checking_gemm_grads)
+    mlp = te.LayerNormMLP(64, 256, params_dtype=torch.float32, device=device, fp8_min_gemm_size=0)
+    x = torch.randn(32, 64, device=device, requires_grad=True)
+    with te.fp8_autocast():
+        y = mlp(x)
+    y.backward(torch.randn_like(y), retain_graph=True)
+    # calls: FC2 dgrad (before the activation backward), FC2 wgrad, FC1 dgrad, FC1 wgrad
+    assert alive_at_gemm == [[], [False, False], [False, False], [False, False]]
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        y.backward(torch.randn_like(y))
