@@ -227,3 +227,28 @@ def test_rope_offset_and_bad_inputs():
         apply_rotary_pos_emb(t, rope(4))
     with pytest.raises(ValueError, match="tensor_format"):
         apply_rotary_pos_emb(t, rope(8), "thd")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask_type", ["padding", "padding_causal"])
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_padding_from_cu_seqlens_equals_the_mask(device, mask_type, fmt):
+    """TE's cu_seqlens for padded sbhd/bshd batches: the same result as the equivalent bool attention_mask."""
+    b, s, heads, d = 3, 12, 4, 16
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = make_qkv(fmt, b, s, s, heads, heads, d, dtype, device)
+    lengths = torch.tensor([12, 5, 1], dtype=torch.int32, device=device)
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
+    mask = (torch.arange(s, device=device) >= lengths[:, None]).view(b, 1, 1, s)
+    dpa = DotProductAttention(heads, d, attn_mask_type=mask_type, qkv_format=fmt)
+    with torch.no_grad():
+        assert torch.equal(dpa(q, k, v, cu_seqlens_q=cu), dpa(q, k, v, attention_mask=mask))
+        assert torch.equal(dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu), dpa(q, k, v, attention_mask=mask))
+        with pytest.raises(ValueError, match="attention_mask"):
+            dpa(q, k, v, attention_mask=mask, cu_seqlens_q=cu)
+        with pytest.raises(ValueError, match="cu_seqlens_kv"):
+            dpa(q, k, v, cu_seqlens_kv=cu.long())
+        with pytest.raises(ValueError, match="cu_seqlens_q"):
+            dpa(q, k, v, cu_seqlens_q=cu[:-1])
+        with pytest.raises(ValueError, match="max_seqlen_q"):
+            dpa(q, k, v, cu_seqlens_q=cu, max_seqlen_q=12)
