@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import transformer_fp8 as te
+from tests.graph_checks import compare, fp8_states
 from tests.utils import rel_error
 from transformer_fp8 import recipe
 from transformer_fp8.module.base import FP8ModuleBase
@@ -27,19 +28,6 @@ def make_model(which):
                                 device="cuda"), (32, 2, 128), (32, 2, 128))
 
 
-def fp8_states(model):
-    return [s for m in model.modules() if isinstance(m, FP8ModuleBase) for s in (m.fp8_fwd, m.fp8_bwd)]
-
-
-def check_same(got, want, exact, what):
-    """Bitwise for Linear; within 1% (norm) otherwise (the fused attention backward may accumulate in another order
-    from run to run, and FP8 rounding can amplify one ulp)."""
-    if exact:
-        assert torch.equal(got, want), what
-    else:
-        assert rel_error(got, want) < 0.01, what
-
-
 def zero_grads(*models):
     for model in models:
         for p in model.parameters():
@@ -55,16 +43,6 @@ def nudge_weights(eager, graphed, step):
             delta = torch.randn(p_e.shape, generator=gen, device="cuda", dtype=p_e.dtype) * 0.05 * p_e.float().std()
             p_e.add_(delta)
             p_g.add_(delta)
-
-
-def compare(eager, graphed, out_e, out_g, x_e, x_g, exact):
-    check_same(out_g, out_e, exact, "output")
-    check_same(x_g.grad, x_e.grad, exact, "input grad")
-    for (name, p_g), p_e in zip(graphed.named_parameters(), eager.parameters()):
-        check_same(p_g.grad, p_e.grad, exact, name)
-    for s_g, s_e in zip(fp8_states(graphed), fp8_states(eager)):
-        for what in ("amax_history", "scale", "scale_inv"):
-            check_same(getattr(s_g, what), getattr(s_e, what), exact, what)
 
 
 def step_inputs(step, shape, out_shape):
