@@ -2,8 +2,8 @@
 sets TFP8_DIST_BACKEND=nccl (tools/dist_check.sh runs them so on 2 GPUs).
 
 run_workers(fn) spawns the processes; each initialises the default group, runs fn(rank) and hands back its result
-(tensors moved to the CPU); an exception comes back as {"exception": traceback}. On CUDA the FP8 modules take their
-FP8 path at every size (as conftest.py arranges in-process).
+(tensors moved to the CPU); a rank's exception fails the caller's test with that rank's traceback. On CUDA the
+FP8 modules take their FP8 path at every size (as conftest.py arranges in-process).
 """
 import os
 import socket
@@ -51,4 +51,7 @@ def run_workers(fn):
         pytest.skip(f"TFP8_DIST_BACKEND=nccl needs {WORLD} GPUs")
     shared = mp.get_context("spawn").Manager().dict()  # (not forked from a process that may hold CUDA threads)
     mp.spawn(_entry, args=(free_port(), fn, shared), nprocs=WORLD, join=True)
-    return [dict(shared[r]) for r in range(WORLD)]
+    results = [dict(shared[r]) for r in range(WORLD)]
+    for rank, result in enumerate(results):
+        assert "exception" not in result, f"rank {rank}:\n{result['exception']}"
+    return results
