@@ -77,6 +77,28 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // d(t) of rope_fwd for grad_out (t's shape, the same rules): each pair (g_i, g_j) ->
   // (g_i cos f_i + g_j sin f_j, g_j cos f_j - g_i sin f_i), the rotation by the negated angle when f_i == f_j.
   m.def("rope_bwd(Tensor grad_out, Tensor freqs, str qkv_format, bool interleaved=False) -> Tensor");
+
+  // --- attention family --- scaled-dot-product attention (CUDA: cuDNN's graph API; CPU: float32 math reference).
+  // q [b, hq, sq, d_qk], k [b, hkv, skv, d_qk], v [b, hkv, skv, d_v]: float16 or bfloat16 (one dtype), last dim
+  // contiguous, any other strides (sbhd / bshd tensors, or views of a fused QKV buffer, permuted to [b, h, s, d]);
+  // hq % hkv == 0 (GQA / MQA: query head i reads kv head i / (hq / hkv)), skv >= 1.
+  // out = dropout(softmax(q kᵀ * scale + mask)) v, math in float32. Masks: causal (top-left aligned: key j > query i
+  // is masked); padding: seqlens_q / seqlens_kv (int32 [b] on q's device, given together, 1 <= len <= s) mask keys
+  // j >= seqlens_kv[b], and query rows i >= seqlens_q[b] of out are zero. Dropout (dropout_p in [0, 1)) zeroes
+  // probabilities and scales the kept ones by 1 / (1 - dropout_p); it needs rng_state, int64 [2] (philox seed,
+  // offset) on q's device: the same rng_state gives the same mask (the CPU reference draws its own, different mask).
+  // Returns (out [b, hq, sq, d_v] in q's dtype, dense in q's dim order (dims 0..2 by decreasing stride, so an sbhd
+  // view gives an sbhd out), stats float32 [b, hq, sq, 1] contiguous: logsumexp over the unmasked keys of
+  // q kᵀ * scale, what the backward needs). NotImplementedError (saying why) when cuDNN cannot run the case.
+  m.def("fused_attn_fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, float dropout_p=0.0, "
+        "Tensor? seqlens_q=None, Tensor? seqlens_kv=None, Tensor? rng_state=None) -> (Tensor, Tensor)");
+  // Gradients of fused_attn_fwd (called with the same q, k, v, scale, causal, dropout_p, seqlens and rng_state) for
+  // grad_out (out's shape and dtype, last dim contiguous), written into dq, dk, dv (q's / k's / v's shapes, q's
+  // dtype, last dim contiguous, any strides: views of one dqkv buffer laid out like the fused QKV are the point).
+  // With seqlens, rows past the lengths may be left unwritten: pass zeroed buffers to get zeros there.
+  m.def("fused_attn_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor(a!) dq, "
+        "Tensor(b!) dk, Tensor(c!) dv, float scale, bool causal=False, float dropout_p=0.0, Tensor? seqlens_q=None, "
+        "Tensor? seqlens_kv=None, Tensor? rng_state=None) -> ()");
 }
 
 // A Python module with no functions: importing transformer_fp8._C loads this library and runs the registrations.

@@ -1,7 +1,9 @@
 """Attention modules with Transformer Engine's names and defaults.
 
 DotProductAttention runs PyTorch's fused SDPA kernels on CUDA, in the order cuDNN fused attention, FlashAttention,
-memory-efficient attention. It never falls back to the unfused math path silently: when no fused kernel takes a
+memory-efficient attention; with attention_backend="cudnn" (or TFP8_ATTENTION_BACKEND=cudnn) it runs this package's
+own cuDNN graph ops instead (attention_cudnn.py: strided q/k/v views in, one fused dq/dk/dv buffer out), falling back
+to the PyTorch path, with one warning per reason, for cases cuDNN cannot take. It never falls back to the unfused math path silently: when no fused kernel takes a
 case it warns once, with the reasons PyTorch gives, and only then runs math attention. On CPU it is the float32
 math reference. MultiheadAttention = one fused QKV projection (Linear, or LayerNormLinear with input_layernorm),
 optional RoPE on q and k, DotProductAttention, output projection.
@@ -15,6 +17,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..distributed import TensorParallel, model_parallel_rng
+from .attention_cudnn import BACKENDS, cudnn_attention, default_backend
 from .attention_varlen import check_packed_qkv, packed_attention
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
@@ -125,13 +128,19 @@ class DotProductAttention(nn.Module):
     max_seqlen_kv; output [total_q, h * d]. attention_mask must be None; "padding" and "no_mask" mean no causal
     mask, "padding_causal" and "causal" a causal mask top-left aligned within each sequence. Kernels, fallbacks and
     host syncs: attention_varlen.py.
+
+    attention_backend: "torch" (PyTorch's fused SDPA kernels) or "cudnn" (transformer_fp8's cuDNN graph ops, for
+    sbhd / bshd; a padding mask costs one host sync to check it is a key-padding prefix); None: the environment
+    variable TFP8_ATTENTION_BACKEND, else "torch".
     """
 
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
                  attn_mask_type="causal", qkv_format="sbhd", softmax_scale=None, layer_number=None,
-                 attention_type="self", tp_size=1, tp_group=None, sequence_parallel=False):
+                 attention_type="self", tp_size=1, tp_group=None, sequence_parallel=False, attention_backend=None):
         super().__init__()
         _check_choice(attn_mask_type, ATTN_MASK_TYPES, "attn_mask_type")
+        self.attention_backend = attention_backend or default_backend()
+        _check_choice(self.attention_backend, BACKENDS, "attention_backend")
         _check_choice(qkv_format, QKV_FORMATS, "qkv_format")
         check_no_tensor_parallel(tp_size, tp_group)
         num_gqa_groups = num_gqa_groups or num_attention_heads
@@ -183,8 +192,12 @@ class DotProductAttention(nn.Module):
         to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if fmt == "sbhd" else (lambda t: t.transpose(1, 2))
         q, k, v = to_bhsd(query_layer), to_bhsd(key_layer), to_bhsd(value_layer)
         attn_mask, is_causal = _sdpa_mask(attention_mask, mask_type, q.shape[2], k.shape[2], q.device)
-        out = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
-                                           scale=self.softmax_scale)  # [b, h, sq, d]
+        out = None
+        if self.attention_backend == "cudnn" and q.is_cuda:
+            out = cudnn_attention(q, k, v, attention_mask, mask_type, dropout_p, self.softmax_scale)
+        if out is None:
+            out = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                               dropout_p=dropout_p, scale=self.softmax_scale)  # [b, h, sq, d]
         b, h, sq, d = out.shape
         out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
         return out.reshape(*out.shape[:2], h * d)

@@ -1,0 +1,196 @@
+// CUDA kernels of the attention family for torch: argument checks, output allocation, the cuDNN handle (torch's own,
+// per thread and device) on the current stream, workspace from the caching allocator.
+// Contracts: csrc/ops.cpp; graphs: csrc/attention_cudnn.cpp.
+#include <ATen/Context.h>
+#include <ATen/cudnn/Handle.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+
+#include "attention.h"
+#include "common.h"
+
+namespace tfp8 {
+namespace {
+
+Strides4 strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)}; }
+
+void check_4d(const at::Tensor& t, const char* arg, const char* layout) {
+  TORCH_CHECK(t.dim() == 4, arg, ": expected a 4-D tensor ", layout, ", got shape ", dims(t.sizes()));
+  TORCH_CHECK(t.stride(3) == 1, arg, ": expected a contiguous last dim, got strides ", dims(t.strides()));
+}
+
+void check_shape(const at::Tensor& t, at::IntArrayRef expected, const char* arg) {
+  TORCH_CHECK(t.sizes() == expected, arg, ": expected shape ", dims(expected), ", got ", dims(t.sizes()));
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& q, const char* arg) {
+  check_same_device(t, q, arg);
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), arg, ": expected ", q.scalar_type(), " (as q), got ",
+              t.scalar_type());
+}
+
+// cuDNN reads and writes its tensors with 16-byte vector accesses.
+void check_aligned(const at::Tensor& t, const char* arg) {
+  TORCH_CHECK_NOT_IMPLEMENTED(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, arg,
+                              ": cuDNN attention needs 16-byte aligned data");
+}
+
+// Checks q, k, v and the optional inputs; returns the problem without its output / backward strides.
+SdpaProblem problem_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
+                       double dropout_p, const std::optional<at::Tensor>& seqlens_q,
+                       const std::optional<at::Tensor>& seqlens_kv, const std::optional<at::Tensor>& rng_state) {
+  check_cuda(q, "q");
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "q: expected a float16 or bfloat16 tensor, got ", q.scalar_type());
+  check_4d(q, "q", "[b, hq, sq, d_qk]");
+  check_4d(k, "k", "[b, hkv, skv, d_qk]");
+  check_4d(v, "v", "[b, hkv, skv, d_v]");
+  check_like(k, q, "k");
+  check_like(v, q, "v");
+  SdpaProblem p;
+  p.dtype = to_dtype(q.scalar_type(), "q");
+  p.b = q.size(0), p.hq = q.size(1), p.sq = q.size(2), p.d_qk = q.size(3);
+  p.hkv = k.size(1), p.skv = k.size(2), p.d_v = v.size(3);
+  TORCH_CHECK(k.size(0) == p.b && k.size(3) == p.d_qk && p.hkv > 0 && p.hq % p.hkv == 0, "k: expected [",
+              num(p.b), ", hkv, skv, ", num(p.d_qk), "] with hkv dividing hq = ", num(p.hq), ", got shape ",
+              dims(k.sizes()));
+  TORCH_CHECK(v.size(0) == p.b && v.size(1) == p.hkv && v.size(2) == p.skv, "v: expected [", num(p.b), ", ",
+              num(p.hkv), ", ", num(p.skv), ", d_v] (as k), got shape ", dims(v.sizes()));
+  TORCH_CHECK(p.skv > 0 && p.d_qk > 0 && p.d_v > 0, "k/v: expected at least one key and non-empty head dims, got k ",
+              dims(k.sizes()), ", v ", dims(v.sizes()));
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p: expected a value in [0, 1), got ",
+              std::to_string(dropout_p));
+  TORCH_CHECK(seqlens_q.has_value() == seqlens_kv.has_value(),
+              "seqlens_q/seqlens_kv: expected both or neither (padding mask)");
+  for (const auto& [t, arg] : {std::make_pair(&seqlens_q, "seqlens_q"), std::make_pair(&seqlens_kv, "seqlens_kv")}) {
+    if (!t->has_value()) continue;
+    const at::Tensor& s = **t;
+    check_same_device(s, q, arg);
+    TORCH_CHECK(s.scalar_type() == at::kInt, arg, ": expected an int32 tensor, got ", s.scalar_type());
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == p.b && s.is_contiguous(), arg, ": expected a contiguous [",
+                num(p.b), "] tensor, got shape ", dims(s.sizes()), " strides ", dims(s.strides()));
+  }
+  if (dropout_p > 0.0) {
+    TORCH_CHECK(rng_state.has_value(), "rng_state: required with dropout_p > 0 (int64 [2]: philox seed, offset)");
+    check_same_device(*rng_state, q, "rng_state");
+    TORCH_CHECK(rng_state->scalar_type() == at::kLong && rng_state->numel() == 2 && rng_state->is_contiguous(),
+                "rng_state: expected a contiguous int64 tensor of 2 elements (seed, offset), got ",
+                rng_state->scalar_type(), " of shape ", dims(rng_state->sizes()));
+  }
+  p.q = strides_of(q), p.k = strides_of(k), p.v = strides_of(v);
+  p.scale = float(scale), p.dropout_p = float(dropout_p), p.causal = causal, p.padding = seqlens_q.has_value();
+  return p;
+}
+
+SdpaPointers pointers_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const SdpaProblem& p,
+                         const std::optional<at::Tensor>& seqlens_q, const std::optional<at::Tensor>& seqlens_kv,
+                         const std::optional<at::Tensor>& rng_state) {
+  SdpaPointers ptrs;
+  ptrs.q = q.data_ptr(), ptrs.k = k.data_ptr(), ptrs.v = v.data_ptr();
+  if (p.padding) ptrs.seqlens_q = seqlens_q->data_ptr<int32_t>(), ptrs.seqlens_kv = seqlens_kv->data_ptr<int32_t>();
+  if (p.dropout_p > 0.0f) {
+    ptrs.seed = rng_state->data_ptr<int64_t>();
+    ptrs.offset = ptrs.seed + 1;
+  }
+  return ptrs;
+}
+
+// A [sizes] tensor like `like`, dense in like's dim order (dims 0..2 by decreasing stride, d last).
+at::Tensor dense_in_order_of(const at::Tensor& like, at::IntArrayRef sizes, bool zeroed) {
+  std::array<int64_t, 3> order{0, 1, 2};
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return like.stride(a) > like.stride(b); });
+  const std::vector<int64_t> memory_sizes{sizes[order[0]], sizes[order[1]], sizes[order[2]], sizes[3]};
+  at::Tensor t = zeroed ? at::zeros(memory_sizes, like.options()) : at::empty(memory_sizes, like.options());
+  std::vector<int64_t> inverse(4, 3);
+  for (int64_t i = 0; i < 3; ++i) inverse[order[i]] = i;
+  return t.permute(inverse);
+}
+
+// Runs p on the current stream; NotImplementedError (with cuDNN's reason) when cuDNN cannot run it.
+void run(const SdpaProblem& p, const SdpaPointers& ptrs, const at::Tensor& q, const char* op) {
+  cudnnHandle_t handle = at::native::getCudnnHandle();
+  const cudnnStatus_t status = cudnnSetStream(handle, current_stream());
+  TORCH_CHECK(status == CUDNN_STATUS_SUCCESS, op, ": cudnnSetStream failed: ", cudnnGetErrorString(status));
+  int64_t bytes = 0;
+  try {
+    bytes = sdpa_workspace_bytes(p, handle);
+  } catch (const SdpaUnsupported& e) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, op, ": cuDNN cannot run this case (", q.scalar_type(), ", b=", num(p.b),
+                                " hq=", num(p.hq), " hkv=", num(p.hkv), " sq=", num(p.sq), " skv=", num(p.skv),
+                                " d_qk=", num(p.d_qk), " d_v=", num(p.d_v), p.causal ? ", causal" : "",
+                                p.padding ? ", padding" : "", p.dropout_p > 0.0f ? ", dropout" : "", "): ", e.what());
+  }
+  at::Tensor workspace = at::empty({bytes}, q.options().dtype(at::kByte));
+  sdpa_execute(p, ptrs, bytes > 0 ? workspace.data_ptr() : nullptr, handle);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  double scale, bool causal, double dropout_p,
+                                                  const std::optional<at::Tensor>& seqlens_q,
+                                                  const std::optional<at::Tensor>& seqlens_kv,
+                                                  const std::optional<at::Tensor>& rng_state) {
+  SdpaProblem p = problem_of(q, k, v, scale, causal, dropout_p, seqlens_q, seqlens_kv, rng_state);
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = dense_in_order_of(q, {p.b, p.hq, p.sq, p.d_v}, /*zeroed=*/p.padding);
+  at::Tensor stats = at::empty({p.b, p.hq, p.sq, 1}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return {out, stats};
+  for (const auto& [t, arg] : {std::make_pair(&q, "q"), std::make_pair(&k, "k"), std::make_pair(&v, "v")})
+    check_aligned(*t, arg);
+  p.o = strides_of(out);
+  SdpaPointers ptrs = pointers_of(q, k, v, p, seqlens_q, seqlens_kv, rng_state);
+  ptrs.o = out.data_ptr(), ptrs.stats = stats.data_ptr();
+  run(p, ptrs, q, "fused_attn_fwd");
+  return {out, stats};
+}
+
+void fused_attn_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& out, const at::Tensor& stats, const at::Tensor& dq, const at::Tensor& dk,
+                    const at::Tensor& dv, double scale, bool causal, double dropout_p,
+                    const std::optional<at::Tensor>& seqlens_q, const std::optional<at::Tensor>& seqlens_kv,
+                    const std::optional<at::Tensor>& rng_state) {
+  SdpaProblem p = problem_of(q, k, v, scale, causal, dropout_p, seqlens_q, seqlens_kv, rng_state);
+  p.backward = true;
+  p.deterministic = at::globalContext().deterministicAlgorithms();
+  const std::vector<int64_t> o_shape{p.b, p.hq, p.sq, p.d_v};
+  for (const auto& [t, arg] : {std::make_pair(&grad_out, "grad_out"), std::make_pair(&out, "out")}) {
+    check_4d(*t, arg, "[b, hq, sq, d_v]");
+    check_like(*t, q, arg);
+    check_shape(*t, o_shape, arg);
+  }
+  check_same_device(stats, q, "stats");
+  TORCH_CHECK(stats.scalar_type() == at::kFloat, "stats: expected a float32 tensor, got ", stats.scalar_type());
+  check_shape(stats, {p.b, p.hq, p.sq, 1}, "stats");
+  check_contiguous(stats, "stats");
+  for (const auto& [grad, like, arg] : {std::make_tuple(&dq, &q, "dq"), std::make_tuple(&dk, &k, "dk"),
+                                        std::make_tuple(&dv, &v, "dv")}) {
+    check_4d(*grad, arg, "(the shape of its input)");
+    check_like(*grad, q, arg);
+    check_shape(*grad, like->sizes(), arg);
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  if (grad_out.numel() == 0) {  // no queries: no gradient
+    dq.zero_(), dk.zero_(), dv.zero_();
+    return;
+  }
+  for (const auto& [t, arg] : {std::make_pair(&q, "q"), std::make_pair(&k, "k"), std::make_pair(&v, "v"),
+                               std::make_pair(&out, "out"), std::make_pair(&grad_out, "grad_out"),
+                               std::make_pair(&dq, "dq"), std::make_pair(&dk, "dk"), std::make_pair(&dv, "dv")})
+    check_aligned(*t, arg);
+  p.o = strides_of(out), p.d_o = strides_of(grad_out);
+  p.dq = strides_of(dq), p.dk = strides_of(dk), p.dv = strides_of(dv);
+  SdpaPointers ptrs = pointers_of(q, k, v, p, seqlens_q, seqlens_kv, rng_state);
+  ptrs.o = out.data_ptr(), ptrs.stats = stats.data_ptr(), ptrs.d_o = grad_out.data_ptr();
+  ptrs.dq = dq.data_ptr(), ptrs.dk = dk.data_ptr(), ptrs.dv = dv.data_ptr();
+  run(p, ptrs, q, "fused_attn_bwd");
+}
+
+}  // namespace
+}  // namespace tfp8
+
+TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m) {
+  m.impl("fused_attn_fwd", &tfp8::fused_attn_fwd);
+  m.impl("fused_attn_bwd", &tfp8::fused_attn_bwd);
+}
