@@ -3,10 +3,10 @@
 DotProductAttention runs PyTorch's fused SDPA kernels on CUDA, in the order cuDNN fused attention, FlashAttention,
 memory-efficient attention; with attention_backend="cudnn" (or TFP8_ATTENTION_BACKEND=cudnn) it runs this package's
 own cuDNN graph ops instead (attention_cudnn.py: strided q/k/v views in, one fused dq/dk/dv buffer out), falling back
-to the PyTorch path, with one warning per reason, for cases cuDNN cannot take. It never falls back to the unfused math path silently: when no fused kernel takes a
-case it warns once, with the reasons PyTorch gives, and only then runs math attention. On CPU it is the float32
-math reference. MultiheadAttention = one fused QKV projection (Linear, or LayerNormLinear with input_layernorm),
-optional RoPE on q and k, DotProductAttention, output projection.
+to the PyTorch path, with one warning per reason, for cases cuDNN cannot take. It never falls back to the unfused
+math path silently: when no fused kernel takes a case it warns once, with the reasons PyTorch gives, and only then
+runs math attention. On CPU it is the float32 math reference. MultiheadAttention = one fused QKV projection
+(Linear, or LayerNormLinear with input_layernorm), optional RoPE on q and k, DotProductAttention, output projection.
 """
 import math
 import warnings

@@ -91,7 +91,8 @@ def _torch_sdpa_grads(grad_out, q, k, v, scale, causal, seqlens_kv):
             if causal:
                 mask = mask & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1])
         return torch.autograd.grad(out, (q, k, v), grad_out)
 
 
@@ -133,7 +134,7 @@ def _padding_seqlens(attention_mask, b, sq, skv, device):
     if attention_mask.shape[-2] != 1:
         return f"attention_mask of shape {tuple(attention_mask.shape)} (per-query masks have no cuDNN form; only " \
                f"key-padding masks [b, 1, 1, s_kv] do)"
-    if torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return "a padding mask under CUDA graph capture (its key-prefix check needs a host sync)"
     masked = attention_mask.reshape(b, skv).to(device)
     seqlens_kv = (~masked).sum(-1, dtype=torch.int32)
