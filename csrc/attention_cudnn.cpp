@@ -104,19 +104,25 @@ std::string failure(fe::error_t status, const char* step) {
   return std::string(step) + ": " + status.get_message();
 }
 
+// Builds p's graph; a step cuDNN refuses (an error status, or an exception from the backend) makes it unsupported.
 std::unique_ptr<CachedGraph> build(const SdpaProblem& p, cudnnHandle_t handle) {
   auto cached = std::make_unique<CachedGraph>();
   auto g = std::make_shared<fe::graph::Graph>();
-  g->set_io_data_type(io_type(p.dtype))
-      .set_intermediate_data_type(fe::DataType_t::FLOAT)
-      .set_compute_data_type(fe::DataType_t::FLOAT);
-  add_sdpa(*g, p);
-  std::string why = failure(g->validate(), "validate");
-  if (why.empty()) why = failure(g->build_operation_graph(handle), "build_operation_graph");
-  if (why.empty()) why = failure(g->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans");
-  if (why.empty()) why = failure(g->check_support(handle), "check_support");
-  if (why.empty()) why = failure(g->build_plans(handle), "build_plans");
-  if (why.empty()) why = failure(g->get_workspace_size(cached->workspace_bytes), "get_workspace_size");
+  std::string why;
+  try {
+    g->set_io_data_type(io_type(p.dtype))
+        .set_intermediate_data_type(fe::DataType_t::FLOAT)
+        .set_compute_data_type(fe::DataType_t::FLOAT);
+    add_sdpa(*g, p);
+    why = failure(g->validate(), "validate");
+    if (why.empty()) why = failure(g->build_operation_graph(handle), "build_operation_graph");
+    if (why.empty()) why = failure(g->create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans");
+    if (why.empty()) why = failure(g->check_support(handle), "check_support");
+    if (why.empty()) why = failure(g->build_plans(handle), "build_plans");
+    if (why.empty()) why = failure(g->get_workspace_size(cached->workspace_bytes), "get_workspace_size");
+  } catch (const std::exception& e) {
+    why = std::string("graph build: ") + e.what();
+  }
   if (why.empty()) {
     cached->graph = std::move(g);
   } else {
