@@ -6,9 +6,9 @@ buffer): no copies. The output comes back in q's dim order, and the backward wri
 out like q, k, v's own (a fused QKV gradient) when q, k, v are disjoint views of one buffer.
 
 A case the backend cannot take (an arbitrary attention mask, a mask that is not a key-padding prefix, a shape or
-dtype cuDNN's support check refuses, torch.compile tracing) returns None, after one warning per reason; the caller
-then runs PyTorch's SDPA. Dropout draws a philox (seed, offset) pair from torch's CUDA generator per forward, so
-results repeat under torch.manual_seed and the backward replays the forward's mask.
+dtype cuDNN's support check refuses) returns None, after one warning per reason, and so does torch.compile tracing
+(silently); the caller then runs PyTorch's SDPA. Dropout draws a philox (seed, offset) pair from torch's CUDA
+generator per forward, so results repeat under torch.manual_seed and the backward replays the forward's mask.
 """
 import os
 import warnings
@@ -147,12 +147,12 @@ def _padding_seqlens(attention_mask, b, sq, skv, device):
 def cudnn_attention(q, k, v, attention_mask, attn_mask_type, dropout_p, scale):
     """q [b, hq, sq, d], k/v [b, hkv, skv, d] CUDA views (DotProductAttention's masks and scale) -> out
     [b, hq, sq, d] in q's dtype (memory in q's dim order), or None when the cuDNN backend cannot take the case
-    (one warning per reason)."""
+    (one warning per reason). Under torch.compile it returns None at once, without a warning (tracing a warning
+    would break a fullgraph compile): compiled graphs run PyTorch's SDPA."""
+    if torch.compiler.is_compiling():
+        return None
     if not cudnn_attention_built():
         _warn_once("transformer_fp8 was built without the attention family (cudnn-frontend headers missing)")
-        return None
-    if torch.compiler.is_compiling():
-        _warn_once("torch.compile traces PyTorch's SDPA (the cuDNN backend runs eagerly)")
         return None
     dtype = q.dtype
     if dtype not in (torch.float16, torch.bfloat16):
