@@ -19,5 +19,18 @@ def assert_close_rel(out, ref, tol, what="output"):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
+def check_against_float64(out, inputs, reference, tol, grad_tol, names="qkv"):
+    """out (computed from `inputs`, leaf tensors that require grad) against reference(*float64 copies of inputs):
+    the output within tol and, for one random output gradient, each input's gradient within grad_tol (relative
+    error by norm)."""
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    ref = reference(*inputs64)
+    assert_close_rel(out, ref, tol)
+    grad = torch.randn_like(ref)
+    out.backward(grad.to(out.dtype))
+    for name, ours, want in zip(names, [t.grad for t in inputs], torch.autograd.grad(ref, inputs64, grad)):
+        assert_close_rel(ours, want, grad_tol, f"d{name}")
+
+
 def scalar(value, device="cpu"):
     return torch.tensor([value], dtype=torch.float32, device=device)

@@ -55,6 +55,24 @@ def _sdpa_mask(attention_mask, attn_mask_type, sq, skv, device):
     return allowed, False
 
 
+def _padding_mask_from_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, attention_mask, mask_type, b, skv, device):
+    """Padded sbhd/bshd batches described by offsets (TE's cu_seqlens): bool [b, 1, 1, skv], True = the key position
+    is padding (from cu_seqlens_kv, or cu_seqlens_q for self-attention). Query rows past a sequence's length are not
+    masked (their outputs are finite, and padding). Device ops only: no host sync."""
+    if "padding" not in mask_type:
+        raise ValueError(f"cu_seqlens_q/cu_seqlens_kv: with qkv_format 'sbhd'/'bshd' they describe padding and need "
+                         f"attn_mask_type 'padding' or 'padding_causal', got {mask_type!r}")
+    if attention_mask is not None:
+        raise ValueError("attention_mask: give either attention_mask or cu_seqlens_q/cu_seqlens_kv, not both")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+        if cu is not None and (not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.shape != (b + 1,)):
+            got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise ValueError(f"{name}: expected an int32 tensor of shape ({b + 1},) (batch + 1 offsets), got {got}")
+    cu = (cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q).to(device)
+    lengths = cu[1:] - cu[:-1]
+    return (torch.arange(skv, device=device) >= lengths[:, None]).view(b, 1, 1, skv)
+
+
 def _expand_kv(t, groups):
     return t.repeat_interleave(groups, dim=1)
 
@@ -128,6 +146,8 @@ class DotProductAttention(nn.Module):
     max_seqlen_kv; output [total_q, h * d]. attention_mask must be None; "padding" and "no_mask" mean no causal
     mask, "padding_causal" and "causal" a causal mask top-left aligned within each sequence. Kernels, fallbacks and
     host syncs: attention_varlen.py.
+    With "sbhd"/"bshd" and a padding mask type, cu_seqlens_kv (or cu_seqlens_q for self-attention) may describe
+    each sequence's length instead of attention_mask: key positions past the length are masked.
 
     attention_backend: "torch" (PyTorch's fused SDPA kernels) or "cudnn" (transformer_fp8's cuDNN graph ops, for
     sbhd / bshd; a padding mask costs one host sync to check it is a key-padding prefix); None: the environment
@@ -185,12 +205,14 @@ class DotProductAttention(nn.Module):
                                    max_seqlen_kv, causal="causal" in mask_type, dropout_p=dropout_p,
                                    scale=self.softmax_scale)
             return out.reshape(out.shape[0], -1)
-        if any(a is not None for a in (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv)):
-            raise ValueError(f"cu_seqlens_q/cu_seqlens_kv/max_seqlen_q/max_seqlen_kv: only taken with "
-                             f"qkv_format='thd', got qkv_format={fmt!r} (padding there: attention_mask)")
+        if max_seqlen_q is not None or max_seqlen_kv is not None:
+            raise ValueError(f"max_seqlen_q/max_seqlen_kv: only taken with qkv_format='thd', got {fmt!r}")
         self._check_qkv(query_layer, key_layer, value_layer, fmt)
         to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if fmt == "sbhd" else (lambda t: t.transpose(1, 2))
         q, k, v = to_bhsd(query_layer), to_bhsd(key_layer), to_bhsd(value_layer)
+        if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+            attention_mask = _padding_mask_from_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, attention_mask, mask_type,
+                                                           q.shape[0], k.shape[2], q.device)
         attn_mask, is_causal = _sdpa_mask(attention_mask, mask_type, q.shape[2], k.shape[2], q.device)
         out = None
         if self.attention_backend == "cudnn" and q.is_cuda:
