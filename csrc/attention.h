@@ -17,9 +17,12 @@ using Strides4 = std::array<int64_t, 4>;
 // One attention problem: everything its cuDNN graph depends on (the pointers' values aside).
 // q [b, hq, sq, d_qk], k [b, hkv, skv, d_qk], v [b, hkv, skv, d_v], o / d_o [b, hq, sq, d_v], stats float32
 // [b, hq, sq, 1] contiguous; dq / dk / dv as q / k / v. The backward strides are unused (zero) in a forward problem.
+// FP8 problems (dtype E4M3 or E5M2: cuDNN's per-tensor-scaled FP8 SDPA): q, k, v, o of dtype; d_o, dq, dk, dv of
+// grad_dtype (backward); scales and amaxes through Fp8ScalePointers; no dropout, no padding.
 struct SdpaProblem {
   bool backward = false;
-  DType dtype = DType::kBFloat16;  // float16 or bfloat16
+  DType dtype = DType::kBFloat16;       // float16 or bfloat16, or an FP8 dtype
+  DType grad_dtype = DType::kBFloat16;  // FP8 backward only: d_o's and dq / dk / dv's FP8 dtype
   int64_t b = 0, hq = 0, hkv = 0, sq = 0, skv = 0, d_qk = 0, d_v = 0;
   Strides4 q{}, k{}, v{}, o{}, d_o{}, dq{}, dk{}, dv{};
   float scale = 1.0f;
@@ -27,6 +30,20 @@ struct SdpaProblem {
   bool causal = false;         // top-left aligned: key j > query i is masked
   bool padding = false;        // seqlens_q / seqlens_kv given
   bool deterministic = false;  // backward only: a bitwise reproducible algorithm
+
+  bool fp8() const { return dtype == DType::kE4M3 || dtype == DType::kE5M2; }
+};
+
+// One-element float32 device pointers of an FP8 problem. descale = 1 / scale of the tensor it dequantizes; the amax
+// outputs are overwritten (max|x| before scaling) with: s = softmax probabilities P, o = out, dp = dS (the gradient of
+// q kᵀ, i.e. including the attention scale), dq / dk / dv = the gradients before their cast.
+struct Fp8ScalePointers {
+  const float *descale_q = nullptr, *descale_k = nullptr, *descale_v = nullptr, *descale_s = nullptr;
+  const float *scale_s = nullptr, *scale_o = nullptr;  // forward
+  const float *descale_o = nullptr, *descale_do = nullptr, *descale_dp = nullptr;
+  const float *scale_dp = nullptr, *scale_dq = nullptr, *scale_dk = nullptr, *scale_dv = nullptr;  // backward
+  float *amax_s = nullptr, *amax_o = nullptr;                                                      // forward
+  float *amax_dp = nullptr, *amax_dq = nullptr, *amax_dk = nullptr, *amax_dv = nullptr;            // backward
 };
 
 // Device pointers of one call. seqlens: int32 [b] (padding only); seed / offset: int64 [1] (dropout only).
@@ -37,6 +54,7 @@ struct SdpaPointers {
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;
   const int32_t *seqlens_q = nullptr, *seqlens_kv = nullptr;
   const int64_t *seed = nullptr, *offset = nullptr;
+  Fp8ScalePointers fp8;  // FP8 problems only
 };
 
 // cuDNN cannot run a problem (its support check or plan build refused it); what() says why.

@@ -38,13 +38,17 @@ void check_aligned(const at::Tensor& t, const char* arg) {
                               ": cuDNN attention needs 16-byte aligned data");
 }
 
-// Checks q, k, v and the optional inputs; returns the problem without its output / backward strides.
+void check_high_precision_io(const at::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "q: expected a float16 or bfloat16 tensor, got ", q.scalar_type());
+}
+
+// Checks q, k, v (not q's dtype: the caller does) and the optional inputs; returns the problem without its output /
+// backward strides.
 SdpaProblem problem_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
                        double dropout_p, const std::optional<at::Tensor>& seqlens_q,
                        const std::optional<at::Tensor>& seqlens_kv, const std::optional<at::Tensor>& rng_state) {
   check_cuda(q, "q");
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              "q: expected a float16 or bfloat16 tensor, got ", q.scalar_type());
   check_4d(q, "q", "[b, hq, sq, d_qk]");
   check_4d(k, "k", "[b, hkv, skv, d_qk]");
   check_4d(v, "v", "[b, hkv, skv, d_v]");
@@ -98,12 +102,15 @@ SdpaPointers pointers_of(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return ptrs;
 }
 
-// A [sizes] tensor like `like`, dense in like's dim order (dims 0..2 by decreasing stride, d last).
-at::Tensor dense_in_order_of(const at::Tensor& like, at::IntArrayRef sizes, bool zeroed) {
+// A [sizes] tensor like `like` (of dtype, default like's), dense in like's dim order (dims 0..2 by decreasing stride,
+// d last).
+at::Tensor dense_in_order_of(const at::Tensor& like, at::IntArrayRef sizes, bool zeroed,
+                             std::optional<at::ScalarType> dtype = std::nullopt) {
   std::array<int64_t, 3> order{0, 1, 2};
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return like.stride(a) > like.stride(b); });
   const std::vector<int64_t> memory_sizes{sizes[order[0]], sizes[order[1]], sizes[order[2]], sizes[3]};
-  at::Tensor t = zeroed ? at::zeros(memory_sizes, like.options()) : at::empty(memory_sizes, like.options());
+  const auto options = like.options().dtype(dtype.value_or(like.scalar_type()));
+  at::Tensor t = zeroed ? at::zeros(memory_sizes, options) : at::empty(memory_sizes, options);
   std::vector<int64_t> inverse(4, 3);
   for (int64_t i = 0; i < 3; ++i) inverse[order[i]] = i;
   return t.permute(inverse);
@@ -132,6 +139,7 @@ std::tuple<at::Tensor, at::Tensor> fused_attn_fwd(const at::Tensor& q, const at:
                                                   const std::optional<at::Tensor>& seqlens_q,
                                                   const std::optional<at::Tensor>& seqlens_kv,
                                                   const std::optional<at::Tensor>& rng_state) {
+  check_high_precision_io(q);
   SdpaProblem p = problem_of(q, k, v, scale, causal, dropout_p, seqlens_q, seqlens_kv, rng_state);
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = dense_in_order_of(q, {p.b, p.hq, p.sq, p.d_v}, /*zeroed=*/p.padding);
@@ -151,6 +159,7 @@ void fused_attn_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::T
                     const at::Tensor& dv, double scale, bool causal, double dropout_p,
                     const std::optional<at::Tensor>& seqlens_q, const std::optional<at::Tensor>& seqlens_kv,
                     const std::optional<at::Tensor>& rng_state) {
+  check_high_precision_io(q);
   SdpaProblem p = problem_of(q, k, v, scale, causal, dropout_p, seqlens_q, seqlens_kv, rng_state);
   p.backward = true;
   p.deterministic = at::globalContext().deterministicAlgorithms();
@@ -187,10 +196,116 @@ void fused_attn_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::T
   run(p, ptrs, q, "fused_attn_bwd");
 }
 
+// --- FP8 (cuDNN's per-tensor-scaled FP8 SDPA) ---
+
+const float* scale_ptr(const at::Tensor& t, const at::Tensor& data, const char* arg) {
+  check_scalar_f32(t, data, arg);
+  return t.data_ptr<float>();
+}
+
+// The graph overwrites its amax outputs; the ops max-accumulate into the caller's (see ops.cpp).
+void accumulate_amaxes(const at::Tensor& fresh, std::initializer_list<const at::Tensor*> amaxes) {
+  int64_t i = 0;
+  for (const at::Tensor* amax : amaxes) {
+    at::Tensor row = fresh.narrow(0, i++, 1).view(amax->sizes());
+    at::maximum_out(const_cast<at::Tensor&>(*amax), *amax, row);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_attn_fp8_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                      const at::Tensor& descale_q, const at::Tensor& descale_k,
+                                                      const at::Tensor& descale_v, const at::Tensor& scale_s,
+                                                      const at::Tensor& descale_s, const at::Tensor& scale_o,
+                                                      const at::Tensor& amax_s, const at::Tensor& amax_o, double scale,
+                                                      bool causal) {
+  check_fp8_dtype(q.scalar_type(), "q");
+  SdpaProblem p = problem_of(q, k, v, scale, causal, 0.0, std::nullopt, std::nullopt, std::nullopt);
+  Fp8ScalePointers f;
+  f.descale_q = scale_ptr(descale_q, q, "descale_q"), f.descale_k = scale_ptr(descale_k, q, "descale_k");
+  f.descale_v = scale_ptr(descale_v, q, "descale_v"), f.scale_s = scale_ptr(scale_s, q, "scale_s");
+  f.descale_s = scale_ptr(descale_s, q, "descale_s"), f.scale_o = scale_ptr(scale_o, q, "scale_o");
+  check_scalar_f32(amax_s, q, "amax_s");
+  check_scalar_f32(amax_o, q, "amax_o");
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = dense_in_order_of(q, {p.b, p.hq, p.sq, p.d_v}, /*zeroed=*/false);
+  at::Tensor stats = at::empty({p.b, p.hq, p.sq, 1}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return {out, stats};
+  for (const auto& [t, arg] : {std::make_pair(&q, "q"), std::make_pair(&k, "k"), std::make_pair(&v, "v")})
+    check_aligned(*t, arg);
+  p.o = strides_of(out);
+  SdpaPointers ptrs = pointers_of(q, k, v, p, std::nullopt, std::nullopt, std::nullopt);
+  ptrs.o = out.data_ptr(), ptrs.stats = stats.data_ptr();
+  at::Tensor fresh = at::empty({2}, q.options().dtype(at::kFloat));
+  f.amax_s = fresh.data_ptr<float>(), f.amax_o = f.amax_s + 1;
+  ptrs.fp8 = f;
+  run(p, ptrs, q, "fused_attn_fp8_fwd");
+  accumulate_amaxes(fresh, {&amax_s, &amax_o});
+  return {out, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attn_fp8_bwd(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& stats, const at::Tensor& descale_q, const at::Tensor& descale_k, const at::Tensor& descale_v,
+    const at::Tensor& descale_o, const at::Tensor& descale_do, const at::Tensor& scale_s, const at::Tensor& descale_s,
+    const at::Tensor& scale_dp, const at::Tensor& descale_dp, const at::Tensor& scale_dq, const at::Tensor& scale_dk,
+    const at::Tensor& scale_dv, const at::Tensor& amax_dp, const at::Tensor& amax_dq, const at::Tensor& amax_dk,
+    const at::Tensor& amax_dv, double scale, bool causal) {
+  check_fp8_dtype(q.scalar_type(), "q");
+  SdpaProblem p = problem_of(q, k, v, scale, causal, 0.0, std::nullopt, std::nullopt, std::nullopt);
+  p.backward = true;
+  p.deterministic = at::globalContext().deterministicAlgorithms();
+  const std::vector<int64_t> o_shape{p.b, p.hq, p.sq, p.d_v};
+  check_4d(out, "out", "[b, hq, sq, d_v]");
+  check_like(out, q, "out");
+  check_shape(out, o_shape, "out");
+  check_4d(grad_out, "grad_out", "[b, hq, sq, d_v]");
+  check_same_device(grad_out, q, "grad_out");
+  check_fp8_dtype(grad_out.scalar_type(), "grad_out");
+  check_shape(grad_out, o_shape, "grad_out");
+  check_same_device(stats, q, "stats");
+  TORCH_CHECK(stats.scalar_type() == at::kFloat, "stats: expected a float32 tensor, got ", stats.scalar_type());
+  check_shape(stats, {p.b, p.hq, p.sq, 1}, "stats");
+  check_contiguous(stats, "stats");
+  p.grad_dtype = to_dtype(grad_out.scalar_type(), "grad_out");
+  Fp8ScalePointers f;
+  f.descale_q = scale_ptr(descale_q, q, "descale_q"), f.descale_k = scale_ptr(descale_k, q, "descale_k");
+  f.descale_v = scale_ptr(descale_v, q, "descale_v"), f.descale_o = scale_ptr(descale_o, q, "descale_o");
+  f.descale_do = scale_ptr(descale_do, q, "descale_do"), f.scale_s = scale_ptr(scale_s, q, "scale_s");
+  f.descale_s = scale_ptr(descale_s, q, "descale_s"), f.scale_dp = scale_ptr(scale_dp, q, "scale_dp");
+  f.descale_dp = scale_ptr(descale_dp, q, "descale_dp"), f.scale_dq = scale_ptr(scale_dq, q, "scale_dq");
+  f.scale_dk = scale_ptr(scale_dk, q, "scale_dk"), f.scale_dv = scale_ptr(scale_dv, q, "scale_dv");
+  for (const auto& [t, arg] : {std::make_pair(&amax_dp, "amax_dp"), std::make_pair(&amax_dq, "amax_dq"),
+                               std::make_pair(&amax_dk, "amax_dk"), std::make_pair(&amax_dv, "amax_dv")})
+    check_scalar_f32(*t, q, arg);
+  c10::cuda::CUDAGuard guard(q.device());
+  const bool no_queries = grad_out.numel() == 0;
+  at::Tensor dq = dense_in_order_of(q, q.sizes(), no_queries, grad_out.scalar_type());
+  at::Tensor dk = dense_in_order_of(k, k.sizes(), no_queries, grad_out.scalar_type());
+  at::Tensor dv = dense_in_order_of(v, v.sizes(), no_queries, grad_out.scalar_type());
+  if (no_queries) return {dq, dk, dv};  // zero gradients
+  for (const auto& [t, arg] : {std::make_pair(&q, "q"), std::make_pair(&k, "k"), std::make_pair(&v, "v"),
+                               std::make_pair(&out, "out"), std::make_pair(&grad_out, "grad_out")})
+    check_aligned(*t, arg);
+  p.o = strides_of(out), p.d_o = strides_of(grad_out);
+  p.dq = strides_of(dq), p.dk = strides_of(dk), p.dv = strides_of(dv);
+  SdpaPointers ptrs = pointers_of(q, k, v, p, std::nullopt, std::nullopt, std::nullopt);
+  ptrs.o = out.data_ptr(), ptrs.stats = stats.data_ptr(), ptrs.d_o = grad_out.data_ptr();
+  ptrs.dq = dq.data_ptr(), ptrs.dk = dk.data_ptr(), ptrs.dv = dv.data_ptr();
+  at::Tensor fresh = at::empty({4}, q.options().dtype(at::kFloat));
+  f.amax_dp = fresh.data_ptr<float>(), f.amax_dq = f.amax_dp + 1, f.amax_dk = f.amax_dp + 2;
+  f.amax_dv = f.amax_dp + 3;
+  ptrs.fp8 = f;
+  run(p, ptrs, q, "fused_attn_fp8_bwd");
+  accumulate_amaxes(fresh, {&amax_dp, &amax_dq, &amax_dk, &amax_dv});
+  return {dq, dk, dv};
+}
+
 }  // namespace
 }  // namespace tfp8
 
 TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m) {
   m.impl("fused_attn_fwd", &tfp8::fused_attn_fwd);
   m.impl("fused_attn_bwd", &tfp8::fused_attn_bwd);
+  m.impl("fused_attn_fp8_fwd", &tfp8::fused_attn_fp8_fwd);
+  m.impl("fused_attn_fp8_bwd", &tfp8::fused_attn_fp8_bwd);
 }

@@ -4,6 +4,8 @@
 // Host cost: a graph (validated, lowered, its plan chosen by heuristic mode A and built) is made once per thread and
 // problem (SdpaProblem + device) and kept in a thread_local table; a call looks it up and executes it with a variant
 // pack of uid -> pointer. A problem cuDNN refuses is cached with its reason, so asking again costs a lookup.
+// FP8 problems build cuDNN's per-tensor-scaled FP8 SDPA graphs (sdpa_fp8 / sdpa_fp8_backward); on Hopper these take
+// and give FP8 only (o, dq, dk, dv in FP8: BF16 outputs need Blackwell), and the FP8 backward only head dims 128.
 #include <cudnn_frontend.h>
 
 #include <cstring>
@@ -23,7 +25,12 @@ using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 // Graphs a thread keeps before it drops them all (a bound for workloads whose shapes keep changing).
 constexpr size_t kMaxGraphsPerThread = 256;
 
-enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqlensQ, kSeqlensKv, kSeed, kOffset };
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqlensQ, kSeqlensKv, kSeed, kOffset,
+  // FP8 scales and amaxes
+  kDescaleQ, kDescaleK, kDescaleV, kDescaleS, kScaleS, kScaleO, kAmaxS, kAmaxO,
+  kDescaleO, kDescaleDO, kDescaleDP, kScaleDP, kScaleDQ, kScaleDK, kScaleDV, kAmaxDP, kAmaxDQ, kAmaxDK, kAmaxDV
+};
 
 struct CachedGraph {
   std::shared_ptr<fe::graph::Graph> graph;
@@ -34,7 +41,9 @@ struct CachedGraph {
 fe::DataType_t io_type(DType t) {
   if (t == DType::kFloat16) return fe::DataType_t::HALF;
   if (t == DType::kBFloat16) return fe::DataType_t::BFLOAT16;
-  throw std::invalid_argument("cuDNN attention: io dtype must be float16 or bfloat16");
+  if (t == DType::kE4M3) return fe::DataType_t::FP8_E4M3;
+  if (t == DType::kE5M2) return fe::DataType_t::FP8_E5M2;
+  throw std::invalid_argument("cuDNN attention: io dtype must be float16, bfloat16 or an FP8 dtype");
 }
 
 std::vector<int64_t> vec(const Strides4& s) { return {s.begin(), s.end()}; }
@@ -68,6 +77,61 @@ void set_common(Attributes& attrs, fe::graph::Graph& g, const SdpaProblem& p) {
   }
 }
 
+// A one-element float32 scale / amax tensor.
+TensorPtr scalar(fe::graph::Graph& g, const char* name, Uid uid) {
+  return tensor(g, name, uid, {1, 1, 1, 1}, {1, 1, 1, 1}, fe::DataType_t::FLOAT);
+}
+
+void mark_scalar_output(const TensorPtr& t, Uid uid) {
+  mark_output(t, uid, {1, 1, 1, 1}, {1, 1, 1, 1});
+  t->set_data_type(fe::DataType_t::FLOAT);
+}
+
+void add_sdpa_fp8(fe::graph::Graph& g, const SdpaProblem& p, const TensorPtr& q, const TensorPtr& k,
+                  const TensorPtr& v) {
+  const std::vector<int64_t> q_dim{p.b, p.hq, p.sq, p.d_qk}, k_dim{p.b, p.hkv, p.skv, p.d_qk},
+      v_dim{p.b, p.hkv, p.skv, p.d_v}, o_dim{p.b, p.hq, p.sq, p.d_v}, stats_dim{p.b, p.hq, p.sq, 1},
+      stats_stride{p.hq * p.sq, p.sq, 1, 1};
+  auto descale_q = scalar(g, "descale_q", kDescaleQ), descale_k = scalar(g, "descale_k", kDescaleK),
+       descale_v = scalar(g, "descale_v", kDescaleV), descale_s = scalar(g, "descale_s", kDescaleS),
+       scale_s = scalar(g, "scale_s", kScaleS);
+  if (!p.backward) {
+    fe::graph::SDPA_fp8_attributes attrs;
+    attrs.set_name("sdpa_fp8_fwd").set_generate_stats(true);
+    set_common(attrs, g, p);
+    auto [o, stats, amax_s, amax_o] =
+        g.sdpa_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scalar(g, "scale_o", kScaleO), attrs);
+    mark_output(o, kO, o_dim, vec(p.o));
+    o->set_data_type(io_type(p.dtype));
+    mark_output(stats, kStats, stats_dim, stats_stride);
+    stats->set_data_type(fe::DataType_t::FLOAT);
+    mark_scalar_output(amax_s, kAmaxS);
+    mark_scalar_output(amax_o, kAmaxO);
+    return;
+  }
+  const fe::DataType_t grad_type = io_type(p.grad_dtype);
+  auto o = tensor(g, "o", kO, o_dim, vec(p.o));
+  auto d_o = tensor(g, "d_o", kDO, o_dim, vec(p.d_o), grad_type);
+  auto stats = tensor(g, "stats", kStats, stats_dim, stats_stride, fe::DataType_t::FLOAT);
+  fe::graph::SDPA_fp8_backward_attributes attrs;
+  attrs.set_name("sdpa_fp8_bwd");
+  set_common(attrs, g, p);
+  if (p.deterministic) attrs.set_deterministic_algorithm(true);
+  auto [dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp] = g.sdpa_fp8_backward(
+      q, k, v, o, d_o, stats, descale_q, descale_k, descale_v, scalar(g, "descale_o", kDescaleO),
+      scalar(g, "descale_do", kDescaleDO), descale_s, scalar(g, "descale_dp", kDescaleDP), scale_s,
+      scalar(g, "scale_dq", kScaleDQ), scalar(g, "scale_dk", kScaleDK), scalar(g, "scale_dv", kScaleDV),
+      scalar(g, "scale_dp", kScaleDP), attrs);
+  mark_output(dq, kDQ, q_dim, vec(p.dq));
+  mark_output(dk, kDK, k_dim, vec(p.dk));
+  mark_output(dv, kDV, v_dim, vec(p.dv));
+  for (const auto& t : {dq, dk, dv}) t->set_data_type(grad_type);
+  mark_scalar_output(amax_dq, kAmaxDQ);
+  mark_scalar_output(amax_dk, kAmaxDK);
+  mark_scalar_output(amax_dv, kAmaxDV);
+  mark_scalar_output(amax_dp, kAmaxDP);
+}
+
 void add_sdpa(fe::graph::Graph& g, const SdpaProblem& p) {
   const std::vector<int64_t> q_dim{p.b, p.hq, p.sq, p.d_qk}, k_dim{p.b, p.hkv, p.skv, p.d_qk},
       v_dim{p.b, p.hkv, p.skv, p.d_v}, o_dim{p.b, p.hq, p.sq, p.d_v}, stats_dim{p.b, p.hq, p.sq, 1},
@@ -75,6 +139,7 @@ void add_sdpa(fe::graph::Graph& g, const SdpaProblem& p) {
   auto q = tensor(g, "q", kQ, q_dim, vec(p.q));
   auto k = tensor(g, "k", kK, k_dim, vec(p.k));
   auto v = tensor(g, "v", kV, v_dim, vec(p.v));
+  if (p.fp8()) return add_sdpa_fp8(g, p, q, k, v);
   if (!p.backward) {
     fe::graph::SDPA_attributes attrs;
     attrs.set_name("sdpa_fwd").set_generate_stats(true);
@@ -139,7 +204,7 @@ GraphKey key_of(const SdpaProblem& p, int device) {
     std::memcpy(&i, &x, sizeof(i));
     return int64_t(i);
   };
-  GraphKey key{device, int64_t(p.backward), int64_t(p.dtype), p.b, p.hq, p.hkv, p.sq, p.skv, p.d_qk, p.d_v,
+  GraphKey key{device, int64_t(p.backward), int64_t(p.dtype), int64_t(p.grad_dtype), p.b, p.hq, p.hkv, p.sq, p.skv, p.d_qk, p.d_v,
                bits(p.scale), bits(p.dropout_p), int64_t(p.causal), int64_t(p.padding), int64_t(p.deterministic)};
   for (const Strides4* s : {&p.q, &p.k, &p.v, &p.o, &p.d_o, &p.dq, &p.dk, &p.dv})
     key.insert(key.end(), s->begin(), s->end());
@@ -173,6 +238,20 @@ const CachedGraph& supported_graph_for(const SdpaProblem& p, cudnnHandle_t handl
   return cached;
 }
 
+void add_fp8_pointers(const SdpaProblem& p, const Fp8ScalePointers& f, std::unordered_map<int64_t, void*>& pack) {
+  auto in = [](const float* x) { return static_cast<void*>(const_cast<float*>(x)); };
+  pack[kDescaleQ] = in(f.descale_q), pack[kDescaleK] = in(f.descale_k), pack[kDescaleV] = in(f.descale_v);
+  pack[kDescaleS] = in(f.descale_s), pack[kScaleS] = in(f.scale_s);
+  if (!p.backward) {
+    pack[kScaleO] = in(f.scale_o), pack[kAmaxS] = f.amax_s, pack[kAmaxO] = f.amax_o;
+    return;
+  }
+  pack[kDescaleO] = in(f.descale_o), pack[kDescaleDO] = in(f.descale_do), pack[kDescaleDP] = in(f.descale_dp);
+  pack[kScaleDP] = in(f.scale_dp), pack[kScaleDQ] = in(f.scale_dq), pack[kScaleDK] = in(f.scale_dk);
+  pack[kScaleDV] = in(f.scale_dv);
+  pack[kAmaxDP] = f.amax_dp, pack[kAmaxDQ] = f.amax_dq, pack[kAmaxDK] = f.amax_dk, pack[kAmaxDV] = f.amax_dv;
+}
+
 }  // namespace
 
 int64_t sdpa_workspace_bytes(const SdpaProblem& p, cudnnHandle_t handle) {
@@ -200,6 +279,7 @@ void sdpa_execute(const SdpaProblem& p, const SdpaPointers& ptrs, void* workspac
     pack[kSeed] = const_cast<int64_t*>(ptrs.seed);
     pack[kOffset] = const_cast<int64_t*>(ptrs.offset);
   }
+  if (p.fp8()) add_fp8_pointers(p, ptrs.fp8, pack);
   fe::error_t status = cached.graph->execute(handle, pack, workspace);
   if (!status.is_good())
     throw std::runtime_error(std::string("cuDNN attention ") + (p.backward ? "backward" : "forward") +

@@ -99,6 +99,31 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("fused_attn_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor(a!) dq, "
         "Tensor(b!) dk, Tensor(c!) dv, float scale, bool causal=False, float dropout_p=0.0, Tensor? seqlens_q=None, "
         "Tensor? seqlens_kv=None, Tensor? rng_state=None) -> ()");
+  // FP8 attention (CUDA: cuDNN's per-tensor-scaled FP8 SDPA; CPU: emulated with torch's float8 dtypes, float32 math).
+  // q, k, v: FP8 (one dtype; cuDNN: E4M3), shapes and strides as fused_attn_fwd; no dropout, no padding mask.
+  // With x = x8 * descale_x (descale = scale_inv = 1 / scale of the cast that made x8):
+  //   P = softmax(q kᵀ * scale + causal mask) (float32), P8 = saturate(P * scale_s) (q's dtype),
+  //   O = (P8 * descale_s) v, out = saturate(O * scale_o) in q's dtype, dense in q's dim order;
+  //   amax_s = max(amax_s, max P), amax_o = max(amax_o, max|O|) (max-accumulated, NaN wins), stats as fused_attn_fwd.
+  // FP8 out only: on Hopper cuDNN has no FP8 SDPA with a BF16 output (Blackwell does); dequantize with 1 / scale_o.
+  // NotImplementedError (saying why) when cuDNN cannot run the case (Hopper: head dims multiples of 16, <= 256).
+  m.def("fused_attn_fp8_fwd(Tensor q, Tensor k, Tensor v, Tensor descale_q, Tensor descale_k, Tensor descale_v, "
+        "Tensor scale_s, Tensor descale_s, Tensor scale_o, Tensor(a!) amax_s, Tensor(b!) amax_o, float scale, "
+        "bool causal=False) -> (Tensor, Tensor)");
+  // Gradients of fused_attn_fp8_fwd for grad_out (FP8 E5M2 or E4M3, out's shape, last dim contiguous), with q, k, v,
+  // out, stats, scale, causal of the forward (out and its descale_o: the forward's FP8 out and 1 / scale_o):
+  //   dO = grad_out * descale_do, P recomputed from q, k, stats; P8 = saturate(P * scale_s) (q's dtype);
+  //   dv = (P8 * descale_s)ᵀ dO; dS = P * (dO vᵀ - rowsum(dO * O)) * scale (the gradient of q kᵀ);
+  //   dS8 = saturate(dS * scale_dp) (grad_out's dtype), dq = (dS8 * descale_dp) k, dk = (dS8 * descale_dp)ᵀ q (kv
+  //   heads summed over their query heads); each of dq, dk, dv cast as saturate(x * scale_x) to grad_out's dtype.
+  // amax_dp (max|dS|), amax_dq, amax_dk, amax_dv: max-accumulated. Returns (dq, dk, dv) in grad_out's dtype, dense
+  // in q's / k's / v's dim order; dequantize with 1 / scale_dq etc. NotImplementedError when cuDNN cannot run the
+  // case (Hopper: head dims 128 only).
+  m.def("fused_attn_fp8_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, "
+        "Tensor descale_q, Tensor descale_k, Tensor descale_v, Tensor descale_o, Tensor descale_do, Tensor scale_s, "
+        "Tensor descale_s, Tensor scale_dp, Tensor descale_dp, Tensor scale_dq, Tensor scale_dk, Tensor scale_dv, "
+        "Tensor(a!) amax_dp, Tensor(b!) amax_dq, Tensor(c!) amax_dk, Tensor(d!) amax_dv, float scale, "
+        "bool causal=False) -> (Tensor, Tensor, Tensor)");
 }
 
 // A Python module with no functions: importing transformer_fp8._C loads this library and runs the registrations.

@@ -11,12 +11,13 @@ from ._common import register
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-def dense_in_order_of(like, shape, zeroed=False):
-    """A tensor of `shape` like `like`, dense in like's dim order (dims 0..2 by decreasing stride, the last dim last),
-    as the CUDA kernel allocates out."""
+def dense_in_order_of(like, shape, zeroed=False, dtype=None):
+    """A tensor of `shape` like `like` (of dtype, default like's), dense in like's dim order (dims 0..2 by decreasing
+    stride, the last dim last), as the CUDA kernel allocates out."""
     order = sorted(range(3), key=lambda i: -like.stride(i))
     memory_shape = [shape[i] for i in order] + [shape[3]]
-    t = like.new_zeros(memory_shape) if zeroed else like.new_empty(memory_shape)
+    dtype = dtype or like.dtype
+    t = like.new_zeros(memory_shape, dtype=dtype) if zeroed else like.new_empty(memory_shape, dtype=dtype)
     return t.permute([order.index(i) for i in range(3)] + [3])
 
 
@@ -34,10 +35,11 @@ def _check_like(t, q, arg):
         raise TypeError(f"{arg}: expected {q.dtype} (as q), got {t.dtype}")
 
 
-def _check_inputs(q, k, v, dropout_p, seqlens_q, seqlens_kv, rng_state):
-    """The CUDA binding's checks; -> (b, hq, hkv, sq, skv, d_v)."""
-    if q.dtype not in DTYPES:
-        raise TypeError(f"q: expected a float16 or bfloat16 tensor, got {q.dtype}")
+def _check_inputs(q, k, v, dropout_p, seqlens_q, seqlens_kv, rng_state, dtypes=DTYPES):
+    """The CUDA binding's checks (q's dtype in dtypes); -> (b, hq, hkv, sq, skv, d_v)."""
+    if q.dtype not in dtypes:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"q: expected a {names} tensor, got {q.dtype}")
     _check_4d(q, "q", "[b, hq, sq, d_qk]")
     _check_4d(k, "k", "[b, hkv, skv, d_qk]")
     _check_4d(v, "v", "[b, hkv, skv, d_v]")

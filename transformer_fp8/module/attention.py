@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..distributed import TensorParallel, model_parallel_rng
 from .attention_cudnn import BACKENDS, cudnn_attention, default_backend
+from .attention_fp8 import AttentionScaling, fp8_attention, fp8_dpa_enabled, warn_not_fp8
 from .attention_varlen import check_packed_qkv, packed_attention
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
@@ -152,6 +153,11 @@ class DotProductAttention(nn.Module):
     attention_backend: "torch" (PyTorch's fused SDPA kernels) or "cudnn" (transformer_fp8's cuDNN graph ops, for
     sbhd / bshd; a padding mask costs one host sync to check it is a key-padding prefix); None: the environment
     variable TFP8_ATTENTION_BACKEND, else "torch".
+
+    FP8 attention: inside fp8_autocast with a DelayedScaling(fp8_dpa=True) recipe, "no_mask" / "causal" attention
+    without dropout (sbhd / bshd) runs in FP8 (attention_fp8.py: q, k, v, probabilities and output in FP8 with the
+    module's own delayed-scaling state, gradients in the recipe's backward format), whatever attention_backend says;
+    other cases run as above, after one warning per reason.
     """
 
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
@@ -174,6 +180,7 @@ class DotProductAttention(nn.Module):
         self.attention_dropout, self.attn_mask_type, self.qkv_format = attention_dropout, attn_mask_type, qkv_format
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
         self.layer_number, self.attention_type = layer_number, attention_type
+        self.fp8_scaling = AttentionScaling()  # FP8 attention's scaling state (made on its first FP8 call)
 
     def _check_qkv(self, q, k, v, fmt):
         for name, t, heads in (("query_layer", q, self.num_attention_heads), ("key_layer", k, self.num_gqa_groups),
@@ -197,6 +204,8 @@ class DotProductAttention(nn.Module):
         _check_choice(mask_type, ATTN_MASK_TYPES, "attn_mask_type")
         dropout_p = self.attention_dropout if self.training else 0.0
         if fmt == "thd":
+            if fp8_dpa_enabled() and not torch.compiler.is_compiling():
+                warn_not_fp8("qkv_format 'thd'")
             check_packed_qkv(query_layer, key_layer, value_layer, self.num_attention_heads, self.num_gqa_groups,
                              self.kv_channels)
             if attention_mask is not None:
@@ -215,7 +224,9 @@ class DotProductAttention(nn.Module):
                                                            q.shape[0], k.shape[2], q.device)
         attn_mask, is_causal = _sdpa_mask(attention_mask, mask_type, q.shape[2], k.shape[2], q.device)
         out = None
-        if self.attention_backend == "cudnn" and q.is_cuda:
+        if fp8_dpa_enabled():
+            out = fp8_attention(self.fp8_scaling, q, k, v, attention_mask, mask_type, dropout_p, self.softmax_scale)
+        if out is None and self.attention_backend == "cudnn" and q.is_cuda:
             out = cudnn_attention(q, k, v, attention_mask, mask_type, dropout_p, self.softmax_scale)
         if out is None:
             out = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
