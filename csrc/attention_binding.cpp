@@ -203,11 +203,18 @@ const float* scale_ptr(const at::Tensor& t, const at::Tensor& data, const char* 
   return t.data_ptr<float>();
 }
 
-// The graph overwrites its amax outputs; the ops max-accumulate into the caller's (see ops.cpp).
-void accumulate_amaxes(const at::Tensor& fresh, std::initializer_list<const at::Tensor*> amaxes) {
+// The graph overwrites its amax outputs: it writes them into a scratch buffer, one every 16 bytes (kAmaxStride
+// floats, the alignment cuDNN asks of tensors), whose values the ops max-accumulate into the caller's (see ops.cpp).
+constexpr int64_t kAmaxStride = 4;
+
+at::Tensor amax_scratch(const at::Tensor& like, int64_t n) {
+  return at::empty({n * kAmaxStride}, like.options().dtype(at::kFloat));
+}
+
+void accumulate_amaxes(const at::Tensor& scratch, std::initializer_list<const at::Tensor*> amaxes) {
   int64_t i = 0;
   for (const at::Tensor* amax : amaxes) {
-    at::Tensor row = fresh.narrow(0, i++, 1).view(amax->sizes());
+    at::Tensor row = scratch.narrow(0, kAmaxStride * i++, 1).view(amax->sizes());
     at::maximum_out(const_cast<at::Tensor&>(*amax), *amax, row);
   }
 }
@@ -235,8 +242,8 @@ std::tuple<at::Tensor, at::Tensor> fused_attn_fp8_fwd(const at::Tensor& q, const
   p.o = strides_of(out);
   SdpaPointers ptrs = pointers_of(q, k, v, p, std::nullopt, std::nullopt, std::nullopt);
   ptrs.o = out.data_ptr(), ptrs.stats = stats.data_ptr();
-  at::Tensor fresh = at::empty({2}, q.options().dtype(at::kFloat));
-  f.amax_s = fresh.data_ptr<float>(), f.amax_o = f.amax_s + 1;
+  at::Tensor fresh = amax_scratch(q, 2);
+  f.amax_s = fresh.data_ptr<float>(), f.amax_o = f.amax_s + kAmaxStride;
   ptrs.fp8 = f;
   run(p, ptrs, q, "fused_attn_fp8_fwd");
   accumulate_amaxes(fresh, {&amax_s, &amax_o});
@@ -291,9 +298,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_attn_fp8_bwd(
   SdpaPointers ptrs = pointers_of(q, k, v, p, std::nullopt, std::nullopt, std::nullopt);
   ptrs.o = out.data_ptr(), ptrs.stats = stats.data_ptr(), ptrs.d_o = grad_out.data_ptr();
   ptrs.dq = dq.data_ptr(), ptrs.dk = dk.data_ptr(), ptrs.dv = dv.data_ptr();
-  at::Tensor fresh = at::empty({4}, q.options().dtype(at::kFloat));
-  f.amax_dp = fresh.data_ptr<float>(), f.amax_dq = f.amax_dp + 1, f.amax_dk = f.amax_dp + 2;
-  f.amax_dv = f.amax_dp + 3;
+  at::Tensor fresh = amax_scratch(q, 4);
+  f.amax_dp = fresh.data_ptr<float>(), f.amax_dq = f.amax_dp + kAmaxStride, f.amax_dk = f.amax_dp + 2 * kAmaxStride;
+  f.amax_dv = f.amax_dp + 3 * kAmaxStride;
   ptrs.fp8 = f;
   run(p, ptrs, q, "fused_attn_fp8_bwd");
   accumulate_amaxes(fresh, {&amax_dp, &amax_dq, &amax_dk, &amax_dv});
