@@ -204,8 +204,9 @@ GraphKey key_of(const SdpaProblem& p, int device) {
     std::memcpy(&i, &x, sizeof(i));
     return int64_t(i);
   };
-  GraphKey key{device, int64_t(p.backward), int64_t(p.dtype), int64_t(p.grad_dtype), p.b, p.hq, p.hkv, p.sq, p.skv, p.d_qk, p.d_v,
-               bits(p.scale), bits(p.dropout_p), int64_t(p.causal), int64_t(p.padding), int64_t(p.deterministic)};
+  GraphKey key{device, int64_t(p.backward), int64_t(p.dtype), int64_t(p.grad_dtype), p.b, p.hq, p.hkv, p.sq, p.skv,
+               p.d_qk, p.d_v, bits(p.scale), bits(p.dropout_p), int64_t(p.causal), int64_t(p.padding),
+               int64_t(p.deterministic)};
   for (const Strides4* s : {&p.q, &p.k, &p.v, &p.o, &p.d_o, &p.dq, &p.dk, &p.dv})
     key.insert(key.end(), s->begin(), s->end());
   return key;

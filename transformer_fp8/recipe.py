@@ -76,5 +76,6 @@ class Float8CurrentScaling:
     def __post_init__(self):
         _check_format(self.fp8_format)
         if self.fp8_dpa is not False:
-            raise ValueError(f"fp8_dpa: FP8 attention needs DelayedScaling (the fused kernel makes the probabilities and "
-                             f"gradients it casts, so their scales must be known before it runs), got {self.fp8_dpa!r}")
+            raise ValueError(f"fp8_dpa: FP8 attention needs DelayedScaling (the fused kernel makes the probabilities "
+                             f"and gradients it casts, so their scales must be known before it runs), got "
+                             f"{self.fp8_dpa!r}")
