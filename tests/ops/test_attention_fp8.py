@@ -216,14 +216,14 @@ def test_recipe_flag():
         Float8CurrentScaling(fp8_dpa=True)
 
 
-def _module_inputs(device, d, scale_by=1.0, layout="sbhd"):
-    q, k, v = make_qkv(layout, 2, 4, 2, 32, 32, d, torch.bfloat16, device)
+def _module_inputs(device, d, scale_by=1.0, layout="sbhd", s=32):
+    q, k, v = make_qkv(layout, 2, 4, 2, s, s, d, torch.bfloat16, device)
     # (the [b, h, s, d] views back in DotProductAttention's sbhd layout, as leaves)
     to_fmt = (lambda t: t.permute(2, 0, 1, 3)) if layout == "sbhd" else (lambda t: t.transpose(1, 2))
     return [(to_fmt(t) * scale_by).detach().requires_grad_() for t in (q, k, v)]
 
 
-def check_module_scaling_over_steps(device, d=64):
+def check_module_scaling_over_steps(device, d=64, s=32):
     """Three steps with shrinking inputs and output gradients: each step's amaxes land in history row 1 after the
     update (q, k, v and dO exactly; from the second step on, with scales from the first, S, O, dS, dq, dk, dv as
     float64 says), scales = fp8_max / max(history); the third step, whose scales come from two larger steps (no
@@ -232,7 +232,7 @@ def check_module_scaling_over_steps(device, d=64):
     attn = DotProductAttention(4, d, num_gqa_groups=2, attn_mask_type="causal")
     scale, previous = d ** -0.5, None
     for step, magnitude in enumerate((2.0, 1.5, 1.0)):
-        q, k, v = _module_inputs(device, d, magnitude)
+        q, k, v = _module_inputs(device, d, magnitude, s=s)
         with fp8_autocast(fp8_recipe=recipe):
             out = attn(q, k, v)
         grad = torch.randn_like(out) * magnitude
@@ -240,7 +240,7 @@ def check_module_scaling_over_steps(device, d=64):
         fwd, bwd = attn.fp8_scaling.fwd, attn.fp8_scaling.bwd
         bhsd = [t.detach().permute(1, 2, 0, 3) for t in (q, k, v)]
         ref, _ = ref_attention(*bhsd, scale, causal=True)
-        g_bhsd = grad.view(32, 2, 4, d).permute(1, 2, 0, 3)
+        g_bhsd = grad.view(s, 2, 4, d).permute(1, 2, 0, 3)
         refs = ref_grads(g_bhsd, *bhsd, scale, causal=True)
         exact = [t.abs().max().float().item() for t in bhsd]
         assert fwd.amax_history[1, :3].tolist() == exact, "q, k, v amaxes"
@@ -259,7 +259,7 @@ def check_module_scaling_over_steps(device, d=64):
             for i, want in enumerate([want_dp] + [r.abs().max().item() for r in refs], start=1):
                 assert abs(bwd.amax_history[1, i].item() / want - 1) < 0.25, f"bwd amax slot {i}"
         if step == 2:
-            out_bhsd = out.detach().view(32, 2, 4, d).permute(1, 2, 0, 3)
+            out_bhsd = out.detach().view(s, 2, 4, d).permute(1, 2, 0, 3)
             assert_close_rel(out_bhsd, ref, OUT_RTOL)
             for name, t, want in zip("qkv", (q, k, v), refs):
                 assert_close_rel(t.grad.permute(1, 2, 0, 3), want, GRAD_RTOL[E5M2], f"d{name}")
@@ -359,7 +359,7 @@ def test_cuda_fp8_bwd_head_dim_64_is_refused_on_hopper():
 
 @pytest.mark.gpu
 def test_cuda_module_scaling_over_steps():
-    check_module_scaling_over_steps("cuda", d=128)
+    check_module_scaling_over_steps("cuda", d=128, s=128)
 
 
 @pytest.mark.gpu
