@@ -390,3 +390,21 @@ def test_cuda_multihead_attention_fp8_dpa_trains_like_bf16():
     assert mha.core_attention.fp8_scaling.fwd is not None
     assert_close_rel(results[3][0], results[1][0], OUT_RTOL)
     assert_close_rel(results[3][1], results[1][1], GRAD_RTOL[E5M2], "dx")
+
+
+def test_fp8_scaling_state_checkpoint_round_trip():
+    """The scaling state travels in the module's state dict; a state dict without it (or from before the first FP8
+    call) loads with strict=True."""
+    attn = DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type="causal")
+    fresh = DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type="causal")
+    fresh.load_state_dict(attn.state_dict(), strict=True)  # no FP8 state yet
+    assert fresh.fp8_scaling.fwd is None
+    with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=3, fp8_dpa=True)):
+        attn(*_module_inputs("cpu", 16))
+    fresh.load_state_dict(attn.state_dict(), strict=True)
+    for ours, theirs in ((fresh.fp8_scaling.fwd, attn.fp8_scaling.fwd), (fresh.fp8_scaling.bwd, attn.fp8_scaling.bwd)):
+        for name in ("amax_history", "scale", "scale_inv"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name))
+    assert fresh.fp8_scaling.fwd.scale.data_ptr() != attn.fp8_scaling.fwd.scale.data_ptr()
+    fresh.load_state_dict({}, strict=True)  # (e.g. a checkpoint from before FP8 attention): the state is kept
+    assert fresh.fp8_scaling.fwd is not None

@@ -20,6 +20,7 @@ from ..distributed import TensorParallel, model_parallel_rng
 from .attention_cudnn import BACKENDS, cudnn_attention, default_backend
 from .attention_fp8 import AttentionScaling, fp8_attention, fp8_dpa_enabled, warn_not_fp8
 from .attention_varlen import check_packed_qkv, packed_attention
+from .base import _allow_missing_extra_state
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from .qkv_split import split_qkv
@@ -181,6 +182,13 @@ class DotProductAttention(nn.Module):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
         self.layer_number, self.attention_type = layer_number, attention_type
         self.fp8_scaling = AttentionScaling()  # FP8 attention's scaling state (made on its first FP8 call)
+        self.register_load_state_dict_pre_hook(_allow_missing_extra_state)
+
+    def get_extra_state(self):
+        return self.fp8_scaling.state_dict()
+
+    def set_extra_state(self, state):
+        self.fp8_scaling.load_state_dict(state)
 
     def _check_qkv(self, q, k, v, fmt):
         for name, t, heads in (("query_layer", q, self.num_attention_heads), ("key_layer", k, self.num_gqa_groups),

@@ -64,6 +64,17 @@ class AttentionScaling:
             autocast.register_forward(self.fwd, recipe, group)
         return recipe, group
 
+    def state_dict(self):
+        """For the module's checkpoint (extra state): None before the first FP8 call."""
+        return None if self.fwd is None else {"fwd": self.fwd.state_dict(), "bwd": self.bwd.state_dict()}
+
+    def load_state_dict(self, state):
+        if state is None:
+            return
+        device = state["fwd"]["scale"].device  # (begin() moves the state to the input's device)
+        self.fwd = ScalingState.from_state_dict(state["fwd"], device)
+        self.bwd = ScalingState.from_state_dict(state["bwd"], device)
+
 
 def _cast(x, state, slot, fp8_dtype):
     """x -> contiguous FP8 with slot's scale (amax accumulated; 1/scale written into the slot's snapshot)."""
