@@ -49,7 +49,6 @@ class AttentionScaling:
 
     def __init__(self):
         self.fwd = self.bwd = None
-        self.recipe = None
 
     def begin(self, device):
         """Adopt the active recipe and queue the forward state for the update; -> (recipe, group)."""
@@ -59,7 +58,6 @@ class AttentionScaling:
             self.bwd = ScalingState(5, recipe.amax_history_len, device)
         self.fwd.to(device)
         self.bwd.to(device)
-        self.recipe = recipe
         if not self.fwd.pending:
             autocast.register_forward(self.fwd, recipe, group)
         return recipe, group
