@@ -3,6 +3,8 @@
 With nvcc (CUDA_HOME) present the CUDA kernels are built (default arch 9.0a, override with TORCH_CUDA_ARCH_LIST);
 without it only the op schemas are built and the package runs on its CPU reference kernels.
 TFP8_ONLY=quantize,gemm restricts the CUDA build to those op families (a quick partial build while developing).
+The attention family (cuDNN graph API) needs the header-only cudnn-frontend (pip package nvidia-cudnn-frontend,
+installed by tools/setup.sh); without it that family is left out, with a message.
 """
 import glob
 import os
@@ -13,16 +15,29 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-FAMILIES = ("quantize", "gemm", "norm", "activation", "scaling", "rope")
+FAMILIES = ("quantize", "gemm", "norm", "activation", "scaling", "rope", "attention")
 
 
-def cuda_sources():
+def cuda_families():
     only = [f for f in os.environ.get("TFP8_ONLY", "").split(",") if f]
     unknown = set(only) - set(FAMILIES)
     if unknown:
         sys.exit(f"TFP8_ONLY: unknown op families {sorted(unknown)}; expected some of {FAMILIES}")
+    families = only or list(FAMILIES)
+    if "attention" in families and not (cudnn_frontend_include() and cudnn_dirs()[0]):
+        why = ("the attention family needs the cudnn-frontend headers (pip install --no-deps nvidia-cudnn-frontend) "
+               "and the nvidia-cudnn pip package torch loads")
+        if only:
+            sys.exit(f"TFP8_ONLY: {why}")
+        print(f"transformer_fp8: building without the attention family: {why} (DotProductAttention keeps its "
+              f"PyTorch backend)")
+        families.remove("attention")
+    return families
+
+
+def cuda_sources(families):
     sources = []
-    for family in only or FAMILIES:
+    for family in families:
         sources += sorted(glob.glob(os.path.join("csrc", f"{family}*.cu")))
         sources += sorted(glob.glob(os.path.join("csrc", f"{family}*.cpp")))
     return sources
@@ -36,6 +51,17 @@ def cudnn_dirs():
         return [], []
     root = list(nvidia.cudnn.__path__)[0]
     return [os.path.join(root, "include")], [os.path.join(root, "lib")]
+
+
+def cudnn_frontend_include():
+    """The include folder of the header-only cuDNN frontend (the nvidia-cudnn-frontend pip package), or None."""
+    from importlib import metadata
+
+    try:
+        include = metadata.distribution("nvidia-cudnn-frontend").locate_file("include")
+    except metadata.PackageNotFoundError:
+        return None
+    return str(include) if os.path.isfile(os.path.join(str(include), "cudnn_frontend.h")) else None
 
 
 def link_without_symbolic_functions():
@@ -54,12 +80,21 @@ def extension():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     link_without_symbolic_functions()
     cudnn_include, cudnn_lib = cudnn_dirs()
+    families = cuda_families()
+    include_dirs, link_args = [os.path.join(ROOT, "csrc")] + cudnn_include, []
+    if "attention" in families:
+        # The cuDNN torch loads (its folder as rpath, the soname torch links) and NVRTC, which the frontend's
+        # headers reference (an experimental engine we never build): the toolkit's, unless torch loaded its own.
+        include_dirs.append(cudnn_frontend_include())
+        rpaths = cudnn_lib + [os.path.join(CUDA_HOME, "lib64")]
+        link_args = [f"-Wl,-rpath,{d}" for d in rpaths] + ["-l:libcudnn.so.9", "-lnvrtc"]
     return CUDAExtension(
         "transformer_fp8._C",
-        ["csrc/ops.cpp"] + cuda_sources(),
-        include_dirs=[os.path.join(ROOT, "csrc")] + cudnn_include,
+        ["csrc/ops.cpp"] + cuda_sources(families),
+        include_dirs=include_dirs,
         library_dirs=cudnn_lib,
         libraries=["cublasLt"],
+        extra_link_args=link_args,
         define_macros=[("TFP8_WITH_CUDA", "1")],
         extra_compile_args={
             "cxx": ["-O3"],

@@ -77,6 +77,53 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // d(t) of rope_fwd for grad_out (t's shape, the same rules): each pair (g_i, g_j) ->
   // (g_i cos f_i + g_j sin f_j, g_j cos f_j - g_i sin f_i), the rotation by the negated angle when f_i == f_j.
   m.def("rope_bwd(Tensor grad_out, Tensor freqs, str qkv_format, bool interleaved=False) -> Tensor");
+
+  // --- attention family --- scaled-dot-product attention (CUDA: cuDNN's graph API; CPU: float32 math reference).
+  // q [b, hq, sq, d_qk], k [b, hkv, skv, d_qk], v [b, hkv, skv, d_v]: float16 or bfloat16 (one dtype), last dim
+  // contiguous, any other strides (sbhd / bshd tensors, or views of a fused QKV buffer, permuted to [b, h, s, d]);
+  // hq % hkv == 0 (GQA / MQA: query head i reads kv head i / (hq / hkv)), skv >= 1.
+  // out = dropout(softmax(q kᵀ * scale + mask)) v, math in float32. Masks: causal (top-left aligned: key j > query i
+  // is masked); padding: seqlens_q / seqlens_kv (int32 [b] on q's device, given together, 1 <= len <= s) mask keys
+  // j >= seqlens_kv[b], and query rows i >= seqlens_q[b] of out are zero. Dropout (dropout_p in [0, 1)) zeroes
+  // probabilities and scales the kept ones by 1 / (1 - dropout_p); it needs rng_state, int64 [2] (philox seed,
+  // offset) on q's device: the same rng_state gives the same mask (the CPU reference draws its own, different mask).
+  // Returns (out [b, hq, sq, d_v] in q's dtype, dense in q's dim order (dims 0..2 by decreasing stride, so an sbhd
+  // view gives an sbhd out), stats float32 [b, hq, sq, 1] contiguous: logsumexp over the unmasked keys of
+  // q kᵀ * scale, what the backward needs). NotImplementedError (saying why) when cuDNN cannot run the case.
+  m.def("fused_attn_fwd(Tensor q, Tensor k, Tensor v, float scale, bool causal=False, float dropout_p=0.0, "
+        "Tensor? seqlens_q=None, Tensor? seqlens_kv=None, Tensor? rng_state=None) -> (Tensor, Tensor)");
+  // Gradients of fused_attn_fwd (called with the same q, k, v, scale, causal, dropout_p, seqlens and rng_state) for
+  // grad_out (out's shape and dtype, last dim contiguous), written into dq, dk, dv (q's / k's / v's shapes, q's
+  // dtype, last dim contiguous, any strides: views of one dqkv buffer laid out like the fused QKV are the point).
+  // With seqlens, rows past the lengths may be left unwritten: pass zeroed buffers to get zeros there.
+  m.def("fused_attn_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor(a!) dq, "
+        "Tensor(b!) dk, Tensor(c!) dv, float scale, bool causal=False, float dropout_p=0.0, Tensor? seqlens_q=None, "
+        "Tensor? seqlens_kv=None, Tensor? rng_state=None) -> ()");
+  // FP8 attention (CUDA: cuDNN's per-tensor-scaled FP8 SDPA; CPU: emulated with torch's float8 dtypes, float32 math).
+  // q, k, v: FP8 (one dtype; cuDNN: E4M3), shapes and strides as fused_attn_fwd; no dropout, no padding mask.
+  // With x = x8 * descale_x (descale = scale_inv = 1 / scale of the cast that made x8):
+  //   P = softmax(q kᵀ * scale + causal mask) (float32), P8 = saturate(P * scale_s) (q's dtype),
+  //   O = (P8 * descale_s) v, out = saturate(O * scale_o) in q's dtype, dense in q's dim order;
+  //   amax_s = max(amax_s, max P), amax_o = max(amax_o, max|O|) (max-accumulated, NaN wins), stats as fused_attn_fwd.
+  // FP8 out only: on Hopper cuDNN has no FP8 SDPA with a BF16 output (Blackwell does); dequantize with 1 / scale_o.
+  // NotImplementedError (saying why) when cuDNN cannot run the case (Hopper: head dims multiples of 16, <= 256).
+  m.def("fused_attn_fp8_fwd(Tensor q, Tensor k, Tensor v, Tensor descale_q, Tensor descale_k, Tensor descale_v, "
+        "Tensor scale_s, Tensor descale_s, Tensor scale_o, Tensor(a!) amax_s, Tensor(b!) amax_o, float scale, "
+        "bool causal=False) -> (Tensor, Tensor)");
+  // Gradients of fused_attn_fp8_fwd for grad_out (FP8 E5M2 or E4M3, out's shape, last dim contiguous), with q, k, v,
+  // out, stats, scale, causal of the forward (out and its descale_o: the forward's FP8 out and 1 / scale_o):
+  //   dO = grad_out * descale_do, P recomputed from q, k, stats; P8 = saturate(P * scale_s) (q's dtype);
+  //   dv = (P8 * descale_s)ᵀ dO; dS = P * (dO vᵀ - rowsum(dO * O)) * scale (the gradient of q kᵀ);
+  //   dS8 = saturate(dS * scale_dp) (grad_out's dtype), dq = (dS8 * descale_dp) k, dk = (dS8 * descale_dp)ᵀ q (kv
+  //   heads summed over their query heads); each of dq, dk, dv cast as saturate(x * scale_x) to grad_out's dtype.
+  // amax_dp (max|dS|), amax_dq, amax_dk, amax_dv: max-accumulated. Returns (dq, dk, dv) in grad_out's dtype, dense
+  // in q's / k's / v's dim order; dequantize with 1 / scale_dq etc. NotImplementedError when cuDNN cannot run the
+  // case (Hopper: head dims 128 only).
+  m.def("fused_attn_fp8_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, "
+        "Tensor descale_q, Tensor descale_k, Tensor descale_v, Tensor descale_o, Tensor descale_do, Tensor scale_s, "
+        "Tensor descale_s, Tensor scale_dp, Tensor descale_dp, Tensor scale_dq, Tensor scale_dk, Tensor scale_dv, "
+        "Tensor(a!) amax_dp, Tensor(b!) amax_dq, Tensor(c!) amax_dk, Tensor(d!) amax_dv, float scale, "
+        "bool causal=False) -> (Tensor, Tensor, Tensor)");
 }
 
 // A Python module with no functions: importing transformer_fp8._C loads this library and runs the registrations.

@@ -6,8 +6,9 @@ cd "$(dirname "$0")/.."
 out=$(mktemp -d)
 inc=$(python3 -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I'+p for p in include_paths('cuda')))")
 cudnn=$(python3 -c "import nvidia.cudnn, os; print('-I'+os.path.join(list(nvidia.cudnn.__path__)[0], 'include'))" 2>/dev/null || true)
+frontend=$(python3 -c "import importlib.metadata as m; print('-I' + str(m.distribution('nvidia-cudnn-frontend').locate_file('include')))" 2>/dev/null || true)
 py=$(python3 -c "import sysconfig; print('-I'+sysconfig.get_paths()['include'])")
-common="-Icsrc $inc $cudnn $py -DTFP8_WITH_CUDA=1 -D_GLIBCXX_USE_CXX11_ABI=1 -std=c++17"
+common="-Icsrc $inc $cudnn $frontend $py -DTFP8_WITH_CUDA=1 -D_GLIBCXX_USE_CXX11_ABI=1 -std=c++17"
 for f in "$@"; do
   case "$f" in
     *.cu) nvcc -c "$f" -o "$out/$(basename "$f").o" $common -O3 --expt-relaxed-constexpr \

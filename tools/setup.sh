@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for transformer_fp8 and build it in place (editable install).
-# Installs torch 2.11 (CUDA 13 wheels from PyPI) only if no torch is present, the test and example dependencies,
-# then builds the extension:
+# Installs torch 2.11 (CUDA 13 wheels from PyPI) only if no torch is present, the test and example dependencies, the
+# cudnn-frontend headers, then builds the extension:
 # with the CUDA kernels (sm_90a) when nvcc is found, else the CPU-only extension. MAX_JOBS defaults to all cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +11,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.11.0"
 fi
 "$PY" -m pip install -q numpy pytest ninja expecttest setuptools wheel
+# the header-only cuDNN frontend for the attention family (only its headers are used: no dependencies)
+"$PY" -m pip install -q --no-deps nvidia-cudnn-frontend
 # for the examples and notebooks (the package itself needs none of them)
 "$PY" -m pip install -q transformers tqdm matplotlib nbclient nbformat ipykernel
 

@@ -4,6 +4,10 @@
 `DelayedScaling`: each tensor's scale comes from a history of amaxes of earlier steps,
     scale = fp8_max / amax / 2**margin, amax = max(history) ("max") or the newest entry ("most_recent").
 `Float8CurrentScaling`: each tensor's scale comes from its own amax, computed right before the cast.
+`fp8_dpa=True` (DelayedScaling only): DotProductAttention runs cuDNN's FP8 attention (q, k, v, the softmax
+    probabilities and the output in FP8, gradients in the backward format) with delayed scales like every other FP8
+    tensor. Current scaling cannot take it: the probabilities and gradients are made inside the fused kernel, which
+    needs their scales before it runs.
 """
 import enum
 from dataclasses import dataclass
@@ -43,6 +47,7 @@ class DelayedScaling:
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     reduce_amax: bool = True
+    fp8_dpa: bool = False
 
     def __post_init__(self):
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or self.margin < 0:
@@ -56,13 +61,21 @@ class DelayedScaling:
             raise ValueError(f"amax_compute_algo: expected 'max' or 'most_recent', got {self.amax_compute_algo!r}")
         if not isinstance(self.reduce_amax, bool):
             raise TypeError(f"reduce_amax: expected a bool, got {self.reduce_amax!r}")
+        if not isinstance(self.fp8_dpa, bool):
+            raise TypeError(f"fp8_dpa: expected a bool, got {self.fp8_dpa!r}")
 
 
 @dataclass(frozen=True)
 class Float8CurrentScaling:
-    """Per-tensor scales from the tensor's own amax, computed right before each cast."""
+    """Per-tensor scales from the tensor's own amax, computed right before each cast. fp8_dpa (FP8 attention) is not
+    available with it (see the module docstring): only False is accepted."""
 
     fp8_format: Format = Format.HYBRID
+    fp8_dpa: bool = False
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        if self.fp8_dpa is not False:
+            raise ValueError(f"fp8_dpa: FP8 attention needs DelayedScaling (the fused kernel makes the probabilities "
+                             f"and gradients it casts, so their scales must be known before it runs), got "
+                             f"{self.fp8_dpa!r}")

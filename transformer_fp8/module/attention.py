@@ -1,10 +1,12 @@
 """Attention modules with Transformer Engine's names and defaults.
 
 DotProductAttention runs PyTorch's fused SDPA kernels on CUDA, in the order cuDNN fused attention, FlashAttention,
-memory-efficient attention. It never falls back to the unfused math path silently: when no fused kernel takes a
-case it warns once, with the reasons PyTorch gives, and only then runs math attention. On CPU it is the float32
-math reference. MultiheadAttention = one fused QKV projection (Linear, or LayerNormLinear with input_layernorm),
-optional RoPE on q and k, DotProductAttention, output projection.
+memory-efficient attention; with attention_backend="cudnn" (or TFP8_ATTENTION_BACKEND=cudnn) it runs this package's
+own cuDNN graph ops instead (attention_cudnn.py: strided q/k/v views in, one fused dq/dk/dv buffer out), falling back
+to the PyTorch path, with one warning per reason, for cases cuDNN cannot take. It never falls back to the unfused
+math path silently: when no fused kernel takes a case it warns once, with the reasons PyTorch gives, and only then
+runs math attention. On CPU it is the float32 math reference. MultiheadAttention = one fused QKV projection
+(Linear, or LayerNormLinear with input_layernorm), optional RoPE on q and k, DotProductAttention, output projection.
 """
 import math
 import warnings
@@ -15,7 +17,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..distributed import TensorParallel, model_parallel_rng
+from .attention_cudnn import BACKENDS, cudnn_attention, default_backend
+from .attention_fp8 import AttentionScaling, fp8_attention, fp8_dpa_enabled, warn_not_fp8
 from .attention_varlen import check_packed_qkv, packed_attention
+from .base import _allow_missing_extra_state
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from .qkv_split import split_qkv
@@ -145,13 +150,24 @@ class DotProductAttention(nn.Module):
     host syncs: attention_varlen.py.
     With "sbhd"/"bshd" and a padding mask type, cu_seqlens_kv (or cu_seqlens_q for self-attention) may describe
     each sequence's length instead of attention_mask: key positions past the length are masked.
+
+    attention_backend: "torch" (PyTorch's fused SDPA kernels) or "cudnn" (transformer_fp8's cuDNN graph ops, for
+    sbhd / bshd; a padding mask costs one host sync to check it is a key-padding prefix); None: the environment
+    variable TFP8_ATTENTION_BACKEND, else "torch".
+
+    FP8 attention: inside fp8_autocast with a DelayedScaling(fp8_dpa=True) recipe, "no_mask" / "causal" attention
+    without dropout (sbhd / bshd) runs in FP8 (attention_fp8.py: q, k, v, probabilities and output in FP8 with the
+    module's own delayed-scaling state, gradients in the recipe's backward format), whatever attention_backend says;
+    other cases run as above, after one warning per reason.
     """
 
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
                  attn_mask_type="causal", qkv_format="sbhd", softmax_scale=None, layer_number=None,
-                 attention_type="self", tp_size=1, tp_group=None, sequence_parallel=False):
+                 attention_type="self", tp_size=1, tp_group=None, sequence_parallel=False, attention_backend=None):
         super().__init__()
         _check_choice(attn_mask_type, ATTN_MASK_TYPES, "attn_mask_type")
+        self.attention_backend = attention_backend or default_backend()
+        _check_choice(self.attention_backend, BACKENDS, "attention_backend")
         _check_choice(qkv_format, QKV_FORMATS, "qkv_format")
         check_no_tensor_parallel(tp_size, tp_group)
         num_gqa_groups = num_gqa_groups or num_attention_heads
@@ -165,6 +181,14 @@ class DotProductAttention(nn.Module):
         self.attention_dropout, self.attn_mask_type, self.qkv_format = attention_dropout, attn_mask_type, qkv_format
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
         self.layer_number, self.attention_type = layer_number, attention_type
+        self.fp8_scaling = AttentionScaling()  # FP8 attention's scaling state (made on its first FP8 call)
+        self.register_load_state_dict_pre_hook(_allow_missing_extra_state)
+
+    def get_extra_state(self):
+        return self.fp8_scaling.state_dict()
+
+    def set_extra_state(self, state):
+        self.fp8_scaling.load_state_dict(state)
 
     def _check_qkv(self, q, k, v, fmt):
         for name, t, heads in (("query_layer", q, self.num_attention_heads), ("key_layer", k, self.num_gqa_groups),
@@ -188,6 +212,8 @@ class DotProductAttention(nn.Module):
         _check_choice(mask_type, ATTN_MASK_TYPES, "attn_mask_type")
         dropout_p = self.attention_dropout if self.training else 0.0
         if fmt == "thd":
+            if fp8_dpa_enabled() and not torch.compiler.is_compiling():
+                warn_not_fp8("qkv_format 'thd'")
             check_packed_qkv(query_layer, key_layer, value_layer, self.num_attention_heads, self.num_gqa_groups,
                              self.kv_channels)
             if attention_mask is not None:
@@ -205,8 +231,14 @@ class DotProductAttention(nn.Module):
             attention_mask = _padding_mask_from_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, attention_mask, mask_type,
                                                            q.shape[0], k.shape[2], q.device)
         attn_mask, is_causal = _sdpa_mask(attention_mask, mask_type, q.shape[2], k.shape[2], q.device)
-        out = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
-                                           scale=self.softmax_scale)  # [b, h, sq, d]
+        out = None
+        if fp8_dpa_enabled():
+            out = fp8_attention(self.fp8_scaling, q, k, v, attention_mask, mask_type, dropout_p, self.softmax_scale)
+        if out is None and self.attention_backend == "cudnn" and q.is_cuda:
+            out = cudnn_attention(q, k, v, attention_mask, mask_type, dropout_p, self.softmax_scale)
+        if out is None:
+            out = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                               dropout_p=dropout_p, scale=self.softmax_scale)  # [b, h, sq, d]
         b, h, sq, d = out.shape
         out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
         return out.reshape(*out.shape[:2], h * d)

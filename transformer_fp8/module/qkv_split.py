@@ -4,7 +4,8 @@ qkv [*lead, (h + 2g) * d] -> q [*lead, h, d], k [*lead, g, d], v [*lead, g, d]. 
 group [h/g q heads, k, v] (TE's default), else [all q | all k | all v]. k and v (and q, except for interleaved GQA,
 where q is a copy) are views of qkv. The backward writes dq, dk, dv into ONE new [*lead, (h + 2g) * d] gradient with
 three strided copies, where autograd's own slicing backward would zero-fill a full-size gradient per output and sum
-them (for the guide layer: 3 fills, 3 copies and 2 adds of 192 MiB).
+them (for the guide layer: 3 fills, 3 copies and 2 adds of 192 MiB). When dq, dk, dv arrive as the q, k, v views of
+one gradient laid out like qkv (the cuDNN attention backend writes them so), that gradient is returned: no copies.
 """
 import torch
 
@@ -17,6 +18,28 @@ def _parts(qkv, heads, groups, head_dim, interleaved):
         return per_group[..., :-2, :], per_group[..., -2, :], per_group[..., -1, :]
     q, k, v = qkv.split([heads * head_dim, groups * head_dim, groups * head_dim], dim=-1)
     return q.view(*lead, heads, head_dim), k.view(*lead, groups, head_dim), v.view(*lead, groups, head_dim)
+
+
+def _same_view(a, b):
+    return a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+
+
+def _fused_gradient(dq, dk, dv, lead, heads, groups, head_dim, interleaved):
+    """The [*lead, (h + 2g) * d] gradient itself when dq, dk, dv are already the q, k, v views of one buffer laid out
+    like qkv (the cuDNN attention backward writes them so), else None."""
+    if dq is None or dk is None or dv is None or dq._base is None or not dq._base is dk._base is dv._base:
+        return None
+    base = dq._base
+    if not base.is_contiguous() or base.numel() != lead.numel() * (heads + 2 * groups) * head_dim:
+        return None
+    dqkv = base.view(*lead, (heads + 2 * groups) * head_dim)
+    q_part, k_part, v_part = _parts(dqkv, heads, groups, head_dim, interleaved)
+    if interleaved and heads != groups:
+        return None  # q is a copy there, never a view
+    q_view = q_part.squeeze(-2) if interleaved else q_part  # interleaved MHA: [*lead, h, 1, d] -> [*lead, h, d]
+    if _same_view(q_view, dq) and _same_view(k_part, dk) and _same_view(v_part, dv):
+        return dqkv
+    return None
 
 
 class _SplitQKV(torch.autograd.Function):
@@ -32,6 +55,9 @@ class _SplitQKV(torch.autograd.Function):
         heads, groups, head_dim, interleaved = ctx.args
         some = next(g for g in (dq, dk, dv) if g is not None)
         lead = some.shape[:-2]
+        fused = _fused_gradient(dq, dk, dv, lead, heads, groups, head_dim, interleaved)
+        if fused is not None:
+            return fused, None, None, None, None
         dqkv = some.new_empty(*lead, (heads + 2 * groups) * head_dim)
         q_part, k_part, v_part = _parts(dqkv, heads, groups, head_dim, interleaved)
         if dq is not None and interleaved:

@@ -1,0 +1,178 @@
+"""DotProductAttention's "cudnn" backend: the fused_attn_fwd / fused_attn_bwd ops (cuDNN's graph API, csrc/ops.cpp)
+behind an autograd Function.
+
+q/k/v go in as the [b, h, s, d] views DotProductAttention makes (of sbhd / bshd tensors, or of one fused QKV
+buffer): no copies. The output comes back in q's dim order, and the backward writes dq, dk, dv into ONE buffer laid
+out like q, k, v's own (a fused QKV gradient) when q, k, v are disjoint views of one buffer.
+
+A case the backend cannot take (an arbitrary attention mask, a mask that is not a key-padding prefix, a shape or
+dtype cuDNN's support check refuses) returns None, after one warning per reason, and so does torch.compile tracing
+(silently); the caller then runs PyTorch's SDPA. Dropout draws a philox (seed, offset) pair from torch's CUDA
+generator per forward, so results repeat under torch.manual_seed and the backward replays the forward's mask.
+"""
+import os
+import warnings
+
+import torch
+
+from .. import ops
+
+BACKENDS = ("torch", "cudnn")
+BACKEND_ENV = "TFP8_ATTENTION_BACKEND"
+_unsupported_cases = {}  # case key -> cuDNN's reason, so a refused case costs one dict lookup afterwards
+_warned_reasons = set()
+_shared_grad_layouts = {}  # (shape, stride, offset) of q, k, v -> whether one gradient buffer can hold them
+
+
+def default_backend():
+    """The backend TFP8_ATTENTION_BACKEND names ("torch" when unset)."""
+    backend = os.environ.get(BACKEND_ENV, "torch")
+    if backend not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}: expected one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def cudnn_attention_built():
+    return torch._C._dispatch_has_kernel_for_dispatch_key("transformer_fp8::fused_attn_fwd", "CUDA")
+
+
+def _warn_once(reason):
+    if reason not in _warned_reasons:
+        _warned_reasons.add(reason)
+        warnings.warn(f"DotProductAttention(attention_backend='cudnn'): using PyTorch's SDPA instead: {reason}",
+                      stacklevel=4)
+
+
+def _head_intervals(t, start):
+    """[first, end) element offsets (from start) of each head's channels in one token of t [b, h, s, d]."""
+    first = t.storage_offset() - start
+    return [(first + i * t.stride(1), first + i * t.stride(1) + t.shape[3]) for i in range(t.shape[1])]
+
+
+def _one_buffer_fits(q, k, v):
+    """True when q, k, v are views of one storage that share their b and s strides and whose heads occupy disjoint
+    channel ranges inside one token: then one buffer with the same layout holds dq, dk, dv without overlap."""
+    key = tuple((t.shape, t.stride(), t.storage_offset()) for t in (q, k, v))
+    if key not in _shared_grad_layouts:
+        start = min(t.storage_offset() for t in (q, k, v))
+        token_strides = {(t.stride(0) if t.shape[0] > 1 else None, t.stride(2) if t.shape[2] > 1 else None)
+                         for t in (q, k, v)}
+        strides = [s for pair in token_strides for s in pair if s is not None]
+        intervals = sorted(iv for t in (q, k, v) for iv in _head_intervals(t, start))
+        disjoint = all(a[1] <= b[0] for a, b in zip(intervals, intervals[1:]))
+        fits = (len(token_strides) == 1 and disjoint and intervals[0][0] >= 0
+                and all(intervals[-1][1] <= s for s in strides))
+        _shared_grad_layouts[key] = fits
+    return _shared_grad_layouts[key]
+
+
+def _grad_buffers(q, k, v, zeroed):
+    """(dq, dk, dv) with q's, k's, v's shapes and strides: views of one new buffer when q, k, v are disjoint views
+    of one (a fused QKV), else separate tensors. zeroed: rows the kernel leaves unwritten (padding) read zero."""
+    new = torch.zeros if zeroed else torch.empty
+    same_storage = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == \
+        v.untyped_storage().data_ptr()
+    if same_storage and q.numel() and k.numel() and _one_buffer_fits(q, k, v):
+        start = min(t.storage_offset() for t in (q, k, v))
+        end = max(t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 for t in (q, k, v))
+        buffer = new(end - start, dtype=q.dtype, device=q.device)
+        return tuple(buffer.as_strided(t.shape, t.stride(), t.storage_offset() - start) for t in (q, k, v))
+    return tuple(new(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def _torch_sdpa_grads(grad_out, q, k, v, scale, causal, seqlens_kv):
+    """(dq, dk, dv) of PyTorch's SDPA (no dropout), for a case whose cuDNN forward ran but whose backward cuDNN
+    refuses."""
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        mask = None
+        if seqlens_kv is not None:
+            mask = torch.arange(k.shape[2], device=q.device) < seqlens_kv.view(-1, 1, 1, 1)
+            if causal:
+                mask = mask & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1])
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+
+class _FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, dropout_p, seqlens_q, seqlens_kv, case):
+        rng_state = None
+        if dropout_p > 0:  # a fresh philox (seed, offset) from torch's CUDA generator
+            rng_state = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=q.device)
+        out, stats = ops.tfp8.fused_attn_fwd(q, k, v, scale, causal, dropout_p, seqlens_q, seqlens_kv, rng_state)
+        ctx.save_for_backward(q, k, v, out, stats, seqlens_q, seqlens_kv, rng_state)
+        ctx.args = (scale, causal, dropout_p, case)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, stats, seqlens_q, seqlens_kv, rng_state = ctx.saved_tensors
+        scale, causal, dropout_p, case = ctx.args
+        if grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
+        dq, dk, dv = _grad_buffers(q, k, v, zeroed=seqlens_q is not None)
+        try:
+            ops.tfp8.fused_attn_bwd(grad_out, q, k, v, out, stats, dq, dk, dv, scale, causal, dropout_p, seqlens_q,
+                                    seqlens_kv, rng_state)
+        except NotImplementedError as err:
+            _unsupported_cases[case] = str(err)  # the next forward of this case runs PyTorch's SDPA
+            if dropout_p > 0:
+                raise RuntimeError(f"DotProductAttention(attention_backend='cudnn'): the forward ran with dropout on "
+                                   f"cuDNN, whose backward refuses the case, and no other kernel replays its dropout "
+                                   f"mask: {err}") from err
+            _warn_once(f"backward: {err}")
+            dq, dk, dv = _torch_sdpa_grads(grad_out, q, k, v, scale, causal, seqlens_kv)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _padding_seqlens(attention_mask, b, sq, skv, device):
+    """Key-padding mask bool [b, 1, 1, skv] (True = masked out) -> (seqlens_q, seqlens_kv) int32 [b], or a reason
+    when it is not one prefix of kept keys per sequence (checked on the GPU, one host sync)."""
+    if attention_mask.shape[-2] != 1:
+        return f"attention_mask of shape {tuple(attention_mask.shape)} (per-query masks have no cuDNN form; only " \
+               f"key-padding masks [b, 1, 1, s_kv] do)"
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "a padding mask under CUDA graph capture (its key-prefix check needs a host sync)"
+    masked = attention_mask.reshape(b, skv).to(device)
+    seqlens_kv = (~masked).sum(-1, dtype=torch.int32)
+    prefix = torch.arange(skv, device=masked.device) >= seqlens_kv[:, None]
+    if bool(((masked != prefix).any(-1) | (seqlens_kv == 0)).any()):
+        return "attention_mask is not a key-padding prefix mask with at least one kept key per sequence"
+    return torch.full((b,), sq, dtype=torch.int32, device=masked.device), seqlens_kv
+
+
+def cudnn_attention(q, k, v, attention_mask, attn_mask_type, dropout_p, scale):
+    """q [b, hq, sq, d], k/v [b, hkv, skv, d] CUDA views (DotProductAttention's masks and scale) -> out
+    [b, hq, sq, d] in q's dtype (memory in q's dim order), or None when the cuDNN backend cannot take the case
+    (one warning per reason). Under torch.compile it returns None at once, without a warning (tracing a warning
+    would break a fullgraph compile): compiled graphs run PyTorch's SDPA."""
+    if torch.compiler.is_compiling():
+        return None
+    if not cudnn_attention_built():
+        _warn_once("transformer_fp8 was built without the attention family (cudnn-frontend headers missing)")
+        return None
+    dtype = q.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    seqlens_q = seqlens_kv = None
+    if attn_mask_type in ("padding", "padding_causal"):
+        seqlens = _padding_seqlens(attention_mask, q.shape[0], q.shape[2], k.shape[2], q.device)
+        if isinstance(seqlens, str):
+            _warn_once(seqlens)
+            return None
+        seqlens_q, seqlens_kv = seqlens
+    causal = attn_mask_type in ("causal", "padding_causal")
+    case = (q.dtype, q.device, causal, seqlens_q is not None, dropout_p > 0, float(scale),
+            *((t.shape, t.stride(), t.data_ptr() % 16) for t in (q, k, v)))
+    if case in _unsupported_cases:
+        return None
+    try:
+        out = _FusedAttention.apply(q, k, v, float(scale), causal, float(dropout_p), seqlens_q, seqlens_kv, case)
+    except NotImplementedError as err:
+        _unsupported_cases[case] = str(err)
+        _warn_once(str(err))
+        return None
+    return out.to(dtype)

@@ -1,0 +1,144 @@
+"""DotProductAttention in FP8 (recipe fp8_dpa=True): the fused_attn_fp8_fwd / fused_attn_fp8_bwd ops (csrc/ops.cpp;
+CUDA: cuDNN's FP8 SDPA, CPU: the emulated reference) behind an autograd Function, with delayed scaling.
+
+Scaling state (module/base.py ScalingState, registered with autocast like the FP8 modules' states):
+  forward slots  Q, K, V (the casts of the BF16 q, k, v), S (softmax probabilities), O (the output), fwd format;
+  backward slots DO (the cast of the output gradient), DP (dS, the gradient of q kᵀ), DQ, DK, DV, bwd format.
+Every slot's amax is max-accumulated into amax_history row 0 (by the casts or the ops), and autocast's fused update
+turns the histories into scales after the forward / backward.
+
+Dataflow. Forward: q, k, v (any dtype, [b, h, s, d] views) -> contiguous FP8 copies (one cast each) -> FP8 out (on
+Hopper cuDNN gives no BF16 out) -> dequantized to q's dtype. The FP8 q, k, v, out are saved (half the bytes of BF16).
+Backward: grad_out -> FP8 (bwd format) -> FP8 dq, dk, dv (bwd format) -> dequantized to q's dtype.
+Causal or no mask, no dropout. Cases the ops refuse (cuDNN on Hopper: head dims 16..256 (multiples of 16) forward,
+128 only backward) fall back, after one warning per reason: a refused forward runs the high-precision path; a refused
+backward computes the gradients with PyTorch's SDPA from the dequantized FP8 q, k, v, and the case then skips FP8
+while gradients are needed. Under torch.compile the high-precision path runs (no FP8 attention in compiled graphs).
+"""
+import warnings
+
+import torch
+
+from .. import autocast
+from ..ops import tfp8
+from .attention_cudnn import _torch_sdpa_grads
+from .base import ScalingState
+
+Q, K, V, S, O = range(5)  # forward slots
+DO, DP, DQ, DK, DV = range(5)  # backward slots
+FP8_MASK_TYPES = ("no_mask", "causal")
+_refused = {}  # (case, "forward" / "backward") -> the op's reason
+_warned = set()
+
+
+def warn_not_fp8(reason):
+    """One warning per reason that a case runs without FP8 attention."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"DotProductAttention(fp8_dpa=True): not in FP8: {reason}", stacklevel=4)
+
+
+def fp8_dpa_enabled():
+    """Inside fp8_autocast with a recipe that asks for FP8 attention."""
+    return autocast.STATE.enabled and getattr(autocast.STATE.recipe, "fp8_dpa", False)
+
+
+class AttentionScaling:
+    """A DotProductAttention's FP8 scaling state: forward slots (Q, K, V, S, O), backward slots (DO, DP, DQ, DK, DV),
+    made for the first recipe it runs with (remade when the amax history length changes) on the input's device."""
+
+    def __init__(self):
+        self.fwd = self.bwd = None
+
+    def begin(self, device):
+        """Adopt the active recipe and queue the forward state for the update; -> (recipe, group)."""
+        recipe, group = autocast.STATE.recipe, autocast.STATE.group
+        if self.fwd is None or self.fwd.history_len != recipe.amax_history_len:
+            self.fwd = ScalingState(5, recipe.amax_history_len, device)
+            self.bwd = ScalingState(5, recipe.amax_history_len, device)
+        self.fwd.to(device)
+        self.bwd.to(device)
+        if not self.fwd.pending:
+            autocast.register_forward(self.fwd, recipe, group)
+        return recipe, group
+
+    def state_dict(self):
+        """For the module's checkpoint (extra state): None before the first FP8 call."""
+        return None if self.fwd is None else {"fwd": self.fwd.state_dict(), "bwd": self.bwd.state_dict()}
+
+    def load_state_dict(self, state):
+        if state is None:
+            return
+        device = state["fwd"]["scale"].device  # (begin() moves the state to the input's device)
+        self.fwd = ScalingState.from_state_dict(state["fwd"], device)
+        self.bwd = ScalingState.from_state_dict(state["bwd"], device)
+
+
+def _cast(x, state, slot, fp8_dtype):
+    """x -> contiguous FP8 with slot's scale (amax accumulated; 1/scale written into the slot's snapshot)."""
+    return tfp8.quantize(x.contiguous(), state.scales[slot], fp8_dtype, state.amaxes[slot], state.scale_invs[slot])
+
+
+class _FP8Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, scaling, recipe, group, case):
+        fwd, fwd_dtype = scaling.fwd, recipe.fp8_format.fwd_dtype
+        q8, k8, v8 = (_cast(t, fwd, slot, fwd_dtype) for t, slot in ((q, Q), (k, K), (v, V)))
+        out8, stats = tfp8.fused_attn_fp8_fwd(
+            q8, k8, v8, fwd.scale_invs[Q], fwd.scale_invs[K], fwd.scale_invs[V], fwd.scales[S],
+            fwd.scale_inv_slots[S], fwd.scales[O], fwd.amaxes[S], fwd.amaxes[O], scale, causal)
+        descale_o = torch.reciprocal(fwd.scales[O], out=fwd.scale_invs[O])  # the snapshot of the scale out8 has
+        ctx.save_for_backward(q8, k8, v8, out8, stats)
+        # Snapshots as attributes, not saved tensors: they share one buffer (see module/base.py).
+        ctx.descales = (fwd.scale_invs[Q], fwd.scale_invs[K], fwd.scale_invs[V], descale_o)
+        ctx.args = (scale, causal, scaling, recipe, group, case, q.dtype)
+        return tfp8.dequantize(out8, descale_o, q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q8, k8, v8, out8, stats = ctx.saved_tensors
+        scale, causal, scaling, recipe, group, case, dtype = ctx.args
+        fwd, bwd = scaling.fwd, scaling.bwd
+        g8 = _cast(grad_out, bwd, DO, recipe.fp8_format.bwd_dtype)
+        autocast.register_backward(bwd, recipe, group)
+        try:
+            grads8 = tfp8.fused_attn_fp8_bwd(
+                g8, q8, k8, v8, out8, stats, *ctx.descales, bwd.scale_invs[DO], fwd.scales[S],
+                fwd.scale_inv_slots[S], bwd.scales[DP], bwd.scale_inv_slots[DP], bwd.scales[DQ], bwd.scales[DK],
+                bwd.scales[DV], bwd.amaxes[DP], bwd.amaxes[DQ], bwd.amaxes[DK], bwd.amaxes[DV], scale, causal)
+        except NotImplementedError as err:
+            _refused[(case, "backward")] = str(err)
+            warn_not_fp8(f"backward: {err}")
+            q, k, v = (tfp8.dequantize(t, d, dtype) for t, d in zip((q8, k8, v8), ctx.descales))
+            return (*_torch_sdpa_grads(grad_out.to(dtype), q, k, v, scale, causal, None), *(None,) * 6)
+        grads = (tfp8.dequantize(g, bwd.scale_inv_slots[slot], dtype) for g, slot in zip(grads8, (DQ, DK, DV)))
+        return (*grads, *(None,) * 6)
+
+
+def fp8_attention(scaling, q, k, v, attention_mask, attn_mask_type, dropout_p, scale):
+    """q [b, hq, sq, d], k/v [b, hkv, skv, d] views (DotProductAttention's masks and scale) -> out [b, hq, sq, d] in
+    q's dtype through FP8 attention with `scaling` (an AttentionScaling), or None when the case is not taken (one
+    warning per reason; silently under torch.compile)."""
+    if torch.compiler.is_compiling():
+        return None
+    if attn_mask_type not in FP8_MASK_TYPES or attention_mask is not None:
+        warn_not_fp8(f"attn_mask_type {attn_mask_type!r} (FP8 attention takes {FP8_MASK_TYPES})")
+        return None
+    if dropout_p > 0:
+        warn_not_fp8("attention dropout (FP8 attention has none)")
+        return None
+    if q.is_cuda and not torch._C._dispatch_has_kernel_for_dispatch_key("transformer_fp8::fused_attn_fp8_fwd",
+                                                                          "CUDA"):
+        warn_not_fp8("transformer_fp8 was built without the attention family (cudnn-frontend headers missing)")
+        return None
+    case = (q.dtype, q.device, attn_mask_type, float(scale), *(tuple(t.shape) for t in (q, k, v)))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if (case, "forward") in _refused or (needs_grad and (case, "backward") in _refused):
+        return None
+    recipe, group = scaling.begin(q.device)
+    try:
+        return _FP8Attention.apply(q, k, v, float(scale), attn_mask_type == "causal", scaling, recipe, group, case)
+    except NotImplementedError as err:
+        _refused[(case, "forward")] = str(err)
+        warn_not_fp8(str(err))
+        return None
