@@ -6,7 +6,9 @@ its input columns ([out, in/tp]; its input is split along the last dim and the p
 Sequence parallelism (SP) splits the activations between those GEMMs along dim 0 (the sequence of "sbhd", or the
 tokens of a [tokens, hidden] input): norms, residual adds and dropout run on this rank's block; the column-parallel
 module all-gathers its (normalised) input right before its GEMM, in FP8 inside fp8_autocast (all_gather_fp8; see
-module/_sequence_parallel.py), and the row-parallel output is reduce-scattered.
+module/_column_parallel.py), and the row-parallel output is reduce-scattered. Inside fp8_autocast the row-parallel
+output's all-reduce / reduce-scatter runs in row chunks overlapping the GEMM (FORWARD_OVERLAP_CHUNKS below,
+module/_row_parallel.py), and the column-parallel input's dgrad sum overlaps the wgrad GEMM.
 `group=None` everywhere means the default group.
 """
 import contextlib
