@@ -67,10 +67,12 @@ def cudnn_frontend_include():
 def link_without_symbolic_functions():
     """Some Pythons (Debian/Ubuntu builds) link extensions with -Bsymbolic-functions. With a newer g++ than the one that
     built torch, the libstdc++ stream templates instantiated in our library then bind to our own copies, which crash
-    when formatting numbers into torch's error messages (seen on the H100 image: g++ 13.3). Link without it."""
-    ldshared = sysconfig.get_config_var("LDSHARED") or ""
-    if "LDSHARED" not in os.environ and "-Bsymbolic-functions" in ldshared:
-        os.environ["LDSHARED"] = ldshared.replace("-Wl,-Bsymbolic-functions", "")
+    when formatting numbers (seen on the H100 image, g++ 13.3: torch's error messages and cudnn-frontend's plan
+    names). Link without it: C++ extensions link with LDCXXSHARED, C ones with LDSHARED."""
+    for var in ("LDSHARED", "LDCXXSHARED"):
+        flags = sysconfig.get_config_var(var) or ""
+        if var not in os.environ and "-Bsymbolic-functions" in flags:
+            os.environ[var] = flags.replace("-Wl,-Bsymbolic-functions", "")
 
 
 def extension():

@@ -6,15 +6,36 @@
 // pack of uid -> pointer. A problem cuDNN refuses is cached with its reason, so asking again costs a lookup.
 // FP8 problems build cuDNN's per-tensor-scaled FP8 SDPA graphs (sdpa_fp8 / sdpa_fp8_backward); on Hopper these take
 // and give FP8 only (o, dq, dk, dv in FP8: BF16 outputs need Blackwell), and the FP8 backward only head dims 128.
-#include <cudnn_frontend.h>
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <limits.h>
+#include <nvrtc.h>
+#include <stdint.h>
 
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iomanip>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "attention.h"
+
+// torch links its own (older) copy of the header-only frontend into libtorch_cuda: keep ours private to this library
+// so that no inline frontend function of one copy binds to the other's. The system and CUDA headers it includes come
+// first, above, so that their functions keep default visibility.
+#pragma GCC visibility push(hidden)
+#include <cudnn_frontend.h>
+#pragma GCC visibility pop
 
 namespace tfp8 {
 namespace {

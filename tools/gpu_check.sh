@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader; g++ --version | head -1;
-  python -c "import sysconfig as s; print('LDSHARED', s.get_config_var('LDSHARED'))"; } | tee "$OUT/bench.log"
+  python -c "import sysconfig as s; print('LDSHARED', s.get_config_var('LDSHARED'), '| LDCXXSHARED', s.get_config_var('LDCXXSHARED'))"; } | tee "$OUT/bench.log"
 start=$(date +%s)
 # The device has no network: the cudnn-frontend headers (attention family) come from a carried wheel folder .whl/
 # (made with: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
