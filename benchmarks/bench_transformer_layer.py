@@ -47,12 +47,17 @@ class TorchPreLNLayer(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
 
 
-def train_step(layer, x, dy, fp8=False):
-    """One training step's forward and backward, gradients starting from None (optimizer.zero_grad's default)."""
+def train_step(layer, x, dy, fp8=False, fp8_dpa=False, attention_backend=None):
+    """One training step's forward and backward, gradients starting from None (optimizer.zero_grad's default).
+    attention_backend: set on the layer's DotProductAttention for this step ("torch" / "cudnn"); None keeps it."""
+    attentions = [m for m in layer.modules() if isinstance(m, DotProductAttention)]
+
     def step():
+        for m in attentions:
+            m.attention_backend = attention_backend or m.attention_backend
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe.DelayedScaling()):
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe.DelayedScaling(fp8_dpa=fp8_dpa)):
             y = layer(x)
         y.backward(dy)
     return step
@@ -65,7 +70,10 @@ def layer_rows(name, c, compile_torch):
                             hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="no_mask",
                             params_dtype=DT, device=DEV)
     plain = TorchPreLNLayer(c["hidden"], c["ffn"], c["heads"], c["groups"], c["d"]).to(DEV, DT)
-    variants = [("ours FP8", train_step(ours, x, dy, fp8=True)), ("ours BF16", train_step(ours, x, dy)),
+    variants = [("ours FP8", train_step(ours, x, dy, fp8=True, attention_backend="torch")),
+                ("ours FP8, cuDNN attention", train_step(ours, x, dy, fp8=True, attention_backend="cudnn")),
+                ("ours FP8, FP8 attention", train_step(ours, x, dy, fp8=True, fp8_dpa=True)),
+                ("ours BF16", train_step(ours, x, dy, attention_backend="torch")),
                 ("torch BF16 eager", train_step(plain, x, dy))]
     if compile_torch:
         variants.append(("torch BF16 compile", train_step(torch.compile(plain), x, dy)))
@@ -103,7 +111,10 @@ def attention_rows(name, c):
             out.backward(dyt)
         return step
 
-    variants = [("ours DotProductAttention", lambda: dpa(q, k, v).backward(dy)), ("torch SDPA default", torch_sdpa())]
+    cudnn_dpa = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="no_mask", attention_backend="cudnn")
+    variants = [("ours DotProductAttention", lambda: dpa(q, k, v).backward(dy)),
+                ("ours DotProductAttention cuDNN", lambda: cudnn_dpa(q, k, v).backward(dy)),
+                ("torch SDPA default", torch_sdpa())]
     variants += [(f"torch SDPA {bk.name}", torch_sdpa(bk)) for bk in
                  (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
     flops = 4 * b * h * s * s * d * 3.5  # fwd 2 GEMMs, bwd 5: 3.5x the forward's 4*b*h*s*s*d

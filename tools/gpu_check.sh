@@ -7,16 +7,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader; g++ --version | head -1;
-  python -c "import sysconfig as s; print('LDSHARED', s.get_config_var('LDSHARED'), '| LDCXXSHARED', s.get_config_var('LDCXXSHARED'))"; } | tee "$OUT/bench.log"
 start=$(date +%s)
-# The device has no network: the cudnn-frontend headers (attention family) come from a carried wheel folder .whl/
-# (made with: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
-#  --platform manylinux_2_28_x86_64 nvidia-cudnn-frontend -d .whl), when there.
-if ls .whl/nvidia_cudnn_frontend-*.whl >/dev/null 2>&1; then
-  python -m pip install -q --no-deps --no-index .whl/nvidia_cudnn_frontend-*.whl > "$OUT/build.log" 2>&1 ||
-    echo "tools/gpu_check.sh: installing the carried cudnn-frontend wheel failed (see build.log)"
-fi
+source tools/device_env.sh > "$OUT/build.log" 2>&1
+{ nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader; "${CXX:-g++}" --version | head -1;
+  python -c "import sysconfig as s; print('LDSHARED', s.get_config_var('LDSHARED'), '| LDCXXSHARED', s.get_config_var('LDCXXSHARED'))"; } | tee "$OUT/bench.log"
 python -m pip install --no-build-isolation --no-deps -e . >> "$OUT/build.log" 2>&1 || { tail -80 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 timeout ${TEST_TIMEOUT:-400} python -m pytest -q -rs "${@:-tests}" > "$OUT/tests.log" 2>&1
