@@ -223,9 +223,12 @@ class FP8ModuleBase(nn.Module):
 
     # --- weights ---
     def _fp8_weight(self, name, weight, slot, need_transpose, is_first_microbatch):
-        """FP8 copy of a weight [N, K]: (q [N, K], qT [K, N] or None, scale_inv [1]). Call inside an autograd
-        Function's forward (grad mode off: the weight goes to the cast as it is).
-        is_first_microbatch True: cast and cache; False: reuse the cache (no cast); None: cast, no cache."""
+        """FP8 copy of a weight [N, K] for the forward GEMM: (q [N, K], qT [K, N] or None, scale_inv [1]). Call inside
+        an autograd Function's forward (grad mode off: the weight goes to the cast as it is).
+        is_first_microbatch True: cast and cache; False: reuse the cache (no cast); None: cast, no cache.
+        need_transpose (the backward's dgrad needs Wᵀ) makes qT only for the cache: otherwise qT is None and the
+        backward casts Wᵀ itself (_fp8_weight_transpose), so that no Wᵀ is held from the forward to the backward
+        (one byte per weight element over the whole step, for one more read of the weight in the backward)."""
         if is_first_microbatch is False:
             cached = self._weight_cache.get(name)
             if cached is not None:
@@ -233,6 +236,7 @@ class FP8ModuleBase(nn.Module):
                     cached = (cached[0], tfp8.fp8_transpose(cached[0]), cached[2])
                     self._weight_cache[name] = cached
                 return cached
+        need_transpose = need_transpose and is_first_microbatch is not None
         if isinstance(weight, Float8Tensor):
             q, scale_inv = weight._data, weight._scale_inv
             qt = tfp8.fp8_transpose(q) if need_transpose else None
@@ -243,6 +247,15 @@ class FP8ModuleBase(nn.Module):
         if is_first_microbatch is not None:
             self._weight_cache[name] = (q, qt, scale_inv)
         return q, qt, scale_inv
+
+    def _fp8_weight_transpose(self, weight, qt, scale_inv):
+        """Wᵀ [K, N] in FP8 for a dgrad GEMM: qt when the forward has one (a cached copy), else the weight cast again
+        with the forward's scale (1 / scale_inv; no amax update), or a Float8Tensor's data transposed."""
+        if qt is not None:
+            return qt
+        if isinstance(weight, Float8Tensor):
+            return tfp8.fp8_transpose(weight._data)
+        return tfp8.cast_transpose(weight, torch.reciprocal(scale_inv), self.fwd_dtype, False, True)[1]
 
     def _main_grad(self, weight):
         main_grad = getattr(weight, "main_grad", None)

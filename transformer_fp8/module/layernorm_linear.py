@@ -39,7 +39,7 @@ class _FP8LayerNormLinear(torch.autograd.Function):
         if training:
             ctx.save_for_backward(x, mean, rstd, ln_weight, lnqt, wqt)
             ctx.scale_invs = (lnsinv, wsinv)  # snapshots: outside save_for_backward (see base.py)
-            ctx.weight = weight  # for main_grad and its dtype; its values are not used (the FP8 copies are)
+            ctx.weight = weight  # for main_grad, its dtype and the backward's Wᵀ cast
             ctx.module, ctx.fp8_state = module, (autocast.STATE.recipe, autocast.STATE.group)
             ctx.need, ctx.inp_shape = (need_dgrad, need_wgrad), inp.shape
         out = out.view(*out_shape[:-1], out.shape[-1])
@@ -55,6 +55,7 @@ class _FP8LayerNormLinear(torch.autograd.Function):
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
             dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, ctx.needs_input_grad[4], need_dgrad, need_wgrad)
             register_backward(module, *ctx.fp8_state)
+            wqt = module._fp8_weight_transpose(ctx.weight, wqt, wsinv) if need_dgrad else None
             d_ln, dw = input_grads(module, dgrad_collective(module, True), ctx.weight, (dq, dqt, dsinv),
                                    (wqt, wsinv), (lnqt, lnsinv), x.dtype, need_dgrad, need_wgrad)
         dx, dgamma, dbeta = norm_backward(module, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,

@@ -91,7 +91,7 @@ class _FP8LayerNormMLP(torch.autograd.Function):
             # after its last use (save_for_backward holds everything until the backward returns).
             ctx.stash = dict(lnqt=lnqt, w1qt=w1qt, fc1_out=fc1_out, aqt=aqt, w2qt=w2qt)
             ctx.scale_invs = (lnsinv, w1sinv, asinv, w2sinv)  # snapshots: outside save_for_backward (see base.py)
-            ctx.weights = (fc1_weight, fc2_weight)  # for main_grad and dtypes; backward uses the FP8 copies
+            ctx.weights = (fc1_weight, fc2_weight)  # for main_grad, dtypes and the backward's Wᵀ casts
             ctx.module, ctx.fp8_state = module, (autocast.STATE.recipe, autocast.STATE.group)
             ctx.needs, ctx.inp_shape = needs, inp.shape
         out = out.view(*inp.shape[:-1], out.shape[-1])
@@ -116,8 +116,10 @@ class _FP8LayerNormMLP(torch.autograd.Function):
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
             dq, dqt, dsinv, dbias2 = cast_grad_output(dy, module, 1, needs[6], need_fc2_dgrad, needs[5])
             register_backward(module, *ctx.fp8_state)
-            d_act, _ = gemm_grads(module, fc2_weight, (dq, None, dsinv), (_take(stash, "w2qt"), w2sinv), None, dtype,
-                                  need_fc2_dgrad, False)
+            w2t = module._fp8_weight_transpose(fc2_weight, _take(stash, "w2qt"), w2sinv) if need_fc2_dgrad else None
+            d_act, _ = gemm_grads(module, fc2_weight, (dq, None, dsinv), (w2t, w2sinv), None, dtype, need_fc2_dgrad,
+                                  False)
+            del w2t
             del dy, dq
             d_fc1 = None
             if d_act is not None:
@@ -129,9 +131,10 @@ class _FP8LayerNormMLP(torch.autograd.Function):
             if d_fc1 is not None:
                 dq1, dqt1, dsinv1, dbias1 = d_fc1
                 del d_fc1
-                d_ln, _ = gemm_grads(module, fc1_weight, (dq1, None, dsinv1), (_take(stash, "w1qt"), w1sinv), None,
-                                     dtype, need_dgrad, False)
-                del dq1
+                w1t = module._fp8_weight_transpose(fc1_weight, _take(stash, "w1qt"), w1sinv) if need_dgrad else None
+                d_ln, _ = gemm_grads(module, fc1_weight, (dq1, None, dsinv1), (w1t, w1sinv), None, dtype, need_dgrad,
+                                     False)
+                del dq1, w1t
                 d_ln_sum = start_dgrad_sum(module, dgrad_collective(module, True), d_ln)
                 _, dw1 = gemm_grads(module, fc1_weight, (None, dqt1, dsinv1), None, (_take(stash, "lnqt"), lnsinv),
                                     dtype, False, needs[3])

@@ -16,8 +16,8 @@ from .base import FP8ModuleBase, cast_transpose, check_input, check_positive
 
 
 class _FP8Linear(torch.autograd.Function):
-    """inp [..., K] (contiguous), weight [N, K], bias [N] or None -> [..., N]. Saves only the FP8 xᵀ and Wᵀ
-    (+ scale_invs). Row-parallel (bias None): the output is summed over the TP ranks here, its collective overlapping
+    """inp [..., K] (contiguous), weight [N, K], bias [N] or None -> [..., N]. Saves only the FP8 xᵀ (+ scale_invs;
+    Wᵀ only when cached: the backward casts it, see FP8ModuleBase._fp8_weight). Row-parallel (bias None): the output is summed over the TP ranks here, its collective overlapping
     the GEMM (see _row_parallel.py); [inp.shape[0] / tp, ..., N] with sequence_parallel."""
 
     @staticmethod
@@ -43,7 +43,7 @@ class _FP8Linear(torch.autograd.Function):
             ctx.save_for_backward(xqt if need_wgrad else None, wqt)
             state = autocast.STATE
             # scale_inv snapshots ride outside save_for_backward (their buffer's other slots get written: see base.py);
-            # the weight is kept for main_grad and its dtype, its values are not used (the FP8 copies are)
+            # the weight is kept for main_grad, its dtype and the backward's Wᵀ cast
             ctx.info = (module, weight, xsinv, wsinv, state.recipe, state.group, need_dgrad, need_wgrad, inp.dtype)
         return out if inp.dim() == 2 else out.view(*out_shape[:-1], out.shape[-1])
 
@@ -56,6 +56,7 @@ class _FP8Linear(torch.autograd.Function):
         dy = grad if grad.dim() == 2 and grad.is_contiguous() else grad.reshape(-1, grad.shape[-1]).contiguous()
         dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, ctx.needs_input_grad[2], need_dgrad, need_wgrad)
         register_backward(module, recipe, group)
+        wqt = module._fp8_weight_transpose(weight, wqt, wsinv) if need_dgrad else None
         # (sequence parallel: dx reduce-scattered to this rank's block while the wgrad GEMM runs)
         dx, dw = input_grads(module, dgrad_collective(module, False), weight, (dq, dqt, dsinv), (wqt, wsinv),
                              (xqt, xsinv), dx_dtype, need_dgrad, need_wgrad)
