@@ -1,18 +1,14 @@
 """TransformerLayer forward+backward per rank under fp8_autocast with tensor parallelism: TP=1 (rank 0 alone, in the
 same run), TP=2, TP=2 + sequence parallelism (the norm outputs all-gathered in FP8), and TP=2 + SP with per-rank
-scales (DelayedScaling(reduce_amax=False): the norm outputs all-gathered in BF16), TP=2 and TP=2 + SP again without
-the forward overlap (distributed.FORWARD_OVERLAP_CHUNKS = 1: each row-parallel GEMM's output all-reduced /
-reduce-scattered after the whole GEMM, instead of in --overlap-chunks row chunks, each chunk's collective running
-while the next chunks' GEMMs do), and the bytes the TP/SP collectives move per step. Prints a table and writes JSON
-(--json, rank 0). Target: TP=2 at most 0.6x TP=1's time.
+scales (DelayedScaling(reduce_amax=False): the norm outputs all-gathered in BF16), and the bytes the TP/SP
+collectives move per step. Prints a table and writes JSON (--json, rank 0). Target: TP=2 at most 0.6x TP=1's time.
 
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py [--json out.json]        (2 GPUs, NCCL)
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --device cpu --tiny       (smoke test, gloo)
 
 Config "guide": hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4, BF16 parameters, sbhd, no dropout, delayed
 scaling (amaxes reduced over the TP group). "tiny" (--tiny): hidden 64, ffn 128, 4 heads, seq 16, batch 2, the FP8
-path at every size (base.FP8_MIN_GEMM_SIZE = 0: no small-shape automatic path) and row chunks of any size
-(distributed.MIN_OVERLAP_CHUNK_ROWS = 1).
+path at every size (base.FP8_MIN_GEMM_SIZE = 0: no small-shape automatic path).
 Bytes: per rank and step, the full buffer of each collective issued by transformer_fp8.distributed (the all-reduce's
 tensor, the all-gather's output, the reduce-scatter's input), counted on one extra step; the amax all-reduce (a few
 hundred bytes) is not included. "sent": what each rank sends of those in a ring algorithm, (n-1)/n of the buffer for
@@ -141,8 +137,6 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", help="write the results here (rank 0)")
-    parser.add_argument("--overlap-chunks", type=int, default=tpd.FORWARD_OVERLAP_CHUNKS,
-                        help="row chunks of the forward overlap (default: %(default)s)")
     args = parser.parse_args()
 
     if args.device == "cuda":
@@ -156,10 +150,6 @@ def main():
     c = CONFIGS[name]
     if args.tiny:
         base.FP8_MIN_GEMM_SIZE = 0
-        tpd.MIN_OVERLAP_CHUNK_ROWS = 1
-    if args.overlap_chunks < 1:
-        raise ValueError(f"--overlap-chunks: expected a positive int, got {args.overlap_chunks}")
-    tpd.FORWARD_OVERLAP_CHUNKS = args.overlap_chunks
     shared_scales = recipe.DelayedScaling(amax_history_len=16)
     per_rank_scales = recipe.DelayedScaling(amax_history_len=16, reduce_amax=False)
     rank0_only = dist.new_group([0])  # every rank creates it; TP=1 runs on rank 0 and reduces amaxes there only
@@ -174,11 +164,6 @@ def main():
                                                 args)
         results[f"TP={world}+SP per-rank scales"] = run_variant(c, world_group, True, device, dtype, world_group,
                                                                 per_rank_scales, args)
-        tpd.FORWARD_OVERLAP_CHUNKS = 1
-        results[f"TP={world} no fwd overlap"] = run_variant(c, world_group, False, device, dtype, world_group,
-                                                            shared_scales, args)
-        results[f"TP={world}+SP no fwd overlap"] = run_variant(c, world_group, True, device, dtype, world_group,
-                                                               shared_scales, args)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, results)
     finally:
@@ -195,24 +180,18 @@ def main():
     for row in rows:
         row["vs_tp1"] = row["ms"] / tp1_ms
     print(f"TransformerLayer fwd+bwd, config {name} {c}, FP8 (delayed scaling), {dtype}, {device.type}, "
-          f"world {world}, forward overlap: {args.overlap_chunks} row chunks (at least "
-          f"{tpd.MIN_OVERLAP_CHUNK_ROWS} rows each)")
+          f"world {world}")
     print(f"{'variant':<24} {'ms/step':>9} {'vs TP=1':>8} {'buffers MiB':>12} {'sent MiB':>9}  collectives (buffers)")
     for row in rows:
         detail = ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in sorted(row["bytes"].items())) or "-"
         print(f"{row['variant']:<24} {row['ms']:>9.2f} {row['vs_tp1']:>8.2f} {row['total_bytes'] / 2**20:>12.1f} "
               f"{row['sent_bytes'] / 2**20:>9.1f}  {detail}")
-    by_variant = {row["variant"]: row["ms"] for row in rows}
-    for sp in ("", "+SP"):
-        on, off = by_variant[f"TP={world}{sp}"], by_variant[f"TP={world}{sp} no fwd overlap"]
-        print(f"forward overlap, TP={world}{sp}: {on:.2f} ms vs {off:.2f} ms without ({on / off:.3f}x)")
     tp_vs_tp1 = rows[1]["vs_tp1"]
     target_met = tp_vs_tp1 <= TARGET_TP2_VS_TP1
     print(f"target TP={world} <= {TARGET_TP2_VS_TP1}x TP=1: {'met' if target_met else 'NOT met'} ({tp_vs_tp1:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=name, shape=c, dtype=str(dtype), device=device.type, world=world, rows=rows,
-                           overlap_chunks=args.overlap_chunks, min_overlap_chunk_rows=tpd.MIN_OVERLAP_CHUNK_ROWS,
                            target_tp_vs_tp1=TARGET_TP2_VS_TP1, target_met=target_met), f, indent=2)
 
 

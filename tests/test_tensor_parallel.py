@@ -7,10 +7,9 @@ row-parallel) and checks the output and every gradient against the matching part
 of RECIPES: outside fp8_autocast, delayed scaling (second step: the scales then come from amaxes reduced over the TP
 group and must equal the single-process module's), current scaling (amaxes reduced over the TP group before each
 cast: the same scales again) and delayed scaling without amax reduction (per-rank scales: the sequence-parallel input
-is gathered in high precision). The cases with row-parallel GEMMs run again with the forward's output collectives
-overlapped with the GEMM in 2, 3 and 4 row chunks (OVERLAP_CASES; 3 divides none of the row counts). Also recorded:
-the collectives transformer_fp8.distributed issues (the sequence-parallel all-gathers move FP8 bytes inside
-fp8_autocast) and the rows every norm runs on (this rank's sequence block with sequence_parallel).
+is gathered in high precision). Also recorded: the collectives transformer_fp8.distributed issues (the
+sequence-parallel all-gathers move FP8 bytes inside fp8_autocast) and the rows every norm runs on (this rank's
+sequence block with sequence_parallel).
 """
 import traceback
 import types
@@ -22,7 +21,6 @@ import torch.distributed as dist
 import transformer_fp8 as te
 from transformer_fp8 import distributed as tpd
 from transformer_fp8 import recipe
-from transformer_fp8.module import _row_parallel as row_parallel
 from transformer_fp8.module import norm as norm_ops
 from tests.dist_utils import DEVICE, WORLD, run_workers
 from tests.utils import FP8_RTOL, rel_error
@@ -85,12 +83,6 @@ CASES = {
     "transformer_layer": (_transformer_layer, "column", False, None, None, H),
     "transformer_layer_sp": (_transformer_layer, "column", True, "seq", "seq", H),
 }
-# forward overlap (module/_row_parallel.py): case: (row-parallel GEMMs, the collective that sums their outputs)
-OVERLAP_CASES = {"row": (1, "all_reduce"), "row_sp": (1, "reduce_scatter_tensor"),
-                 "layernorm_mlp": (1, "all_reduce"), "layernorm_mlp_sp": (1, "reduce_scatter_tensor"),
-                 "transformer_layer": (2, "all_reduce"), "transformer_layer_sp": (2, "reduce_scatter_tensor")}
-OVERLAP_CHUNKS = (2, 3, 4)
-OVERLAP_RECIPES = {label: RECIPES[label] for label in ("hp",) + FP8_LABELS}
 # per case: (column-parallel GEMMs fed by an all-gather with sequence_parallel, whether the module has norms)
 GATHERS = {"column_sp": 1, "layernorm_linear_sp": 1, "layernorm_mlp_sp": 1, "layernorm_mlp_swiglu_rmsnorm_sp": 1,
            "multihead_attention_sp": 1, "transformer_layer_sp": 2}
@@ -180,10 +172,8 @@ def _across_ranks(t):
     return max(rel_error(c, copies[0]) for c in copies[1:])
 
 
-def _compare_case(name, rank, results, key=None, recipes=RECIPES):
-    """Results under `key` (default: name) for each of `recipes`."""
+def _compare_case(name, rank, results):
     make, mode, sp, in_split, out_split, width = CASES[name]
-    key = key or name
 
     def blocks(param):  # SwiGLU's fc1 rows are [gate | up], each split across ranks
         return 2 if "swiglu" in name and "fc1" in param else 1
@@ -192,7 +182,7 @@ def _compare_case(name, rank, results, key=None, recipes=RECIPES):
     torch.manual_seed(0)  # same seed: the TP weights are created as the rank's part of the same full init
     tp = make(parallel_mode=mode, tp_group=dist.group.WORLD, sequence_parallel=sp)
     full = ref.state_dict()
-    results[f"{key}/init"] = max(rel_error(p, _param_part(full[n], p, rank, blocks(n)))
+    results[f"{name}/init"] = max(rel_error(p, _param_part(full[n], p, rank, blocks(n)))
                                   for n, p in tp.named_parameters())
     with torch.no_grad():  # non-trivial norm and bias parameters
         for p in ref.parameters():
@@ -203,7 +193,7 @@ def _compare_case(name, rank, results, key=None, recipes=RECIPES):
     x_full = torch.randn(S, B, width).to(DEVICE)
     dy_full = torch.randn(S, B, H if out_split != "last" else N).to(DEVICE)
     ref_outs = {}
-    for label, fp8_recipe in recipes.items():
+    for label, fp8_recipe in RECIPES.items():
         outs = []
         for module, splits in ((ref, (None, None, False)), (tp, (in_split, out_split, sp))):
             for _ in range(1 if fp8_recipe is None else 2):  # FP8: the second step runs on updated scales
@@ -214,24 +204,18 @@ def _compare_case(name, rank, results, key=None, recipes=RECIPES):
         ref_outs[label] = ref_out
         dx_part = _part(ref_dx, in_split if in_split == "last" else None, rank)
         dx_local = _part(dx, in_split if in_split == "last" else None, rank)
-        results[f"{key}/{label}/out"] = rel_error(out, _part(ref_out, out_split, rank))
-        results[f"{key}/{label}/dx"] = rel_error(dx_local, dx_part)
+        results[f"{name}/{label}/out"] = rel_error(out, _part(ref_out, out_split, rank))
+        results[f"{name}/{label}/dx"] = rel_error(dx_local, dx_part)
         for n, g in grads.items():
-            results[f"{key}/{label}/d{n}"] = rel_error(g, _param_part(ref_grads[n], g, rank, blocks(n)))
-        results[f"{key}/collectives/{label}"] = (forward.collectives, backward.collectives)
-        results[f"{key}/norm_rows/{label}"] = forward.norm_rows
-        results[f"{key}/started_async/{label}"] = backward.started_async
-        results[f"{key}/forward_async/{label}"] = forward.started_async
+            results[f"{name}/{label}/d{n}"] = rel_error(g, _param_part(ref_grads[n], g, rank, blocks(n)))
+        results[f"{name}/collectives/{label}"] = (forward.collectives, backward.collectives)
+        results[f"{name}/norm_rows/{label}"] = forward.norm_rows
+        results[f"{name}/started_async/{label}"] = backward.started_async
         if fp8_recipe is not None:
-            results[f"{key}/fp8_vs_hp/{label}"] = rel_error(ref_outs[label], ref_outs["hp"])  # FP8 did run
-            results[f"{key}/scales_vs_single/{label}"] = rel_error(_scales(tp), _scales(ref))
-            results[f"{key}/scales_across_ranks/{label}"] = _across_ranks(_scales(tp))
-            results[f"{key}/scales_moved/{label}"] = float((_scales(ref) != 1).float().mean())
-
-
-def _in_fp8_autocast(module, inp):
-    with te.fp8_autocast():
-        return module(inp)
+            results[f"{name}/fp8_vs_hp/{label}"] = rel_error(ref_outs[label], ref_outs["hp"])  # FP8 did run
+            results[f"{name}/scales_vs_single/{label}"] = rel_error(_scales(tp), _scales(ref))
+            results[f"{name}/scales_across_ranks/{label}"] = _across_ranks(_scales(tp))
+            results[f"{name}/scales_moved/{label}"] = float((_scales(ref) != 1).float().mean())
 
 
 def _errors_in_group(rank):
@@ -246,9 +230,6 @@ def _errors_in_group(rank):
         "parallel_mode": lambda: te.LayerNormLinear(H, N, device="cpu", tp_group=group, parallel_mode="row"),
         "inp": lambda: te.Linear(H, N, device=DEVICE, tp_group=group, parallel_mode="column",
                                  sequence_parallel=True)(torch.randn(H, device=DEVICE)),
-        "inp_sequence_rows": lambda: _in_fp8_autocast(
-            te.Linear(N, H, device=DEVICE, tp_group=group, parallel_mode="row", sequence_parallel=True),
-            torch.randn(3, B, N // WORLD, device=DEVICE)),
     }
     out = {}
     for name, build in checks.items():
@@ -269,51 +250,13 @@ def _errors_in_group(rank):
     return out
 
 
-def _reduce_from_tp_checks(rank):
-    """reduce_from_tensor_parallel_region: in place on a fresh partial output (no copy), on a copy for a view, and
-    an error in backward when the partial was saved by another op: {check: bool}."""
-    group, out = dist.group.WORLD, {}
-    torch.manual_seed(0)  # (the same x on every rank)
-    x = torch.randn(4, 3, device=DEVICE, requires_grad=True)
-    partial = x * (rank + 1)
-    ptr = partial.data_ptr()
-    summed = tpd.reduce_from_tensor_parallel_region(partial, group)
-    summed.backward(torch.ones_like(summed))
-    out["in_place"] = summed.data_ptr() == ptr
-    out["sum"] = torch.allclose(summed, x.detach() * sum(r + 1 for r in range(WORLD)))
-    out["grad"] = torch.allclose(x.grad, torch.full_like(x, rank + 1.0))
-    base = torch.randn(4, 6, device=DEVICE) * (rank + 1)
-    view = base[:, :3]
-    kept = view.clone()
-    summed = tpd.reduce_from_tensor_parallel_region(view, group)
-    out["view_untouched"] = torch.equal(view, kept) and summed.data_ptr() != view.data_ptr()
-    saved = x.exp()  # (exp saves its output for the backward)
-    try:
-        tpd.reduce_from_tensor_parallel_region(saved, group).sum().backward()
-        out["saved_raises"] = False
-    except RuntimeError as err:
-        out["saved_raises"] = "inplace" in str(err)
-    return out
-
-
 def _worker(rank):
-    local = {"reduce_from_tp": _reduce_from_tp_checks(rank)}
+    local = {}
     for name in CASES:
         try:
             _compare_case(name, rank, local)
         except Exception:  # reported per case by the tests
             local[f"{name}/exception"] = traceback.format_exc()
-    saved = tpd.FORWARD_OVERLAP_CHUNKS, tpd.MIN_OVERLAP_CHUNK_ROWS
-    tpd.MIN_OVERLAP_CHUNK_ROWS = 1  # (the test's GEMMs have 16 to 32 rows)
-    for chunks in OVERLAP_CHUNKS:
-        tpd.FORWARD_OVERLAP_CHUNKS = chunks
-        for name in OVERLAP_CASES:
-            key = f"{name}@{chunks}"
-            try:
-                _compare_case(name, rank, local, key, OVERLAP_RECIPES)
-            except Exception:
-                local[f"{key}/exception"] = traceback.format_exc()
-    tpd.FORWARD_OVERLAP_CHUNKS, tpd.MIN_OVERLAP_CHUNK_ROWS = saved
     local["errors"] = _errors_in_group(rank)
     return local
 
@@ -404,51 +347,6 @@ def test_dgrad_sums_overlap_the_wgrad_gemm_inside_fp8_autocast(tp_results, name)
     for label in FP8_LABELS:
         assert tp_results[f"{name}/started_async/{label}"] == DGRAD_SUMS[name], label
     assert tp_results[f"{name}/started_async/hp"] == []
-
-
-OVERLAP_KEYS = [f"{name}@{chunks}" for chunks in OVERLAP_CHUNKS for name in OVERLAP_CASES]
-
-
-@pytest.mark.parametrize("key", OVERLAP_KEYS)
-def test_overlapped_forward_matches_single_process(tp_results, key):
-    """Row chunks of the row-parallel GEMMs, each summed by its own collective: the same tolerances as unchunked."""
-    for check, err in _case_results(tp_results, key, "hp").items():
-        tol = (HP_TOL_ATTENTION if "transformer" in key else HP_TOL)[DEVICE]
-        assert err < tol, f"{check}: relative error {err:.2e}"
-    for label in FP8_LABELS:
-        for check, err in _case_results(tp_results, key, label).items():
-            assert err < 5e-3, f"{check}: relative error {err:.2e}"
-        assert tp_results[f"{key}/scales_vs_single/{label}"] < 1e-6
-        assert tp_results[f"{key}/fp8_vs_hp/{label}"] > 1e-3
-
-
-@pytest.mark.parametrize("key", list(OVERLAP_CASES) + OVERLAP_KEYS)
-def test_forward_output_collectives_start_async_per_row_chunk(tp_results, key):
-    """Inside fp8_autocast each row-parallel GEMM's output is summed by one collective per row chunk (one without
-    chunking: the tests' GEMMs are below MIN_OVERLAP_CHUNK_ROWS), started async; outside it none is async."""
-    name, _, chunks = key.partition("@")
-    gemms, collective = OVERLAP_CASES[name]
-    for label in FP8_LABELS:
-        expected = [collective] * (gemms * int(chunks or 1))
-        assert tp_results[f"{key}/forward_async/{label}"] == expected, label
-    assert tp_results[f"{key}/forward_async/hp"] == []
-
-
-@pytest.mark.parametrize("check", ["in_place", "sum", "grad", "view_untouched", "saved_raises"])
-def test_reduce_from_tensor_parallel_region_sums_in_place(tp_results, check):
-    assert tp_results["reduce_from_tp"][check] is True
-
-
-def test_overlap_chunks_keep_min_rows_per_gemm(monkeypatch):
-    monkeypatch.setattr(tpd, "MIN_OVERLAP_CHUNK_ROWS", 2048)
-    monkeypatch.setattr(tpd, "FORWARD_OVERLAP_CHUNKS", 4)
-    assert [row_parallel.overlap_chunks(m) for m in (8192, 6144, 4096, 4095, 2047)] == [4, 3, 2, 1, 1]
-    monkeypatch.setattr(tpd, "FORWARD_OVERLAP_CHUNKS", 1)
-    assert row_parallel.overlap_chunks(1 << 20) == 1
-
-
-def test_row_parallel_sequence_rows_must_split_across_ranks(tp_results):
-    assert tp_results["errors"]["inp_sequence_rows"].startswith("inp:"), tp_results["errors"]["inp_sequence_rows"]
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith(HAS_NORM)])

@@ -6,9 +6,7 @@ its input columns ([out, in/tp]; its input is split along the last dim and the p
 Sequence parallelism (SP) splits the activations between those GEMMs along dim 0 (the sequence of "sbhd", or the
 tokens of a [tokens, hidden] input): norms, residual adds and dropout run on this rank's block; the column-parallel
 module all-gathers its (normalised) input right before its GEMM, in FP8 inside fp8_autocast (all_gather_fp8; see
-module/_column_parallel.py), and the row-parallel output is reduce-scattered. Inside fp8_autocast the row-parallel
-output's all-reduce / reduce-scatter runs in row chunks overlapping the GEMM (FORWARD_OVERLAP_CHUNKS below,
-module/_row_parallel.py), and the column-parallel input's dgrad sum overlaps the wgrad GEMM.
+module/_column_parallel.py), and the row-parallel output is reduce-scattered.
 `group=None` everywhere means the default group.
 """
 import contextlib
@@ -17,11 +15,6 @@ import torch
 import torch.distributed as dist
 
 PARALLEL_MODES = (None, "column", "row")
-# Forward overlap of the row-parallel FP8 GEMMs' output collectives (module/_row_parallel.py): the GEMM runs in this
-# many row chunks, each chunk's all-reduce / reduce-scatter overlapping the next chunks' GEMMs (1: off), fewer where
-# a chunk's GEMM would have fewer than MIN_OVERLAP_CHUNK_ROWS rows (small GEMMs lose FP8 throughput). Read per call.
-FORWARD_OVERLAP_CHUNKS = 2
-MIN_OVERLAP_CHUNK_ROWS = 2048
 MODEL_PARALLEL_RNG = "model-parallel-rng"  # the RNG tracker's state for dropout on split tensors
 
 
@@ -89,15 +82,14 @@ def start_all_reduce(x, group=None):
     return Pending(x, dist.all_reduce(x, group=group, async_op=True))
 
 
-def start_reduce_scatter_first_dim(x, group=None, out=None):
-    """Start reduce_scatter_first_dim(x): a Pending. out: a contiguous [x.shape[0] / size, ...] tensor to write the
-    result into (default: a new one)."""
+def start_reduce_scatter_first_dim(x, group=None):
+    """Start reduce_scatter_first_dim(x): a Pending."""
     size = group_size(group)
     if size == 1:
-        return Pending(x if out is None else out.copy_(x), None)
+        return Pending(x, None)
     _check_divisible(x, size)
     x = x.contiguous()
-    out = x.new_empty((x.shape[0] // size, *x.shape[1:])) if out is None else out
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     return Pending(out, dist.reduce_scatter_tensor(out, x, group=group, async_op=True))
 
 
@@ -148,29 +140,8 @@ def _boundary(name, forward_op, backward_op, doc):
 
 _CopyToTP = _boundary("_CopyToTP", _identity, all_reduce,
                       "Forward identity, backward all-reduce: a replicated tensor (or parameter) used by every TP rank.")
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """Forward all-reduce (the sum of the row-parallel partial outputs), backward identity. The sum is taken in place
-    on x (Megatron's convention: x is the caller's partial output, not used afterwards) when it is contiguous, no
-    view and no leaf that requires grad (marked dirty: autograd raises if an op saved x for its backward), else on
-    a copy."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        if group_size(group) == 1:
-            return x.view_as(x)
-        if not x.is_contiguous() or x._is_view() or (x.is_leaf and x.requires_grad):
-            return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
-        dist.all_reduce(x, group=group)
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
+_ReduceFromTP = _boundary("_ReduceFromTP", lambda x, group: all_reduce(x.clone(), group), _identity,
+                          "Forward all-reduce (the sum of the row-parallel partial outputs), backward identity.")
 _GatherFromSP = _boundary("_GatherFromSP", all_gather_first_dim, reduce_scatter_first_dim,
                           "Forward all-gather along dim 0, backward reduce-scatter (the gradients are partial sums).")
 _ReduceScatterToSP = _boundary("_ReduceScatterToSP", reduce_scatter_first_dim, all_gather_first_dim,

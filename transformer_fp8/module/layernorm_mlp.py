@@ -12,8 +12,8 @@ from .. import autocast
 from ..distributed import TensorParallel, gather_from_sequence_parallel_region
 from ..ops import activation_high_precision, tfp8
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
-from ._column_parallel import check_sequence_block, dgrad_collective, gather_norm, gathers_input, start_dgrad_sum
-from ._row_parallel import output_grad, summed_gemm
+from ._column_parallel import (check_sequence_block, dgrad_collective, gather_norm, gathered_shape, gathers_input,
+                               start_dgrad_sum)
 from .base import (FP8ModuleBase, cast_transpose, check_choice, check_input, check_positive, fp8_output_args,
                    pack_outputs)
 from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
@@ -57,10 +57,9 @@ def _dact_to_fp8(module, d_act, fc1_out, with_dbias):
 
 class _FP8LayerNormMLP(torch.autograd.Function):
     """Saves x, mean/rstd, fc1_out (high precision, for the activation backward) and the FP8 transposes. Sequence
-    parallel: x, mean/rstd are this rank's block, norm(x) is all-gathered in FP8. Tensor parallel: the FC2 output
-    is summed over the TP ranks (all-reduce, or SP reduce-scatter to the input's block) while the FC2 GEMM's later
-    row chunks run (see _row_parallel.py); the gradient of norm(x) is summed over the TP ranks while the FC1 wgrad
-    GEMM runs, before the norm backward (see _column_parallel.py)."""
+    parallel: x, mean/rstd are this rank's block, norm(x) is all-gathered in FP8. Tensor parallel: the gradient of
+    norm(x) is summed over the TP ranks (all-reduce, or SP reduce-scatter) while the FC1 wgrad GEMM runs, before the
+    norm backward (see _column_parallel.py)."""
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, training,
@@ -70,8 +69,9 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         need_dgrad, need_fc1_wgrad, need_fc2_wgrad = any(needs[:3]), needs[3], needs[5]
         need_fc2_dgrad = any(needs[:5])
         x = inp.reshape(-1, inp.shape[-1])
-        dtype = inp.dtype
+        dtype, out_shape = inp.dtype, inp.shape
         if gathers_input(module):
+            out_shape = gathered_shape(inp.shape, module)
             lnq, lnqt, lnsinv, mean, rstd = gather_norm(module, x, need_fc1_wgrad)
             ln_out = None
         else:
@@ -81,10 +81,7 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         fc1_out = fp8_gemm_bias(lnq, lnsinv, w1q, w1sinv, dtype, fc1_bias)
         aq, aqt, asinv = _activation_to_fp8(module, fc1_out, need_fc2_wgrad)
         w2q, w2qt, w2sinv = module._fp8_weight("fc2_weight", fc2_weight, 3, need_fc2_dgrad, is_first_microbatch)
-        if module.tp is None:
-            out = fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, fc2_bias)
-        else:  # (fc2_bias is None: added after the sum)
-            out = summed_gemm(module, aq, asinv, w2q, w2sinv, dtype)
+        out = fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, fc2_bias)
         if training:
             ctx.save_for_backward(x, mean, rstd, ln_weight)
             # The big intermediates sit outside save_for_backward so that the backward can drop each one right
@@ -94,7 +91,7 @@ class _FP8LayerNormMLP(torch.autograd.Function):
             ctx.weights = (fc1_weight, fc2_weight)  # for main_grad, dtypes and the backward's Wᵀ casts
             ctx.module, ctx.fp8_state = module, (autocast.STATE.recipe, autocast.STATE.group)
             ctx.needs, ctx.inp_shape = needs, inp.shape
-        out = out.view(*inp.shape[:-1], out.shape[-1])
+        out = out.view(*out_shape[:-1], out.shape[-1])
         return out, (ln_out.view(inp.shape) if ln_out is not None else inp.new_empty(0))
 
     @staticmethod
@@ -111,8 +108,6 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         need_dgrad, need_fc2_dgrad = any(needs[:3]), any(needs[:5])
         dw1 = dbias1 = dw2 = dbias2 = d_ln = None
         if grad is not None:
-            if module.tp is not None:
-                grad = output_grad(module, grad)
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
             dq, dqt, dsinv, dbias2 = cast_grad_output(dy, module, 1, needs[6], need_fc2_dgrad, needs[5])
             register_backward(module, *ctx.fp8_state)
@@ -202,9 +197,8 @@ class LayerNormMLP(FP8ModuleBase):
 
     def _local_mlp(self, inp, fc2_bias, is_first_microbatch):
         """(fc2(act(fc1(norm(inp)))) with this rank's weights, norm output) in FP8 inside fp8_autocast. TP: the
-        output is summed over the ranks (all-reduced, or reduce-scattered to this rank's block: in the FP8 Function,
-        else by tp.row_output); with sequence_parallel inp is this rank's block and the norm output is all-gathered
-        before FC1."""
+        output is this rank's partial sum; with sequence_parallel inp is this rank's block and the norm output is
+        all-gathered before FC1."""
         inp = inp if inp.is_contiguous() else inp.contiguous()
         tp, gathers, state = self.tp, gathers_input(self), autocast.STATE
         ln_weight, ln_bias = self.layer_norm_weight, self.layer_norm_bias
@@ -219,17 +213,17 @@ class LayerNormMLP(FP8ModuleBase):
         ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps, self.zero_centered_gamma)
         fc1_in = gather_from_sequence_parallel_region(ln_out, self.tp.group) if gathers else ln_out
         act = ACTIVATIONS[self.activation](high_precision_linear(self, fc1_in, self.fc1_weight, self.fc1_bias))
-        out = high_precision_linear(self, act, self.fc2_weight, fc2_bias)
-        return (out if tp is None else tp.row_output(out)), ln_out
+        return high_precision_linear(self, act, self.fc2_weight, fc2_bias), ln_out
 
     def _parallel_forward(self, inp, is_first_microbatch):
-        """The local MLP summed over the TP ranks, then fc2_bias."""
+        """The local MLP (partial sums), all-reduce / reduce-scatter, then fc2_bias."""
         tp = self.tp
         if autocast.STATE.enabled:
             tp.check_amax_group(autocast.STATE.group)
         if tp.gathers_input:
             check_sequence_block(inp)
-        out, _ = self._local_mlp(inp, None, is_first_microbatch)
+        partial, _ = self._local_mlp(inp, None, is_first_microbatch)
+        out = tp.row_output(partial)
         bias = tp.replicated(self.fc2_bias) if tp.sequence_parallel else self.fc2_bias
         if self.return_bias:
             return out, bias

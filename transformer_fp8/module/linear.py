@@ -11,14 +11,12 @@ from ..distributed import TensorParallel
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_cast, gathered_shape, gathers_input,
                                input_grads)
 from ._gemm import cast_grad_output, fp8_gemm_bias, high_precision_linear, register_backward
-from ._row_parallel import check_sequence_rows, output_grad, summed_gemm, sums_output
 from .base import FP8ModuleBase, cast_transpose, check_input, check_positive
 
 
 class _FP8Linear(torch.autograd.Function):
     """inp [..., K] (contiguous), weight [N, K], bias [N] or None -> [..., N]. Saves only the FP8 xᵀ (+ scale_invs;
-    Wᵀ only when cached: the backward casts it, see FP8ModuleBase._fp8_weight). Row-parallel (bias None): the output is summed over the TP ranks here, its collective overlapping
-    the GEMM (see _row_parallel.py); [inp.shape[0] / tp, ..., N] with sequence_parallel."""
+    Wᵀ only when cached: the backward casts it, see FP8ModuleBase._fp8_weight)."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias, module, training, is_first_microbatch):
@@ -33,12 +31,7 @@ class _FP8Linear(torch.autograd.Function):
             xq, xqt, xsinv = cast_transpose(x, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
                                             transpose=need_wgrad)
         wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
-        if sums_output(module):
-            out = summed_gemm(module, xq, xsinv, wq, wsinv, inp.dtype)
-            if module.tp.sequence_parallel:  # this rank's block of dim 0
-                out_shape = (inp.shape[0] // module.tp.size, *inp.shape[1:])
-        else:
-            out = fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias)
+        out = fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias)
         if training:
             ctx.save_for_backward(xqt if need_wgrad else None, wqt)
             state = autocast.STATE
@@ -51,8 +44,6 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         xqt, wqt = ctx.saved_tensors
         module, weight, xsinv, wsinv, recipe, group, need_dgrad, need_wgrad, dx_dtype = ctx.info
-        if sums_output(module):
-            grad = output_grad(module, grad)
         dy = grad if grad.dim() == 2 and grad.is_contiguous() else grad.reshape(-1, grad.shape[-1]).contiguous()
         dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, ctx.needs_input_grad[2], need_dgrad, need_wgrad)
         register_backward(module, recipe, group)
@@ -82,8 +73,7 @@ class Linear(FP8ModuleBase):
     sequence_parallel: this rank's dim-0 block, all-gathered: cast to FP8 on the block and gathered in FP8 inside
     fp8_autocast), output [..., out/tp]. parallel_mode="row": weight
     [out, in/tp], bias [out] (full); input [..., in/tp], output [..., out] summed over ranks (with
-    sequence_parallel: reduce-scattered along dim 0; inside fp8_autocast in row chunks whose collectives overlap the
-    GEMM's later chunks: distributed.FORWARD_OVERLAP_CHUNKS), the bias added after the sum. The weight is created by
+    sequence_parallel: reduce-scattered along dim 0), the bias added after the sum. The weight is created by
     initialising the full [out, in] tensor and keeping this rank's part; load_state_dict takes full tensors (sliced
     by rank) or shards. parallel_mode=None: nothing is split."""
 
@@ -138,22 +128,11 @@ class Linear(FP8ModuleBase):
                 out = self._local_linear(tp.column_input(inp), bias, is_first_microbatch)
             return (out, self.bias) if self.return_bias else out
         check_input(inp, self.weight.shape[1])
-        out = self._row_parallel_linear(inp, is_first_microbatch)
+        out = tp.row_output(self._local_linear(inp, None, is_first_microbatch))
         bias = tp.replicated(self.bias) if tp.sequence_parallel else self.bias
         if self.return_bias:
             return out, bias
         return out if bias is None else out + bias
-
-    def _row_parallel_linear(self, inp, is_first_microbatch):
-        """Row-parallel, no bias: this rank's partial GEMM summed over the TP ranks, inside the FP8 GEMM's Function
-        (overlapped with the GEMM), else by tp.row_output after the local linear."""
-        state = autocast.STATE
-        if state.enabled and self._runs_fp8(inp):
-            check_sequence_rows(inp, self.tp)
-            self._fp8_begin(state)
-            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, None, self,
-                                    torch.is_grad_enabled(), is_first_microbatch)
-        return self.tp.row_output(self._local_linear(inp, None, is_first_microbatch))
 
     def _gathering_linear(self, inp, bias, is_first_microbatch):
         """Column-parallel with sequence_parallel: inp is this rank's dim-0 block, all-gathered in FP8 inside the FP8
