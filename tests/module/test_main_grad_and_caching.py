@@ -5,6 +5,7 @@ import torch
 import transformer_fp8 as te
 from tests.module.helpers import DEVICES, RECIPES, randomize_vectors
 from tests.utils import rel_error
+from transformer_fp8.module import base
 
 MODULES = {
     "Linear": lambda **kw: te.Linear(64, 32, **kw),
@@ -94,10 +95,13 @@ def test_first_microbatch_caches_the_fp8_weight(device, name, recipe_name, monke
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(MODULES))
 @pytest.mark.parametrize("recipe_name", ["delayed-HYBRID", "current-E4M3"])
-def test_backward_casts_the_weight_transpose_unless_cached(device, name, recipe_name, monkeypatch):
-    """Without a cache the forward keeps no Wᵀ: the backward casts it once per weight (with the forward's scale);
-    with is_first_microbatch=True the cached Wᵀ serves the backward. Under current scaling (the same scales in every
-    step) the input gradients agree (the cast of the weight with 1 / scale_inv may round a rare element apart)."""
+@pytest.mark.parametrize("min_recast", [0, 2 ** 22])
+def test_backward_casts_big_weight_transposes_unless_cached(device, name, recipe_name, min_recast, monkeypatch):
+    """Without a cache the forward keeps no Wᵀ of a weight with >= MIN_RECAST_WEIGHT_NUMEL elements: the backward
+    casts it once per weight (with the forward's scale); smaller weights keep the forward's Wᵀ, and with
+    is_first_microbatch=True the cached Wᵀ serves the backward. Under current scaling (the same scales in every step)
+    the input gradients agree (the cast of the weight with 1 / scale_inv may round a rare element apart)."""
+    monkeypatch.setattr(base, "MIN_RECAST_WEIGHT_NUMEL", min_recast)
     m = MODULES[name](params_dtype=torch.bfloat16, device=device)
     casts = count_weight_casts(monkeypatch, m)
     n_weights = len(weight_names(m))
@@ -109,7 +113,7 @@ def test_backward_casts_the_weight_transpose_unless_cached(device, name, recipe_
             out = m(inp, is_first_microbatch=first_microbatch)
         before = casts[0]
         out.float().square().sum().backward()
-        assert casts[0] - before == (0 if first_microbatch else n_weights)
+        assert casts[0] - before == (n_weights if first_microbatch is None and min_recast == 0 else 0)
         grads.append(inp.grad)
     if recipe_name.startswith("current"):
         assert rel_error(grads[1], grads[0]) < 1e-3
