@@ -9,9 +9,10 @@
 
 namespace tfp8 {
 
-// Shapes and numbers in error messages are formatted with std::to_string, never streamed: on the device image
-// (g++ 13.3), streaming integers into a TORCH_CHECK message crashed inside libstdc++'s ostream code that the
-// extension had instantiated, while messages of strings and dtypes raised cleanly.
+// Shapes and numbers in error messages are formatted with std::to_string, never streamed: built with the device
+// image's default compiler (/opt/gcc), streaming integers into a TORCH_CHECK message crashed inside a copy of
+// libstdc++'s ostream code in our library (tools/device_env.sh now builds with the system g++, which fixes it; the
+// rule stays so that messages never depend on the toolchain).
 inline std::string dims(at::IntArrayRef values) {
   std::string text = "(";
   for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
