@@ -19,8 +19,8 @@ log="$OUT/dist_check.log"
 
 source tools/device_env.sh > "$OUT/build.log" 2>&1
 # No attention family (cuDNN, a slow compile): the multi-GPU tests and benchmark run attention on PyTorch SDPA.
-TFP8_ONLY=quantize,gemm,norm,activation,scaling,rope \
-  python -m pip install --no-build-isolation --no-deps -e . >> "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+export TFP8_ONLY=quantize,gemm,norm,activation,scaling,rope
+python -m pip install --no-build-isolation --no-deps -e . >> "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s" | tee -a "$log"
 
 tests_rc=0

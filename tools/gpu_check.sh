@@ -10,7 +10,9 @@ export MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
 start=$(date +%s)
 source tools/device_env.sh > "$OUT/build.log" 2>&1
 { nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader; "${CXX:-g++}" --version | head -1;
-  python -c "import sysconfig as s; print('LDSHARED', s.get_config_var('LDSHARED'), '| LDCXXSHARED', s.get_config_var('LDCXXSHARED'))"; } | tee "$OUT/bench.log"
+  python -c "import sysconfig; print('LDSHARED:', sysconfig.get_config_var('LDSHARED'))"
+  python -c "import sysconfig; print('LDCXXSHARED:', sysconfig.get_config_var('LDCXXSHARED'))"
+} | tee "$OUT/bench.log"
 python -m pip install --no-build-isolation --no-deps -e . >> "$OUT/build.log" 2>&1 || { tail -80 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 timeout ${TEST_TIMEOUT:-400} python -m pytest -q -rs "${@:-tests}" > "$OUT/tests.log" 2>&1

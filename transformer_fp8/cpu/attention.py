@@ -35,6 +35,17 @@ def _check_like(t, q, arg):
         raise TypeError(f"{arg}: expected {q.dtype} (as q), got {t.dtype}")
 
 
+def _check_stats(stats, q, shape):
+    """The forward's softmax statistics: float32, contiguous, of shape [b, hq, sq, 1], on q's device."""
+    if stats.device != q.device:
+        raise ValueError(f"stats: expected a tensor on {q.device}, got one on {stats.device}")
+    if stats.dtype != torch.float32:
+        raise TypeError(f"stats: expected a float32 tensor, got {stats.dtype}")
+    if tuple(stats.shape) != shape or not stats.is_contiguous():
+        raise ValueError(f"stats: expected a contiguous tensor of shape {shape}, got {tuple(stats.shape)} "
+                         f"strides {stats.stride()}")
+
+
 def _check_inputs(q, k, v, dropout_p, seqlens_q, seqlens_kv, rng_state, dtypes=DTYPES):
     """The CUDA binding's checks (q's dtype in dtypes); -> (b, hq, hkv, sq, skv, d_v)."""
     if q.dtype not in dtypes:
@@ -142,13 +153,7 @@ def fused_attn_bwd(grad_out, q, k, v, out, stats, dq, dk, dv, scale, causal=Fals
         _check_like(t, q, arg)
         if tuple(t.shape) != (b, hq, sq, d_v):
             raise ValueError(f"{arg}: expected shape {(b, hq, sq, d_v)}, got {tuple(t.shape)}")
-    if stats.device != q.device:
-        raise ValueError(f"stats: expected a tensor on {q.device}, got one on {stats.device}")
-    if stats.dtype != torch.float32:
-        raise TypeError(f"stats: expected a float32 tensor, got {stats.dtype}")
-    if tuple(stats.shape) != (b, hq, sq, 1) or not stats.is_contiguous():
-        raise ValueError(f"stats: expected a contiguous tensor of shape {(b, hq, sq, 1)}, got {tuple(stats.shape)} "
-                         f"strides {stats.stride()}")
+    _check_stats(stats, q, (b, hq, sq, 1))
     for grad, like, arg in ((dq, q, "dq"), (dk, k, "dk"), (dv, v, "dv")):
         _check_4d(grad, arg, "(the shape of its input)")
         _check_like(grad, q, arg)

@@ -7,8 +7,8 @@ dtype) before P v and P-transposed dO, and dS (with scale_dp, to grad_out's dtyp
 import torch
 
 from ._common import FP8_MAX, accumulate_amax, check_scalar_f32, register, saturating_cast
-from .attention import _allowed, _check_4d, _check_inputs, _check_like, _expand_heads, _probabilities, \
-    dense_in_order_of
+from .attention import _allowed, _check_4d, _check_inputs, _check_like, _check_stats, _expand_heads, \
+    _probabilities, dense_in_order_of
 
 FP8_DTYPES = tuple(FP8_MAX)
 
@@ -69,13 +69,7 @@ def fused_attn_fp8_bwd(grad_out, q, k, v, out, stats, descale_q, descale_k, desc
     for t, arg in ((out, "out"), (grad_out, "grad_out")):
         if tuple(t.shape) != (b, hq, sq, d_v):
             raise ValueError(f"{arg}: expected shape {(b, hq, sq, d_v)}, got {tuple(t.shape)}")
-    if stats.device != q.device:
-        raise ValueError(f"stats: expected a tensor on {q.device}, got one on {stats.device}")
-    if stats.dtype != torch.float32:
-        raise TypeError(f"stats: expected a float32 tensor, got {stats.dtype}")
-    if tuple(stats.shape) != (b, hq, sq, 1) or not stats.is_contiguous():
-        raise ValueError(f"stats: expected a contiguous tensor of shape {(b, hq, sq, 1)}, got {tuple(stats.shape)} "
-                         f"strides {stats.stride()}")
+    _check_stats(stats, q, (b, hq, sq, 1))
     dq_, dk_, dv_, do_, ddo, s_s, ds_s, s_dp, ds_dp, s_dq, s_dk, s_dv = _scalars(
         q, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v, descale_o=descale_o, descale_do=descale_do,
         scale_s=scale_s, descale_s=descale_s, scale_dp=scale_dp, descale_dp=descale_dp, scale_dq=scale_dq,
