@@ -116,16 +116,50 @@ def test_amaxes_are_max_reduced_over_the_group_in_one_collective(monkeypatch, re
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
     modules, group = three_modules(), object()
-    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(reduce_amax=reduce_amax), fp8_group=group):
-        y = with_amax((8, 32), 1.0)
-        for m in modules:
-            y = m(y)
+    for step in range(2):  # (the first step calibrates its scales, with one reduction per cast: see the next test)
+        collectives.clear()
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(reduce_amax=reduce_amax), fp8_group=group):
+            y = with_amax((8, 32), 1.0)
+            for m in modules:
+                y = m(y)
     if reduce_amax:
         assert collectives == [(2 + 2 + 4, dist.ReduceOp.MAX, group)]
         for m in modules:
             torch.testing.assert_close(m.fp8_fwd.scale, torch.full_like(m.fp8_fwd.scale, E4M3_MAX / 10))
     else:
         assert collectives == [] and modules[0].fp8_fwd.scale[0] == E4M3_MAX
+
+
+@pytest.mark.parametrize("reduce_amax", [True, False])
+def test_first_step_calibrates_scales_from_its_tensors(monkeypatch, reduce_amax):
+    """Before a state's first update each delayed-scaling cast takes its scale from its tensor's amax (MAX-reduced
+    over the group when the recipe reduces amaxes), not the initial 1; the update then proceeds as usual."""
+    dist, collectives = torch.distributed, []
+
+    def fake_all_reduce(t, op, group):  # another rank saw an amax of 10 everywhere
+        collectives.append((t.numel(), op, group))
+        torch.maximum(t, torch.full_like(t, 10.0), out=t)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    m, group = te.Linear(32, 16, bias=False, params_dtype=torch.float32, device="cpu", fp8_min_gemm_size=0), object()
+    x, scales_seen, cast = with_amax((8, 32), 1.0), [], te.ops.tfp8.cast_transpose
+
+    def spy(inp, scale, *args, **kwargs):
+        scales_seen.append(scale.item())
+        return cast(inp, scale, *args, **kwargs)
+
+    monkeypatch.setattr(te.ops.tfp8, "cast_transpose", spy)
+    assert m.fp8_fwd is None  # (made by the first FP8 call, uncalibrated)
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(reduce_amax=reduce_amax), fp8_group=group):
+        m(x)
+    expected_x = E4M3_MAX / (10.0 if reduce_amax else 1.0)
+    expected_w = E4M3_MAX / 10.0 if reduce_amax else E4M3_MAX / m.weight.detach().abs().max().item()
+    assert scales_seen == pytest.approx([expected_x, expected_w], rel=1e-6)
+    per_cast = [(1, dist.ReduceOp.MAX, group)] * 2
+    assert collectives == (per_cast + [(2, dist.ReduceOp.MAX, group)] if reduce_amax else [])
+    assert m.fp8_fwd.calibrated and not m.fp8_bwd.calibrated
 
 
 def test_fp8_autocast_works_as_a_decorator_and_restores_on_error():

@@ -130,7 +130,7 @@ class _UpdatePlan:
 _plans = {True: None, False: None}  # the last plan of forward and of backward updates
 
 
-def _distributed_initialized():
+def distributed_initialized():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
@@ -145,8 +145,8 @@ def update_scaling_states(entries, forward):
     if plan is None or plan.key != entries:
         plan = _plans[forward] = _UpdatePlan(entries, forward)
     for state in plan.states:
-        state.pending = False
-    if plan.reductions and _distributed_initialized():
+        state.pending, state.calibrated = False, True
+    if plan.reductions and distributed_initialized():
         for group, states in plan.reductions:
             _all_reduce_amax(states, group)
     for states, args in plan.updates:

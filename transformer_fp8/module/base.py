@@ -38,15 +38,21 @@ MIN_RECAST_WEIGHT_NUMEL = 2 ** 22
 class ScalingState:
     """One set of FP8 slots, with one-element views of every slot made once (rebuilt when the tensors move).
     amax_group: a process group (the module's TP group under current scaling) over which each current-scaling amax
-    is MAX-reduced before its scale is computed, or None."""
+    is MAX-reduced before its scale is computed, or None.
+    calibrated: False until the state's first update (delayed scaling). Until then a cast takes its slot's scale from
+    the tensor's own amax (calibrate_scale) instead of the initial scale 1, under which gradients (~1e-4 and below)
+    would flush to zero in E4M3. calibration_group: (group,) to MAX-reduce those amaxes over, as the update does
+    (the autocast's fp8_group when the recipe reduces amaxes; (None,) = the default group), or None."""
 
     amax_group = None
+    calibration_group = None
 
     def __init__(self, n, history_len, device):
         self.amax_history = torch.zeros(history_len, n, dtype=torch.float32, device=device)
         self.scale = torch.ones(n, dtype=torch.float32, device=device)
         self.scale_inv = torch.ones(n, dtype=torch.float32, device=device)
         self.pending = False  # queued for the next update (see autocast.py)
+        self.calibrated = False
         self._make_views()
 
     def _make_views(self):
@@ -78,6 +84,7 @@ class ScalingState:
             state[k].detach().to(device=device, dtype=torch.float32, copy=True)
             for k in ("amax_history", "scale", "scale_inv"))
         self.pending = False
+        self.calibrated = True
         self._make_views()
         return self
 
@@ -91,13 +98,27 @@ class ScalingState:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_group)
         tfp8.delayed_scaling_update([amax], [self.scales[i]], [self.scale_inv_slots[i]], fp8_max, 0.0, "most_recent")
 
+    def calibrate_scale(self, x, i, fp8_max):
+        """Delayed scaling before the first update: slot i's scale = fp8_max / amax(x) (amax MAX-reduced over
+        calibration_group; a zero or non-finite amax keeps the scale). The amax stays in history row 0, where the
+        cast accumulates it again and the update reads it."""
+        amax = self.amaxes[i]
+        tfp8.compute_amax(x, amax)
+        if self.calibration_group is not None:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.calibration_group[0])
+        usable = torch.isfinite(amax) & (amax > 0)
+        self.scales[i].copy_(torch.where(usable, fp8_max / amax, self.scales[i]))
+
 
 def cast_transpose(x, state, i, fp8_dtype, current, rowwise=True, transpose=True):
     """x [M, N] -> (q [M, N] or empty, qT [N, M] or empty, scale_inv [1]) with slot i of `state`.
-    Delayed scaling: the cast writes scale_inv into the slot's snapshot state.scale_invs[i]. Current scaling sets the
-    slot's scale from amax(x) first and the cast writes a fresh scale_inv (the slot's next cast may come before the
-    backward that reads this one)."""
+    Delayed scaling: the cast writes scale_inv into the slot's snapshot state.scale_invs[i] (before the state's first
+    update, with the scale calibrated from x: see ScalingState). Current scaling sets the slot's scale from amax(x)
+    first and the cast writes a fresh scale_inv (the slot's next cast may come before the backward that reads this
+    one)."""
     if not current:
+        if not state.calibrated:
+            state.calibrate_scale(x, i, FP8_MAX[fp8_dtype])
         scale_inv = state.scale_invs[i]
         q, qt = tfp8.cast_transpose(x, state.scales[i], fp8_dtype, rowwise, transpose, state.amaxes[i], scale_inv)
         return q, qt, scale_inv
@@ -204,6 +225,9 @@ class FP8ModuleBase(nn.Module):
         if not self.fp8_current:
             if not self.fp8_fwd.pending:
                 autocast.register_forward(self.fp8_fwd, recipe, state.group)
+            if not self.fp8_bwd.calibrated:  # (the forward state calibrates in this step too, or has already)
+                reduces = recipe.reduce_amax and autocast.distributed_initialized()
+                self.fp8_fwd.calibration_group = self.fp8_bwd.calibration_group = (state.group,) if reduces else None
             if torch.compiler.is_compiling():  # (for the compiled backward: see _compiled_backward.py)
                 file_backward_state(self.fp8_bwd, recipe, state.group)
         return recipe

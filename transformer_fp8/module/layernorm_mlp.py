@@ -29,9 +29,10 @@ ACTIVATIONS = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, 
 
 def _activation_to_fp8(module, fc1_out, need_transpose):
     """act(fc1_out [M, F1]) into FP8 forward slot 2: (q [M, F], qT [F, M] or None, scale_inv [1])."""
-    if module.fp8_current:
+    if module.fp8_current or not module.fp8_fwd.calibrated:  # (unfused: the cast's scale comes from act)
         act = activation_high_precision(fc1_out, module.activation)
-        q, qt, scale_inv = cast_transpose(act, module.fp8_fwd, 2, module.fwd_dtype, True, transpose=need_transpose)
+        q, qt, scale_inv = cast_transpose(act, module.fp8_fwd, 2, module.fwd_dtype, module.fp8_current,
+                                          transpose=need_transpose)
         return q, (qt if need_transpose else None), scale_inv
     fp8_args = fp8_output_args(module.fp8_fwd, 2, module.fwd_dtype)
     q = tfp8.activation_fwd(fc1_out, module.activation, *fp8_args)
@@ -46,7 +47,7 @@ def _take(stash, key):
 
 def _dact_to_fp8(module, d_act, fc1_out, with_dbias):
     """d(fc1_out) = act'(fc1_out) * d_act into FP8 backward slot 0: (q, qT, scale_inv, dbias or None)."""
-    if module.fp8_current:
+    if module.fp8_current or not module.fp8_bwd.calibrated:  # (unfused: the cast's scale comes from d_fc1)
         d_fc1 = tfp8.activation_bwd(d_act, fc1_out, module.activation)
         return cast_grad_output(d_fc1, module, 0, with_dbias, True, True)
     scale, fp8_dtype, amax, scale_inv = fp8_output_args(module.fp8_bwd, 0, module.bwd_dtype)

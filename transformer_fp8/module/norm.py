@@ -100,10 +100,11 @@ class RMSNorm(_Norm):
 def norm_to_fp8(module, x, need_transpose, keep_high_precision):
     """Normalise x [M, K] into FP8 forward slot 0 of `module`: (q [M, K], qT [K, M] or None, scale_inv [1],
     high-precision output or None, mean or None, rstd). Delayed scaling: the norm kernel emits FP8 directly;
-    current scaling (or when the high-precision output is wanted): norm, then one cast(-transpose)."""
+    current scaling, the calibrating first step or when the high-precision output is wanted: norm, then one
+    cast(-transpose)."""
     args = (module.normalization, x, module.layer_norm_weight, module.layer_norm_bias, module.eps,
             module.zero_centered_gamma)
-    if module.fp8_current or keep_high_precision:
+    if module.fp8_current or keep_high_precision or not module.fp8_fwd.calibrated:
         out, mean, rstd = norm_fwd(*args)
         q, qt, scale_inv = cast_transpose(out, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
                                           transpose=need_transpose)
