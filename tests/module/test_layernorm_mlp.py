@@ -45,21 +45,25 @@ def test_parameter_shapes_and_return_values(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_backward_frees_ffn_sized_tensors_after_their_last_use(device, monkeypatch):
-    """The [tokens, ffn] tensors (fc1 output, its gradient) are gone before the FC1 GEMMs run (peak memory); a second
-    backward through the same forward is a clear error."""
+    """The FP8 activation (FC2's wgrad input) is gone before the activation backward, and the [tokens, ffn] tensors
+    of that (fc1 output, its gradient) before the FC1 GEMMs run (peak memory); a second backward through the same
+    forward is a clear error."""
     import weakref
 
     from transformer_fp8.module import layernorm_mlp
-    seen, alive_at_gemm = [], []
+    seen, alive_at_gemm, wgrad_inputs, alive_at_dact = [], [], [], []
     dact, gemm_grads = layernorm_mlp._dact_to_fp8, layernorm_mlp.gemm_grads
 
     def recording_dact(module, d_act, fc1_out, with_dbias):
+        alive_at_dact.append([ref() is not None for ref in wgrad_inputs])
         seen.extend(weakref.ref(t) for t in (d_act, fc1_out))
         return dact(module, d_act, fc1_out, with_dbias)
 
-    def checking_gemm_grads(*args):
+    def checking_gemm_grads(module, weight, dy_fp8, w_t, x_t, *args):
         alive_at_gemm.append([ref() is not None for ref in seen])
-        return gemm_grads(*args)
+        if x_t is not None:
+            wgrad_inputs.append(weakref.ref(x_t[0]))
+        return gemm_grads(module, weight, dy_fp8, w_t, x_t, *args)
 
     monkeypatch.setattr(layernorm_mlp, "_dact_to_fp8", recording_dact)
     monkeypatch.setattr(layernorm_mlp, "gemm_grads", checking_gemm_grads)
@@ -68,7 +72,8 @@ def test_backward_frees_ffn_sized_tensors_after_their_last_use(device, monkeypat
     with te.fp8_autocast():
         y = mlp(x)
     y.backward(torch.randn_like(y), retain_graph=True)
-    # calls: FC2 dgrad (before the activation backward), FC2 wgrad, FC1 dgrad, FC1 wgrad
-    assert alive_at_gemm == [[], [False, False], [False, False], [False, False]]
+    # calls: FC2 wgrad and FC2 dgrad (before the activation backward), FC1 dgrad, FC1 wgrad
+    assert alive_at_gemm == [[], [], [False, False], [False, False]]
+    assert alive_at_dact == [[False]]
     with pytest.raises(RuntimeError, match="retain_graph"):
         y.backward(torch.randn_like(y))

@@ -97,8 +97,9 @@ class _FP8LayerNormMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, grad_ln_out):
-        """FC2 dgrad, activation backward, FC2 wgrad, FC1 dgrad, FC1 wgrad, norm backward: in this order, each
-        stashed tensor dropped after its last use, so the peak holds at most one of the [tokens, ffn] gradients."""
+        """FC2 wgrad, FC2 dgrad, activation backward, FC1 dgrad, FC1 wgrad, norm backward: in this order, each
+        stashed tensor dropped after its last use, so that the peak (the activation backward: fc1_out, its gradient
+        and their FP8 copies) holds no other [tokens, ffn] tensor (the FP8 activation goes with the FC2 wgrad)."""
         x, mean, rstd, ln_weight = ctx.saved_tensors
         if ctx.stash is None:
             raise RuntimeError("LayerNormMLP: backward ran twice through one forward (retain_graph is not supported)")
@@ -112,18 +113,17 @@ class _FP8LayerNormMLP(torch.autograd.Function):
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
             dq, dqt, dsinv, dbias2 = cast_grad_output(dy, module, 1, needs[6], need_fc2_dgrad, needs[5])
             register_backward(module, *ctx.fp8_state)
+            _, dw2 = gemm_grads(module, fc2_weight, (None, dqt, dsinv), None, (_take(stash, "aqt"), asinv), dtype,
+                                False, needs[5])
+            del dy, dqt
             w2t = module._fp8_weight_transpose(fc2_weight, _take(stash, "w2qt"), w2sinv) if need_fc2_dgrad else None
             d_act, _ = gemm_grads(module, fc2_weight, (dq, None, dsinv), (w2t, w2sinv), None, dtype, need_fc2_dgrad,
                                   False)
-            del w2t
-            del dy, dq
+            del dq, w2t
             d_fc1 = None
             if d_act is not None:
                 d_fc1 = _dact_to_fp8(module, d_act, _take(stash, "fc1_out"), needs[4])
                 del d_act
-            _, dw2 = gemm_grads(module, fc2_weight, (None, dqt, dsinv), None, (_take(stash, "aqt"), asinv), dtype,
-                                False, needs[5])
-            del dqt
             if d_fc1 is not None:
                 dq1, dqt1, dsinv1, dbias1 = d_fc1
                 del d_fc1
