@@ -104,17 +104,24 @@ def test_current_scaling_scales_each_cast_and_queues_nothing(monkeypatch):
     assert m.fp8_fwd.amax_history.eq(0).all() and m.fp8_bwd.amax_history.eq(0).all()
 
 
-@pytest.mark.parametrize("reduce_amax", [True, False])
-def test_amaxes_are_max_reduced_over_the_group_in_one_collective(monkeypatch, reduce_amax):
+def fake_two_ranks(monkeypatch):
+    """torch.distributed as seen by one of 2 ranks whose other rank saw an amax of 10 everywhere; returns the list
+    of (numel, op, group) of the all-reduces."""
     dist, collectives = torch.distributed, []
 
-    def fake_all_reduce(t, op, group):  # another rank saw an amax of 10 everywhere
+    def fake_all_reduce(t, op, group):
         collectives.append((t.numel(), op, group))
         torch.maximum(t, torch.full_like(t, 10.0), out=t)
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    return collectives
+
+
+@pytest.mark.parametrize("reduce_amax", [True, False])
+def test_amaxes_are_max_reduced_over_the_group_in_one_collective(monkeypatch, reduce_amax):
+    dist, collectives = torch.distributed, fake_two_ranks(monkeypatch)
     modules, group = three_modules(), object()
     for step in range(2):  # (the first step calibrates its scales, with one reduction per cast: see the next test)
         collectives.clear()
@@ -134,15 +141,7 @@ def test_amaxes_are_max_reduced_over_the_group_in_one_collective(monkeypatch, re
 def test_first_step_calibrates_scales_from_its_tensors(monkeypatch, reduce_amax):
     """Before a state's first update each delayed-scaling cast takes its scale from its tensor's amax (MAX-reduced
     over the group when the recipe reduces amaxes), not the initial 1; the update then proceeds as usual."""
-    dist, collectives = torch.distributed, []
-
-    def fake_all_reduce(t, op, group):  # another rank saw an amax of 10 everywhere
-        collectives.append((t.numel(), op, group))
-        torch.maximum(t, torch.full_like(t, 10.0), out=t)
-
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    dist, collectives = torch.distributed, fake_two_ranks(monkeypatch)
     m, group = te.Linear(32, 16, bias=False, params_dtype=torch.float32, device="cpu", fp8_min_gemm_size=0), object()
     x, scales_seen, cast = with_amax((8, 32), 1.0), [], te.ops.tfp8.cast_transpose
 
