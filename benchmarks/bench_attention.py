@@ -18,6 +18,7 @@ import torch
 from timing import gpu_time_ms
 from transformer_fp8 import DotProductAttention, fp8_autocast
 from transformer_fp8.recipe import DelayedScaling
+from transformer_fp8.module.attention_cudnn import cudnn_attention_built
 from transformer_fp8.module.qkv_split import split_qkv
 
 B, H, D = 2, 32, 128
@@ -52,6 +53,9 @@ def main():
     parser.add_argument("--json", default="bench_attention.json")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
+    if not cudnn_attention_built():
+        raise SystemExit("bench_attention.py: the extension was built without the attention family (cudnn-frontend "
+                         "headers): the cuDNN columns would time the PyTorch fallback")
     print(torch.cuda.get_device_name())
     print(f"{'s':>5} {'kv heads':>8} {'torch fwd':>10} {'cudnn fwd':>10} {'x':>5} {'torch f+b':>10} {'cudnn f+b':>10} "
           f"{'x':>5} {'cudnn fwd TFLOP/s':>18} {'fp8 fwd':>8} {'fp8 f+b':>8}   (ms)")

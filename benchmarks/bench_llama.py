@@ -33,6 +33,7 @@ import transformer_fp8 as te
 from transformer_fp8 import recipe
 from transformer_fp8.integrations import causal_lm_loss, convert_llama
 from transformer_fp8.module.attention import DotProductAttention
+from transformer_fp8.module.attention_cudnn import cudnn_attention_built
 
 LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, rms_norm_eps=1e-5,
@@ -193,6 +194,8 @@ def main():
         p.error(f"--variants: unknown {sorted(unknown)}; expected some of {VARIANTS}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_llama.py needs a CUDA GPU")
+    if "ours-fp8-cudnn" in variants and not cudnn_attention_built():
+        p.error("--variants ours-fp8-cudnn: the extension was built without the attention family (cudnn-frontend)")
 
     rows = []
     for variant in variants:
