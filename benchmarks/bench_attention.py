@@ -17,9 +17,9 @@ import torch
 
 from timing import gpu_time_ms
 from transformer_fp8 import DotProductAttention, fp8_autocast
-from transformer_fp8.recipe import DelayedScaling
 from transformer_fp8.module.attention_cudnn import cudnn_attention_built
 from transformer_fp8.module.qkv_split import split_qkv
+from transformer_fp8.recipe import DelayedScaling
 
 B, H, D = 2, 32, 128
 CASES = [(2048, 32), (2048, 8), (4096, 32), (4096, 8)]  # (s, kv heads)
