@@ -250,8 +250,35 @@ def _errors_in_group(rank):
     return out
 
 
+def _reduce_from_tp_checks(rank):
+    """reduce_from_tensor_parallel_region: in place on a fresh partial output (no copy), on a copy for a view, and
+    an error in backward when the partial was saved by another op: {check: bool}."""
+    group, out = dist.group.WORLD, {}
+    torch.manual_seed(0)  # (the same x on every rank)
+    x = torch.randn(4, 3, device=DEVICE, requires_grad=True)
+    partial = x * (rank + 1)
+    ptr = partial.data_ptr()
+    summed = tpd.reduce_from_tensor_parallel_region(partial, group)
+    summed.backward(torch.ones_like(summed))
+    out["in_place"] = summed.data_ptr() == ptr
+    out["sum"] = torch.allclose(summed, x.detach() * sum(r + 1 for r in range(WORLD)))
+    out["grad"] = torch.allclose(x.grad, torch.full_like(x, rank + 1.0))
+    base = torch.randn(4, 6, device=DEVICE) * (rank + 1)
+    view = base[:, :3]
+    kept = view.clone()
+    summed = tpd.reduce_from_tensor_parallel_region(view, group)
+    out["view_untouched"] = torch.equal(view, kept) and summed.data_ptr() != view.data_ptr()
+    saved = x.exp()  # (exp saves its output for the backward)
+    try:
+        tpd.reduce_from_tensor_parallel_region(saved, group).sum().backward()
+        out["saved_raises"] = False
+    except RuntimeError as err:
+        out["saved_raises"] = "inplace" in str(err)
+    return out
+
+
 def _worker(rank):
-    local = {}
+    local = {"reduce_from_tp": _reduce_from_tp_checks(rank)}
     for name in CASES:
         try:
             _compare_case(name, rank, local)
@@ -416,3 +443,8 @@ def test_model_parallel_rng_forks_only_when_active_and_added():
         assert torch.equal(forked, torch.rand(3))
     finally:
         tracker.set_states(saved)
+
+
+@pytest.mark.parametrize("check", ["in_place", "sum", "grad", "view_untouched", "saved_raises"])
+def test_reduce_from_tensor_parallel_region_sums_in_place(tp_results, check):
+    assert tp_results["reduce_from_tp"][check] is True

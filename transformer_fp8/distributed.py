@@ -140,8 +140,29 @@ def _boundary(name, forward_op, backward_op, doc):
 
 _CopyToTP = _boundary("_CopyToTP", _identity, all_reduce,
                       "Forward identity, backward all-reduce: a replicated tensor (or parameter) used by every TP rank.")
-_ReduceFromTP = _boundary("_ReduceFromTP", lambda x, group: all_reduce(x.clone(), group), _identity,
-                          "Forward all-reduce (the sum of the row-parallel partial outputs), backward identity.")
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Forward all-reduce (the sum of the row-parallel partial outputs), backward identity. The sum is taken in place
+    on x (x is the caller's partial output, used for nothing else: no copy of a [tokens, hidden] tensor) when it is
+    contiguous, not a view and not a leaf that requires grad (marked dirty: autograd raises if an op saved x for its
+    backward), else on a copy."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        if group_size(group) == 1:
+            return x.view_as(x)
+        if not x.is_contiguous() or x._is_view() or (x.is_leaf and x.requires_grad):
+            return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
+        all_reduce(x, group)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 _GatherFromSP = _boundary("_GatherFromSP", all_gather_first_dim, reduce_scatter_first_dim,
                           "Forward all-gather along dim 0, backward reduce-scatter (the gradients are partial sums).")
 _ReduceScatterToSP = _boundary("_ReduceScatterToSP", reduce_scatter_first_dim, all_gather_first_dim,
