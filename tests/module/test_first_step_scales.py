@@ -29,3 +29,20 @@ def test_first_step_gradients_of_small_magnitude(device, name, fp8_format):
     _, grads = fp8_steps(module, x, dy, recipe.DelayedScaling(fp8_format=fp8_format), steps=1)
     for key, want in ref.items():
         assert rel_error(grads[key], want) <= GRAD_TOL, key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_called_twice_in_its_first_step(device):
+    """Two calls of one module in one autocast on its first step, on inputs 100x apart: the second call calibrates a
+    smaller input scale, and the first call's saved FP8 input keeps the scale it was cast with (weight gradient
+    within FP8 tolerance of float64)."""
+    module = te.Linear(64, 48, bias=False, params_dtype=torch.float32, device=device, fp8_min_gemm_size=0)
+    x1, x2 = torch.randn(32, 64, device=device), 100 * torch.randn(32, 64, device=device)
+    dy1, dy2 = torch.randn(32, 48, device=device), torch.randn(32, 48, device=device)
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+        out1, out2 = module(x1), module(x2)
+    torch.autograd.backward([out1, out2], [dy1, dy2])
+    weight = module.weight.detach().double()
+    ref = dy1.double().t() @ x1.double() + dy2.double().t() @ x2.double()
+    assert rel_error(module.weight.grad, ref) <= GRAD_TOL
+    assert rel_error(out1, x1.double() @ weight.t()) <= 0.1

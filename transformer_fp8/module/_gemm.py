@@ -31,9 +31,7 @@ def cast_grad_output(dy, module, slot, with_dbias, rowwise, transpose):
     if not with_dbias:
         return (*cast_transpose(dy, state, slot, fp8_dtype, module.fp8_current, rowwise, transpose), None)
     if not module.fp8_current:
-        if not state.calibrated:
-            state.calibrate_scale(dy, slot, FP8_MAX[fp8_dtype])
-        scale_inv = state.scale_invs[slot]
+        scale_inv = state.scale_invs[slot] if state.calibrated else state.calibrate_scale(dy, slot, FP8_MAX[fp8_dtype])
         q, qt, dbias = tfp8.cast_transpose_dbias(dy, state.scales[slot], fp8_dtype, state.amaxes[slot], scale_inv)
         return q, qt, scale_inv, dbias
     scale_inv = torch.empty(1, dtype=torch.float32, device=dy.device)

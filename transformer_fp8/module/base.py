@@ -101,25 +101,25 @@ class ScalingState:
     def calibrate_scale(self, x, i, fp8_max):
         """Delayed scaling before the first update: slot i's scale = fp8_max / amax(x) (amax MAX-reduced over
         calibration_group; a zero or non-finite amax keeps the scale). The amax stays in history row 0, where the
-        cast accumulates it again and the update reads it."""
+        cast accumulates it again and the update reads it. Returns a fresh scale_inv [1] for the cast to write (not
+        the slot's snapshot: a later cast of the slot in the same step may calibrate another scale)."""
         amax = self.amaxes[i]
         tfp8.compute_amax(x, amax)
         if self.calibration_group is not None:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.calibration_group[0])
         usable = torch.isfinite(amax) & (amax > 0)
         self.scales[i].copy_(torch.where(usable, fp8_max / amax, self.scales[i]))
+        return torch.empty(1, dtype=torch.float32, device=x.device)
 
 
 def cast_transpose(x, state, i, fp8_dtype, current, rowwise=True, transpose=True):
     """x [M, N] -> (q [M, N] or empty, qT [N, M] or empty, scale_inv [1]) with slot i of `state`.
     Delayed scaling: the cast writes scale_inv into the slot's snapshot state.scale_invs[i] (before the state's first
-    update, with the scale calibrated from x: see ScalingState). Current scaling sets the slot's scale from amax(x)
+    update: the scale calibrated from x and a fresh scale_inv, see ScalingState.calibrate_scale). Current scaling sets the slot's scale from amax(x)
     first and the cast writes a fresh scale_inv (the slot's next cast may come before the backward that reads this
     one)."""
     if not current:
-        if not state.calibrated:
-            state.calibrate_scale(x, i, FP8_MAX[fp8_dtype])
-        scale_inv = state.scale_invs[i]
+        scale_inv = state.scale_invs[i] if state.calibrated else state.calibrate_scale(x, i, FP8_MAX[fp8_dtype])
         q, qt = tfp8.cast_transpose(x, state.scales[i], fp8_dtype, rowwise, transpose, state.amaxes[i], scale_inv)
         return q, qt, scale_inv
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
