@@ -34,7 +34,10 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
     args (or a tuple of dicts), tensors or constants. The sample tensors become the graphs' static inputs.
     num_warmup_iters (>= 1) eager forward+backward iterations on a side stream come first (they create the FP8 state
     and library handles); afterwards the FP8 states (and the CUDA RNG state) are put back as they were before, so
-    graphing does not change the numerics. allow_unused_input: as torch.autograd.grad's allow_unused.
+    graphing does not change the numerics: while a module's delayed-scaling state has never been updated, its calls
+    run eagerly (inside the graphs' fp8_autocast), so that its first step calibrates its scales from the real inputs
+    as an eager step does (the graphs hold the calibrated path). allow_unused_input: as torch.autograd.grad's
+    allow_unused.
     fp8_enabled, fp8_recipe (None: DelayedScaling()), fp8_group: the fp8_autocast the graphs are captured in.
     fp8_weight_caching=True (needs fp8_enabled): the graphed forward takes is_first_microbatch= (True or None: cast
     the weights and cache them; False: reuse the cache, falling back to a cast until the first cast); every callable
@@ -44,6 +47,8 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
     replays the graphs when grad mode is on, a module is in the training mode it was captured in, and the inputs match
     the samples (same structure, tensor shapes, dtypes, devices and requires_grad, equal constants); otherwise it runs
     the original forward (under the caller's own fp8_autocast, if any). Replays need no fp8_autocast around them.
+    With fp8_weight_caching, is_first_microbatch=False calls after an eager True call run eagerly too (they read the
+    eager cache) until a True call replays.
     As with torch.cuda.make_graphed_callables: outputs are the graphs' static buffers (overwritten by the next replay
     of the same graph) and a forward's backward must run before that callable's next forward. Gradients returned to
     autograd are fresh tensors, so .grad accumulation over calls is correct. After graphing, do not move the modules,
@@ -80,7 +85,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
 
     graphed = []
     for i, func in enumerate(callables):
-        replacement = _GraphedForward(func, {first: captures[first][i] for first in variants}, keep_alive)
+        replacement = _GraphedForward(func, {first: captures[first][i] for first in variants}, settings, keep_alive)
         if isinstance(func, nn.Module):
             func.forward = replacement
             graphed.append(func)
@@ -203,17 +208,19 @@ class _GraphedForward:
     """A graphed callable's forward: replays the graphs when it can (see make_graphed_callables), else runs the
     original forward."""
 
-    def __init__(self, func, captures, keep_alive):
+    def __init__(self, func, captures, settings, keep_alive):
         self.module = func if isinstance(func, nn.Module) else None
         self.training = self.module.training if self.module is not None else None
         self.original = func.forward if self.module is not None else func
         self.casting = captures.get(True, captures.get(None))
         self.reusing = captures.get(False)  # None without fp8_weight_caching
         self.cache_filled = False  # the casting graph has run: the reusing graph's cache holds FP8 weights
-        self.keep_alive = keep_alive
+        self.eager_cache = False  # the last cast of the weights ran eagerly: False calls read the module's own cache
+        self.settings, self.keep_alive = settings, keep_alive
+        self.uncalibrated = _uncalibrated_states(self.module)
 
     def __call__(self, *args, **kwargs):
-        capture = self.casting
+        capture, first = self.casting, None
         if self.reusing is not None:
             first = kwargs.pop("is_first_microbatch", None)
             if first is not None and not isinstance(first, bool):
@@ -223,12 +230,29 @@ class _GraphedForward:
         if torch.is_grad_enabled() and (self.module is None or self.module.training == self.training):
             leaves, spec = _flatten_inputs(args, kwargs)
             if capture.matches(leaves, spec):
+                if self._calibrating() or (first is False and self.eager_cache):
+                    return self._eager_step(args, kwargs, first)
                 self.cache_filled = self.cache_filled or capture is self.casting
+                self.eager_cache = self.eager_cache and capture is not self.casting
                 outputs = _Replay.apply(capture, *(leaves[i] for i in capture.tensor_positions), *capture.params)
                 return outputs[0] if capture.single_output else pytree.tree_unflatten(list(outputs), capture.out_spec)
         if self.reusing is not None:
             kwargs["is_first_microbatch"] = first
         return self.original(*args, **kwargs)
+
+    def _calibrating(self):
+        """Some delayed-scaling state of the module has not had its first update yet."""
+        if self.uncalibrated:
+            self.uncalibrated = [state for state in self.uncalibrated if not state.calibrated]
+        return bool(self.uncalibrated)
+
+    def _eager_step(self, args, kwargs, first):
+        """The original forward inside the graphs' fp8_autocast (the step an eager model would run)."""
+        if self.reusing is not None:
+            kwargs["is_first_microbatch"] = first
+            self.eager_cache = self.eager_cache or first is True
+        with autocast.fp8_autocast(*self.settings):
+            return self.original(*args, **kwargs)
 
 
 def _warm_up(captures, settings, iters, allow_unused):
@@ -262,24 +286,36 @@ def _scale_inv_snapshots(fp8_modules):
 
 
 def _copies_of_fp8_states(fp8_modules):
-    """{(id(module), name): (state, [amax_history, scale, scale_inv] copies)} of the states that exist now."""
-    return {(id(m), name): (state, [t.clone() for t in (state.amax_history, state.scale, state.scale_inv)])
+    """{(id(module), name): (state, [amax_history, scale, scale_inv] copies, calibrated)} of the states that exist
+    now."""
+    return {(id(m), name): (state, [t.clone() for t in (state.amax_history, state.scale, state.scale_inv)],
+                            state.calibrated)
             for m in fp8_modules for name, state in _states(m)}
 
 
 def _restore_fp8_states(fp8_modules, saved):
     """Put the FP8 states back as they were before the warm-up, in place (the graphs hold these tensors); states
-    created since then start fresh (zero history, unit scales)."""
+    created since then start fresh (zero history, unit scales, not calibrated)."""
     for m in fp8_modules:
         for name, state in _states(m):
             before = saved.get((id(m), name))
             if before is not None and before[0] is state:
                 for tensor, value in zip((state.amax_history, state.scale, state.scale_inv), before[1]):
                     tensor.copy_(value)
+                state.calibrated = before[2]
             else:
                 state.amax_history.zero_()
                 state.scale.fill_(1.0)
                 state.scale_inv.fill_(1.0)
+                state.calibrated = False
+
+
+def _uncalibrated_states(module):
+    """The delayed-scaling states of `module`'s FP8 modules that have not had their first update."""
+    if module is None:
+        return []
+    return [state for m in module.modules() if isinstance(m, FP8ModuleBase) and m.fp8_fwd is not None
+            and not m.fp8_current for _, state in _states(m) if not state.calibrated]
 
 
 def _checked_arguments(modules, sample_args, num_warmup_iters, allow_unused_input, fp8_enabled, fp8_recipe,
