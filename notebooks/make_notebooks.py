@@ -170,8 +170,8 @@ Measured on one H100 (4 micro-batches of the layer above, per optimizer step):
 | + wgrad fusion into `main_grad` | 24.89 (−6% against the hook) |
 
 Caching saves three of the four weight casts. Accumulating in FP32 costs time against BF16 `.grad`s (4-byte
-accumulator traffic); the fused GEMM epilogue costs 57% of what the separate adds cost (2.19 against 3.82 ms), and it keeps no BF16
-`.grad` at all."""),
+accumulator traffic); the fused GEMM epilogue costs 57% of what the separate adds cost (2.19 against 3.82 ms), and
+it keeps no BF16 `.grad` at all."""),
     new_code_cell('''micro_batches = 4
 
 
