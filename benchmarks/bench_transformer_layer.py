@@ -3,6 +3,9 @@ plain PyTorch BF16 (SDPA), eager and torch.compile; then attention alone, our Do
 (default choice and each fused backend). Prints tables and writes JSON (--json).
 
 Each step starts with the gradients set to None, as after optimizer.zero_grad() (no accumulation adds).
+Two times per layer step: "ms", each step alone (synchronised before it: the host's launch latency at the start of
+the step counts), and "ms b2b", steps back to back (10 between two CUDA events, as a training loop issues them: the
+host runs ahead while the GPU works).
 Configs (no mask, no dropout, sbhd): guide = hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4;
 gqa = the same with 8 GQA groups, kv_channels 128, seq 1024, batch 32, bias.
 """
@@ -15,7 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_fp8 as te
-from timing import gpu_time_ms, peak_gib
+from timing import gpu_time_ms, loop_time_ms, peak_gib
 from transformer_fp8 import recipe
 from transformer_fp8.module.attention import DotProductAttention
 from transformer_fp8.module.attention_cudnn import cudnn_attention_built
@@ -82,8 +85,9 @@ def layer_rows(name, c, compile_torch):
     rows = []
     for variant, step in variants:
         try:
-            ms, gib = gpu_time_ms(step), peak_gib(step)
-            rows.append(dict(config=name, variant=variant, ms=round(ms, 2), peak_gib=round(gib, 2)))
+            ms, b2b, gib = gpu_time_ms(step), loop_time_ms(step, warmup=3, iters=10, repeats=3), peak_gib(step)
+            rows.append(dict(config=name, variant=variant, ms=round(ms, 2), ms_b2b=round(b2b, 2),
+                             peak_gib=round(gib, 2)))
         except Exception as err:  # report and go on with the other variants
             rows.append(dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300]))
         print(rows[-1], flush=True)
@@ -156,7 +160,7 @@ def main():
         attention += attention_rows(name, CONFIGS[name])
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
-    print_table("TransformerLayer fwd+bwd", layers, ["config", "variant", "ms", "peak_gib"])
+    print_table("TransformerLayer fwd+bwd", layers, ["config", "variant", "ms", "ms_b2b", "peak_gib"])
     print_table("Attention alone fwd+bwd", attention, ["config", "variant", "ms", "tflops"])
     if args.json:
         with open(args.json, "w") as f:

@@ -1,4 +1,6 @@
 """split_qkv equals autograd's own slicing of the fused QKV output, forward and backward, bit for bit."""
+import weakref
+
 import pytest
 import torch
 
@@ -35,3 +37,17 @@ def test_no_grad_returns_views_of_input():
     qkv = torch.randn(2, 6 * 8)
     q, k, v = split_qkv(qkv, 4, 1, 8, False)
     assert q.data_ptr() == qkv.data_ptr() and k._base is qkv and v._base is qkv
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("interleaved,heads,groups", [(True, 8, 2), (True, 4, 4), (False, 8, 2)])
+def test_qkv_freed_only_when_no_output_is_a_view(grad, interleaved, heads, groups):
+    """Interleaved GQA: q, k and v are copies, so nothing keeps the fused QKV output alive; otherwise they are views."""
+    leaf = torch.randn(5, 3, (heads + 2 * groups) * 8, requires_grad=grad)
+    qkv = leaf * 2.0  # a non-leaf, as a QKV GEMM's output (the multiply saves no tensor)
+    alive = weakref.ref(qkv)
+    with torch.set_grad_enabled(grad):
+        q, k, v = split_qkv(qkv, heads, groups, 8, interleaved)
+    del qkv
+    assert (alive() is None) == (interleaved and heads != groups)
+    assert q.shape == (5, 3, heads, 8) and k.shape == v.shape == (5, 3, groups, 8)

@@ -1,8 +1,10 @@
 """Split of a fused QKV projection output into q, k, v with a lean backward.
 
 qkv [*lead, (h + 2g) * d] -> q [*lead, h, d], k [*lead, g, d], v [*lead, g, d]. Column order: interleaved per
-group [h/g q heads, k, v] (TE's default), else [all q | all k | all v]. k and v (and q, except for interleaved GQA,
-where q is a copy) are views of qkv. The backward writes dq, dk, dv into ONE new [*lead, (h + 2g) * d] gradient with
+group [h/g q heads, k, v] (TE's default), else [all q | all k | all v]. q, k and v are views of qkv, except for
+interleaved GQA: there q cannot be a view (its heads are not evenly spaced) and is a copy, and k and v are copies too
+(as views they would keep all of qkv alive for attention's backward, the q part included: for the gqa benchmark
+layer 384 MiB instead of 128). The backward writes dq, dk, dv into ONE new [*lead, (h + 2g) * d] gradient with
 three strided copies, where autograd's own slicing backward would zero-fill a full-size gradient per output and sum
 them (for the guide layer: 3 fills, 3 copies and 2 adds of 192 MiB). When dq, dk, dv arrive as the q, k, v views of
 one gradient laid out like qkv (the cuDNN attention backend writes them so), that gradient is returned: no copies.
@@ -18,6 +20,15 @@ def _parts(qkv, heads, groups, head_dim, interleaved):
         return per_group[..., :-2, :], per_group[..., -2, :], per_group[..., -1, :]
     q, k, v = qkv.split([heads * head_dim, groups * head_dim, groups * head_dim], dim=-1)
     return q.view(*lead, heads, head_dim), k.view(*lead, groups, head_dim), v.view(*lead, groups, head_dim)
+
+
+def _outputs(qkv, heads, groups, head_dim, interleaved):
+    """(q [*lead, h, d], k, v): views of qkv, or all three copies for interleaved GQA (see the module docstring)."""
+    q, k, v = _parts(qkv, heads, groups, head_dim, interleaved)
+    q = q.reshape(*qkv.shape[:-1], heads, head_dim)
+    if interleaved and heads != groups:
+        k, v = k.contiguous(), v.contiguous()
+    return q, k, v
 
 
 def _same_view(a, b):
@@ -47,8 +58,7 @@ class _SplitQKV(torch.autograd.Function):
     def forward(ctx, qkv, heads, groups, head_dim, interleaved):
         ctx.set_materialize_grads(False)
         ctx.args = (heads, groups, head_dim, interleaved)
-        q, k, v = _parts(qkv, heads, groups, head_dim, interleaved)
-        return q.reshape(*qkv.shape[:-1], heads, head_dim), k, v
+        return _outputs(qkv, heads, groups, head_dim, interleaved)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -70,6 +80,5 @@ class _SplitQKV(torch.autograd.Function):
 def split_qkv(qkv, heads, groups, head_dim, interleaved):
     """qkv [*lead, (heads + 2 * groups) * head_dim] -> (q [*lead, heads, d], k [*lead, groups, d], v likewise)."""
     if not qkv.requires_grad or not torch.is_grad_enabled():
-        q, k, v = _parts(qkv, heads, groups, head_dim, interleaved)
-        return q.reshape(*qkv.shape[:-1], heads, head_dim), k, v
+        return _outputs(qkv, heads, groups, head_dim, interleaved)
     return _SplitQKV.apply(qkv, heads, groups, head_dim, interleaved)
