@@ -6,12 +6,14 @@
 2. Inference grid: forward under no_grad with cached FP8 weights (is_first_microbatch=False), M in {128, 256, 512},
    K, N in {1280, 5120, 10240, 20480}, vs BF16 nn.Linear: the FP8 path forced (fp8_min_gemm_size=0) and the default
    (small-shape automatic path: high precision below base.FP8_MIN_GEMM_SIZE). Time per call of 100 back-to-back calls
-   inside one no_grad + fp8_autocast context, as in a model's forward.
+   inside one no_grad + fp8_autocast context, as in a model's forward; the three timed in turn over 7 rounds, the
+   median time of each and the median of the per-round ratios reported.
 3. Host (CPU) time of one Linear forward+backward at a tiny shape vs nn.Linear, the FP8 path forced.
 Prints tables and writes JSON (--json).
 """
 import argparse
 import json
+import statistics
 
 import torch
 import torch.nn as nn
@@ -83,6 +85,21 @@ def bench_training(tokens=8192):
     return rows
 
 
+def interleaved_loop_times(fns, rounds=7):
+    """Per fn, its time per call (ms) in each of `rounds` rounds; a round times each fn in turn (100 back-to-back
+    calls between two CUDA events, after a short warm-up)."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, out in zip(fns, times):
+            out.append(loop_time_ms(fn, warmup=5, iters=100, repeats=1))
+    return times
+
+
+def median_ratio(times, ref_times):
+    """Median over the rounds of the per-round time ratio."""
+    return statistics.median(t / r for t, r in zip(times, ref_times))
+
+
 def bench_inference_grid():
     rows = []
     sizes = [1280, 5120, 10240, 20480]
@@ -100,13 +117,14 @@ def bench_inference_grid():
                 for module in (forced, auto):
                     with torch.no_grad(), te.fp8_autocast():
                         module(x, is_first_microbatch=True)
-                # As in a model's forward, one no_grad + fp8_autocast context covers many layer calls.
+                # As in a model's forward, one no_grad + fp8_autocast context covers many layer calls (nn.Linear
+                # ignores it). The three are timed in turn, round after round: the host speed drifts, and at the
+                # host-bound points a drift between two separate measurements would read as a ratio.
                 with torch.no_grad(), te.fp8_autocast():
-                    t_fp8, t_auto = loop_time_ms(fwd(forced)), loop_time_ms(fwd(auto))
-                with torch.no_grad():
-                    t_bf16 = loop_time_ms(lambda: ref(x))
-                rows.append({"M": m, "K": k, "N": n, "MKN": m * k * n, "fp8_ms": t_fp8, "auto_ms": t_auto,
-                             "bf16_ms": t_bf16, "ratio": t_fp8 / t_bf16, "auto_ratio": t_auto / t_bf16})
+                    t_fp8, t_auto, t_bf16 = interleaved_loop_times([fwd(forced), fwd(auto), lambda: ref(x)])
+                rows.append({"M": m, "K": k, "N": n, "MKN": m * k * n, "fp8_ms": statistics.median(t_fp8),
+                             "auto_ms": statistics.median(t_auto), "bf16_ms": statistics.median(t_bf16),
+                             "ratio": median_ratio(t_fp8, t_bf16), "auto_ratio": median_ratio(t_auto, t_bf16)})
             del forced, auto, ref
     print(f"{'M':>5} {'K':>6} {'N':>6} {'M*K*N':>9} {'fp8 ms':>8} {'auto ms':>8} {'bf16 ms':>8} {'fp8/bf16':>8} "
           f"{'auto/bf16':>9}")

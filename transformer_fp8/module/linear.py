@@ -101,8 +101,9 @@ class Linear(FP8ModuleBase):
         if self.tp is not None:
             return self._parallel_forward(inp, is_first_microbatch)
         check_input(inp, self.in_features)
-        out = self._local_linear(inp, None if self.return_bias else self.bias, is_first_microbatch)
-        return (out, self.bias) if self.return_bias else out
+        if self.return_bias:
+            return self._local_linear(inp, None, is_first_microbatch), self.bias
+        return self._local_linear(inp, self.bias, is_first_microbatch)
 
     def _local_linear(self, inp, bias, is_first_microbatch):
         """inp [..., local in] @ this rank's weightᵀ (+ bias): FP8 inside fp8_autocast, else high precision."""
