@@ -2,7 +2,8 @@
 // A call: fill Fp8GemmArgs (all but the workspace), ask fp8_gemm_workspace_bytes, give that much workspace, run
 // fp8_gemm_cublaslt on the same thread with the same arguments.
 //
-// Row-major "TN": out [m, n] = epilogue((a * a_scale_inv) @ (b * b_scale_inv)^T) (+ out when accumulating),
+// Row-major "TN": out [m, n] = epilogue((a * a_scale_inv) @ (b * b_scale_inv)^T) (+ out when accumulating, + residual
+// when given),
 // a [m, k] and b [n, k] FP8 with k-contiguous rows. The caller pads: k % 16 == 0, ld_out % 16 == 0, every pointer
 // 16-byte aligned.
 #pragma once
@@ -33,6 +34,8 @@ struct Fp8GemmArgs {
   DType bias_type = DType::kBFloat16;
   void* pre_gelu = nullptr;          // non-null: GELU epilogue, the pre-activation [m, ld_out] stored here
   DType pre_gelu_type = DType::kBFloat16;
+  const void* residual = nullptr;    // optional [m, ld_out] of out_type (not FP8): out = result + residual (cuBLASLt's
+                                     // C with beta = 1; not with accumulate or the GELU epilogue)
   bool accumulate = false;           // out += result (beta = 1)
   bool fast_accum = false;           // FP8 fast accumulation (no periodic promotion to float32)
   void* workspace = nullptr;         // workspace_bytes on the device (null when 0)

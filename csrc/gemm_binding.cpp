@@ -107,7 +107,8 @@ std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tenso
                                             const at::Tensor& b_scale_inv, at::ScalarType out_dtype,
                                             const std::optional<at::Tensor>& bias, bool gelu,
                                             const std::optional<at::Tensor>& out_scale,
-                                            const std::optional<at::Tensor>& out_amax, bool use_split_accumulator) {
+                                            const std::optional<at::Tensor>& out_amax, bool use_split_accumulator,
+                                            const std::optional<at::Tensor>& residual) {
   check_operands(a, a_scale_inv, b, b_scale_inv);
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16 || is_fp8(out_dtype),
               "out_dtype: expected float32, float16, bfloat16 or an FP8 dtype, got ", out_dtype);
@@ -129,6 +130,19 @@ std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tenso
   } else {
     TORCH_CHECK(!out_scale.has_value() && !out_amax.has_value(),
                 "out_scale, out_amax: only for an FP8 out_dtype, got out_dtype ", out_dtype);
+  }
+
+  if (residual.has_value()) {
+    check_cuda(*residual, "residual");
+    TORCH_CHECK(!is_fp8(out_dtype) && !gelu, "residual: only for a float32, float16 or bfloat16 out_dtype without "
+                "gelu, got out_dtype ", out_dtype, gelu ? " with gelu" : "");
+    TORCH_CHECK(residual->scalar_type() == out_dtype, "residual: expected dtype ", out_dtype, " (out_dtype), got ",
+                residual->scalar_type());
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m && residual->size(1) == n, "residual: expected shape ",
+                dims({m, n}), ", got ", dims(residual->sizes()));
+    TORCH_CHECK(residual->is_contiguous(), "residual: expected a contiguous tensor, got strides ",
+                dims(residual->strides()));
+    check_on_device_of(*residual, a, "residual");
   }
 
   const c10::cuda::CUDAGuard guard(a.device());
@@ -157,6 +171,9 @@ std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tenso
     args.bias = bias_p.data_ptr();
     args.bias_type = to_dtype(bias_p.scalar_type(), "bias");
   }
+  // (a padded or misaligned output: the residual is added after the GEMM instead)
+  const bool fused_residual = residual.has_value() && n_pad == n && aligned16(*residual);
+  if (fused_residual) args.residual = residual->data_ptr();
   if (fused_gelu) {
     args.pre_gelu = pre_gelu.data_ptr();
     args.pre_gelu_type = to_dtype(pre_dtype, "pre_gelu");
@@ -180,6 +197,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tenso
     out = out.narrow(1, 0, n).contiguous();
     if (gelu) pre_gelu = pre_gelu.narrow(1, 0, n).contiguous();
   }
+  if (residual.has_value() && !fused_residual) out.add_(*residual);
   return {out, pre_gelu};
 }
 

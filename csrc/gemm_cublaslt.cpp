@@ -82,14 +82,15 @@ DType c_type_of(const Fp8GemmArgs& g) {
 // Everything the descriptor, the layouts and the algorithm choice depend on: device, shape, dtypes, epilogue, which
 // optional pointers are set, accumulation mode and the operands' alignment classes. Two calls with equal keys differ
 // only in pointer values, which are set on the descriptor per call.
-using PlanKey = std::array<int64_t, 17>;
+using PlanKey = std::array<int64_t, 18>;
 
 PlanKey key_of(const Fp8GemmArgs& g, int device) {
-  const int64_t flags = int64_t(g.accumulate) | int64_t(g.fast_accum) << 1 | int64_t(g.amax_scratch != nullptr) << 2;
+  const int64_t flags = int64_t(g.accumulate) | int64_t(g.fast_accum) << 1 | int64_t(g.amax_scratch != nullptr) << 2 |
+                        int64_t(g.residual != nullptr) << 3;
   return {device, g.m, g.n, g.k, g.ld_out, int64_t(g.a_type), int64_t(g.b_type), int64_t(g.out_type),
           int64_t(c_type_of(g)), g.bias ? int64_t(g.bias_type) : -1, g.pre_gelu ? int64_t(g.pre_gelu_type) : -1,
           int64_t(epilogue_of(g)), flags, alignment(g.a), alignment(g.b), alignment(g.out),
-          g.pre_gelu ? alignment(g.pre_gelu) : 0};
+          g.pre_gelu ? alignment(g.pre_gelu) : 0, g.residual ? alignment(g.residual) : 0};
 }
 
 struct PlanKeyHash {
@@ -104,7 +105,7 @@ std::string describe(const Fp8GemmArgs& g) {
   return std::string("a ") + torch_name(g.a_type) + ", b " + torch_name(g.b_type) + ", out " + torch_name(g.out_type) +
          (g.bias ? std::string(", bias ") + torch_name(g.bias_type) : "") +
          (g.pre_gelu ? std::string(", gelu (pre_gelu ") + torch_name(g.pre_gelu_type) + ")" : "") +
-         (g.accumulate ? ", accumulate" : "") + ", M=" + std::to_string(g.m) + " N=" + std::to_string(g.n) +
+         (g.accumulate ? ", accumulate" : "") + (g.residual ? ", residual" : "") + ", M=" + std::to_string(g.m) + " N=" + std::to_string(g.n) +
          " K=" + std::to_string(g.k);
 }
 
@@ -189,7 +190,7 @@ struct Plan {
     pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(kGemmWorkspaceBytes));
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(g.b));
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(g.a));
-    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(g.out));
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(g.residual != nullptr ? g.residual : g.out));
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(g.out));
     cublasLtMatmulHeuristicResult_t result = {};
     int count = 0;
@@ -226,10 +227,11 @@ void fp8_gemm_cublaslt(const Fp8GemmArgs& g, cudaStream_t stream) {
     throw std::invalid_argument("fp8_gemm_cublaslt: workspace of " + std::to_string(g.workspace_bytes) +
                                 " bytes, the algorithm needs " + std::to_string(plan.workspace_bytes));
   plan.set_pointers(g);
-  const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
-  // C is read only when accumulating (then C = D = out, float32). Otherwise beta = 0 and C is null: passing D there
-  // with a C dtype that differs from D's (FP8 outputs) is refused as an in-place call with mismatched layouts.
-  const void* c = g.accumulate ? g.out : nullptr;
+  const float alpha = 1.0f, beta = g.accumulate || g.residual != nullptr ? 1.0f : 0.0f;
+  // C is read only when accumulating (then C = D = out, float32) or adding a residual (C = residual, D's layout).
+  // Otherwise beta = 0 and C is null: passing D there with a C dtype that differs from D's (FP8 outputs) is refused
+  // as an in-place call with mismatched layouts.
+  const void* c = g.accumulate ? g.out : g.residual;
   check_cublas(cublasLtMatmul(plan.handle, plan.desc.desc, &alpha, g.b, plan.a.layout, g.a, plan.b.layout, &beta, c,
                               plan.c.layout, g.out, plan.d.layout, &plan.algo, g.workspace, g.workspace_bytes, stream),
                "cublasLtMatmul");

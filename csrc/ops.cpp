@@ -29,10 +29,11 @@ TORCH_LIBRARY(transformer_fp8, m) {
 
   // --- gemm family ---
   // Returns (out [M, N] of out_dtype, pre_gelu [M, N] (empty unless gelu)). bias [N]; with an FP8 out_dtype,
-  // out_scale is required and out_amax (optional) is max-accumulated.
+  // out_scale is required and out_amax (optional) is max-accumulated. residual [M, N] of out_dtype (not FP8, not
+  // with gelu): added to the result in the epilogue (out = a bᵀ + bias + residual, rounded once).
   m.def("fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype, "
         "Tensor? bias=None, bool gelu=False, Tensor? out_scale=None, Tensor(a!)? out_amax=None, "
-        "bool use_split_accumulator=True) -> (Tensor, Tensor)");
+        "bool use_split_accumulator=True, Tensor? residual=None) -> (Tensor, Tensor)");
   // out [M, N] float32 += (a * a_scale_inv) @ (b * b_scale_inv)^T   (wgrad into main_grad)
   m.def("fp8_gemm_accumulate(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor(a!) out, "
         "bool use_split_accumulator=True) -> ()");

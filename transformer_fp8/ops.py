@@ -53,7 +53,7 @@ def _(input):
 
 @_register_fake("transformer_fp8::fp8_gemm")
 def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None, gelu=False, out_scale=None, out_amax=None,
-      use_split_accumulator=True):
+      use_split_accumulator=True, residual=None):
     m, n = a.shape[0], b.shape[0]
     out = a.new_empty((m, n), dtype=out_dtype)
     pre_gelu_dtype = bias.dtype if bias is not None else (torch.bfloat16 if out_dtype.itemsize == 1 else out_dtype)

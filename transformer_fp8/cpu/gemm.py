@@ -1,6 +1,6 @@
 """CPU reference kernels of the gemm ops: FP8 "TN" GEMM with scale_inv per operand, bias/GELU epilogue, FP8 output.
 
-out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T, a [M, K] and b [N, K] row-major FP8. Math in float32 (as the
+out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T (+ bias, + residual), a [M, K] and b [N, K] row-major FP8. Math in float32 (as the
 tensor cores accumulate); use_split_accumulator only selects the CUDA kernel's accumulation mode and does not change
 the reference.
 """
@@ -71,6 +71,21 @@ def check_epilogue(a, b, out_dtype, bias, out_scale, out_amax):
         raise ValueError(f"out_scale, out_amax: only for an FP8 out_dtype, got out_dtype {out_dtype}")
 
 
+def check_residual(a, b, out_dtype, gelu, residual):
+    m, n = a.shape[0], b.shape[0]
+    if out_dtype in FP8_MAX or gelu:
+        raise ValueError(f"residual: only for a float32, float16 or bfloat16 out_dtype without gelu, got out_dtype "
+                         f"{out_dtype}{' with gelu' if gelu else ''}")
+    if residual.dtype != out_dtype:
+        raise ValueError(f"residual: expected dtype {out_dtype} (out_dtype), got {residual.dtype}")
+    if residual.shape != (m, n):
+        raise ValueError(f"residual: expected shape ({m}, {n}), got {tuple(residual.shape)}")
+    if not residual.is_contiguous():
+        raise ValueError(f"residual: expected a contiguous tensor, got strides {residual.stride()}")
+    if residual.device != a.device:
+        raise ValueError(f"residual: expected a tensor on {a.device}, got one on {residual.device}")
+
+
 def dequantized_matmul(a, a_scale_inv, b, b_scale_inv):
     """(a * a_scale_inv) @ (b * b_scale_inv)^T in float32, [M, N]."""
     return (a.float() * a_scale_inv) @ (b.float() * b_scale_inv).t()
@@ -78,12 +93,16 @@ def dequantized_matmul(a, a_scale_inv, b, b_scale_inv):
 
 @register("fp8_gemm")
 def fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None, gelu=False, out_scale=None, out_amax=None,
-             use_split_accumulator=True):
+             use_split_accumulator=True, residual=None):
     check_operands(a, a_scale_inv, b, b_scale_inv)
     check_epilogue(a, b, out_dtype, bias, out_scale, out_amax)
+    if residual is not None:
+        check_residual(a, b, out_dtype, gelu, residual)
     result = dequantized_matmul(a, a_scale_inv, b, b_scale_inv)
     if bias is not None:
         result = result + bias.float()
+    if residual is not None:
+        result = result + residual.float()
     pre_gelu = a.new_empty((0,), dtype=pre_gelu_dtype(out_dtype, bias))
     if gelu:
         pre_gelu = result.to(pre_gelu.dtype)

@@ -327,8 +327,9 @@ class MultiheadAttention(nn.Module):
         return split_qkv(qkv, self.heads, self.groups, self.head_dim, self.qkv_weight_interleaved)
 
     def forward(self, hidden_states, attention_mask=None, attn_mask_type=None, is_first_microbatch=None,
-                rotary_pos_emb=None):
-        """rotary_pos_emb: freqs [s, 1, 1, rot_dim] from RotaryPositionEmbedding, or a (q_freqs, k_freqs) pair."""
+                rotary_pos_emb=None, residual=None):
+        """rotary_pos_emb: freqs [s, 1, 1, rot_dim] from RotaryPositionEmbedding, or a (q_freqs, k_freqs) pair.
+        residual: added to the output in the projection GEMM's epilogue (see Linear; not with tensor parallelism)."""
         layernorm_output = None
         if self.input_layernorm:
             qkv = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
@@ -344,7 +345,7 @@ class MultiheadAttention(nn.Module):
             v = v.contiguous()  # q and k are new tensors now: a view v alone would keep the whole QKV output alive
         with model_parallel_rng(self.tp is not None):  # dropout on this rank's heads
             context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
-        out = self.proj(context, is_first_microbatch=is_first_microbatch)
+        out = self.proj(context, is_first_microbatch=is_first_microbatch, residual=residual)
         outputs = (*out,) if self.return_bias else (out,)
         if self.return_layernorm_output:
             outputs += (layernorm_output,)

@@ -160,6 +160,24 @@ def check_input(inp, in_features, name="inp"):
         raise ValueError(f"{name}: expected last dim {in_features}, got shape {tuple(inp.shape)}")
 
 
+def check_residual(residual, inp, out_features, tp):
+    """A forward's residual argument: the output's shape and dtype (the input's), no tensor parallelism (a TP output
+    is summed over the ranks after the GEMM)."""
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual: expected a tensor, got {type(residual).__name__}")
+    if tp is not None:
+        raise ValueError("residual: not supported with tensor parallelism (add it to the output instead)")
+    shape = (*inp.shape[:-1], out_features)
+    if tuple(residual.shape) != shape or residual.dtype != inp.dtype or residual.device != inp.device:
+        raise ValueError(f"residual: expected shape {shape}, dtype {inp.dtype} and device {inp.device} (the "
+                         f"output's), got {tuple(residual.shape)}, {residual.dtype}, {residual.device}")
+
+
+def residual_rows(residual):
+    """residual [..., N] -> [M, N] contiguous (the GEMM's C), or None."""
+    return None if residual is None else residual.reshape(-1, residual.shape[-1]).contiguous()
+
+
 def pack_outputs(module, out, bias, ln_out):
     """out, then the unadded bias (return_bias) and the norm's output (return_layernorm_output) when asked for."""
     extra = ((bias,) if module.return_bias else ()) + ((ln_out,) if module.return_layernorm_output else ())

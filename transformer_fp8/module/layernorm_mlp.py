@@ -14,8 +14,8 @@ from ..ops import activation_high_precision, tfp8
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_norm, gathered_shape, gathers_input,
                                start_dgrad_sum)
-from .base import (FP8ModuleBase, cast_transpose, check_choice, check_input, check_positive, fp8_output_args,
-                   pack_outputs)
+from .base import (FP8ModuleBase, cast_transpose, check_choice, check_input, check_positive, check_residual,
+                   fp8_output_args, pack_outputs, residual_rows)
 from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
 
 
@@ -64,7 +64,7 @@ class _FP8LayerNormMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, training,
-                is_first_microbatch):
+                is_first_microbatch, residual):
         ctx.set_materialize_grads(False)
         needs = [training and n for n in ctx.needs_input_grad[:7]]
         need_dgrad, need_fc1_wgrad, need_fc2_wgrad = any(needs[:3]), needs[3], needs[5]
@@ -82,7 +82,8 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         fc1_out = fp8_gemm_bias(lnq, lnsinv, w1q, w1sinv, dtype, fc1_bias)
         aq, aqt, asinv = _activation_to_fp8(module, fc1_out, need_fc2_wgrad)
         w2q, w2qt, w2sinv = module._fp8_weight("fc2_weight", fc2_weight, 3, need_fc2_dgrad, is_first_microbatch)
-        out = fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, fc2_bias)
+        out = fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, fc2_bias, residual_rows(residual))
+        ctx.has_residual = residual is not None
         if training:
             ctx.save_for_backward(x, mean, rstd, ln_weight)
             # The big intermediates sit outside save_for_backward so that the backward can drop each one right
@@ -139,7 +140,7 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         del stash
         dx, dgamma, dbeta = norm_backward(module, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
                                           ln_weight, ctx.inp_shape)
-        return dx, dgamma, dbeta, dw1, dbias1, dw2, dbias2, None, None, None
+        return dx, dgamma, dbeta, dw1, dbias1, dw2, dbias2, None, None, None, (grad if ctx.has_residual else None)
 
 
 class LayerNormMLP(FP8ModuleBase):
@@ -147,7 +148,9 @@ class LayerNormMLP(FP8ModuleBase):
     activation="gelu" | "swiglu" | "relu", zero_centered_gamma=False, return_layernorm_output=False,
     params_dtype=None, device="cuda", init_method=None, output_layer_init_method=None, fuse_wgrad_accumulation=False,
     return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1, set_parallel_mode=False,
-    sequence_parallel=False). forward(inp [..., hidden], is_first_microbatch=None). gelu is the tanh approximation.
+    sequence_parallel=False). forward(inp [..., hidden], is_first_microbatch=None, residual=None). gelu is the tanh
+    approximation. residual: a tensor of the input's shape and dtype added to the output, inside fp8_autocast in the
+    FC2 GEMM's epilogue (one rounding, no separate add); not with tensor parallelism.
     Small-shape automatic path: as Linear's, with M*K*N summed over both GEMMs (M*hidden*(fc1 width + ffn)).
 
     Tensor parallelism (set_parallel_mode=True and a tp_group of size tp > 1): FC1 column-parallel (fc1_weight
@@ -189,17 +192,20 @@ class LayerNormMLP(FP8ModuleBase):
             sharded = {"fc1_weight": (0, blocks), "fc1_bias": (0, blocks), "fc2_weight": (1, 1)}
             self.register_load_state_dict_pre_hook(tp.load_full_checkpoint_hook(sharded))
 
-    def forward(self, inp, is_first_microbatch=None):
+    def forward(self, inp, is_first_microbatch=None, residual=None):
         check_input(inp, self.hidden_size)
+        if residual is not None:
+            check_residual(residual, inp, self.hidden_size, self.tp)
         if self.tp is not None:
             return self._parallel_forward(inp, is_first_microbatch)
-        out, ln_out = self._local_mlp(inp, None if self.return_bias else self.fc2_bias, is_first_microbatch)
+        out, ln_out = self._local_mlp(inp, None if self.return_bias else self.fc2_bias, is_first_microbatch,
+                                      residual)
         return pack_outputs(self, out, self.fc2_bias, ln_out)
 
-    def _local_mlp(self, inp, fc2_bias, is_first_microbatch):
-        """(fc2(act(fc1(norm(inp)))) with this rank's weights, norm output) in FP8 inside fp8_autocast. TP: the
-        output is this rank's partial sum; with sequence_parallel inp is this rank's block and the norm output is
-        all-gathered before FC1."""
+    def _local_mlp(self, inp, fc2_bias, is_first_microbatch, residual=None):
+        """(fc2(act(fc1(norm(inp)))) (+ residual) with this rank's weights, norm output) in FP8 inside fp8_autocast.
+        TP: the output is this rank's partial sum; with sequence_parallel inp is this rank's block and the norm
+        output is all-gathered before FC1."""
         inp = inp if inp.is_contiguous() else inp.contiguous()
         tp, gathers, state = self.tp, gathers_input(self), autocast.STATE
         ln_weight, ln_bias = self.layer_norm_weight, self.layer_norm_bias
@@ -208,13 +214,16 @@ class LayerNormMLP(FP8ModuleBase):
             ln_weight, ln_bias = tp.replicated(ln_weight), tp.replicated(ln_bias)
         if fp8:  # (TP: the Function sums the norm output's gradient over the ranks itself)
             self._fp8_begin(state)
+            if residual is inp:  # (torch.compile drops one gradient of a tensor given twice to a Function)
+                residual = residual.view_as(residual)
             return _FP8LayerNormMLP.apply(inp, ln_weight, ln_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
-                                          fc2_bias, self, torch.is_grad_enabled(), is_first_microbatch)
+                                          fc2_bias, self, torch.is_grad_enabled(), is_first_microbatch, residual)
         inp = tp.column_input(inp) if tp is not None and not gathers else inp
         ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps, self.zero_centered_gamma)
         fc1_in = gather_from_sequence_parallel_region(ln_out, self.tp.group) if gathers else ln_out
         act = ACTIVATIONS[self.activation](high_precision_linear(self, fc1_in, self.fc1_weight, self.fc1_bias))
-        return high_precision_linear(self, act, self.fc2_weight, fc2_bias), ln_out
+        out = high_precision_linear(self, act, self.fc2_weight, fc2_bias)
+        return (out if residual is None else out + residual), ln_out
 
     def _parallel_forward(self, inp, is_first_microbatch):
         """The local MLP (partial sums), all-reduce / reduce-scatter, then fc2_bias."""

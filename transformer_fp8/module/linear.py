@@ -11,15 +11,16 @@ from ..distributed import TensorParallel
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_cast, gathered_shape, gathers_input,
                                input_grads)
 from ._gemm import cast_grad_output, fp8_gemm_bias, high_precision_linear, register_backward
-from .base import FP8ModuleBase, cast_transpose, check_input, check_positive
+from .base import FP8ModuleBase, cast_transpose, check_input, check_positive, check_residual, residual_rows
 
 
 class _FP8Linear(torch.autograd.Function):
-    """inp [..., K] (contiguous), weight [N, K], bias [N] or None -> [..., N]. Saves only the FP8 xᵀ (+ scale_invs;
-    Wᵀ only when cached: the backward casts it, see FP8ModuleBase._fp8_weight)."""
+    """inp [..., K] (contiguous), weight [N, K], bias [N] or None, residual [..., N] or None -> [..., N] (the
+    residual added in the GEMM's epilogue). Saves only the FP8 xᵀ (+ scale_invs; Wᵀ only when cached: the backward
+    casts it, see FP8ModuleBase._fp8_weight)."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, module, training, is_first_microbatch):
+    def forward(ctx, inp, weight, bias, module, training, is_first_microbatch, residual):
         need_dgrad = training and ctx.needs_input_grad[0]
         need_wgrad = training and ctx.needs_input_grad[1]
         x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
@@ -31,7 +32,8 @@ class _FP8Linear(torch.autograd.Function):
             xq, xqt, xsinv = cast_transpose(x, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
                                             transpose=need_wgrad)
         wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
-        out = fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias)
+        out = fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias, residual_rows(residual))
+        ctx.has_residual = residual is not None
         if training:
             ctx.save_for_backward(xqt if need_wgrad else None, wqt)
             state = autocast.STATE
@@ -55,14 +57,16 @@ class _FP8Linear(torch.autograd.Function):
             dx = dx.view(-1, *grad.shape[1:-1], dx.shape[-1])
         elif dx is not None and grad.dim() != 2:
             dx = dx.view(*grad.shape[:-1], dx.shape[-1])
-        return dx, dw, dbias, None, None, None
+        return dx, dw, dbias, None, None, None, (grad if ctx.has_residual else None)
 
 
 class Linear(FP8ModuleBase):
     """Linear(in_features, out_features, bias=True, params_dtype=None, device="cuda", init_method=None,
     fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1,
     parallel_mode=None, sequence_parallel=False).
-    forward(inp [..., in], is_first_microbatch=None). return_bias=True returns (out, bias) with the bias not added.
+    forward(inp [..., in], is_first_microbatch=None, residual=None). return_bias=True returns (out, bias) with the bias
+    not added. residual: a tensor of the output's shape and dtype added to the output, inside fp8_autocast in the
+    GEMM's epilogue (one rounding, no separate add); not with tensor parallelism.
 
     Small-shape automatic path: inside fp8_autocast, a CUDA input with M*in*out < fp8_min_gemm_size (None: the
     default base.FP8_MIN_GEMM_SIZE = 2**35 ~ 3.4e10) runs the high-precision F.linear and leaves the FP8 state
@@ -97,24 +101,31 @@ class Linear(FP8ModuleBase):
             sharded = {"weight": (0, 1), "bias": (0, 1)} if tp.mode == "column" else {"weight": (1, 1)}
             self.register_load_state_dict_pre_hook(tp.load_full_checkpoint_hook(sharded))
 
-    def forward(self, inp, is_first_microbatch=None):
+    def forward(self, inp, is_first_microbatch=None, residual=None):
         if self.tp is not None:
+            if residual is not None:
+                check_residual(residual, inp, self.out_features, self.tp)
             return self._parallel_forward(inp, is_first_microbatch)
         check_input(inp, self.in_features)
+        if residual is not None:
+            check_residual(residual, inp, self.out_features, None)
         if self.return_bias:
-            return self._local_linear(inp, None, is_first_microbatch), self.bias
-        return self._local_linear(inp, self.bias, is_first_microbatch)
+            return self._local_linear(inp, None, is_first_microbatch, residual), self.bias
+        return self._local_linear(inp, self.bias, is_first_microbatch, residual)
 
-    def _local_linear(self, inp, bias, is_first_microbatch):
-        """inp [..., local in] @ this rank's weightᵀ (+ bias): FP8 inside fp8_autocast, else high precision."""
+    def _local_linear(self, inp, bias, is_first_microbatch, residual=None):
+        """inp [..., local in] @ this rank's weightᵀ (+ bias) (+ residual): FP8 inside fp8_autocast, else high
+        precision."""
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp):
             self._fp8_begin(state)
             return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
-                                    torch.is_grad_enabled(), is_first_microbatch)
+                                    torch.is_grad_enabled(), is_first_microbatch, residual)
         if self.fuse_wgrad_accumulation:
-            return high_precision_linear(self, inp, self.weight, bias)
-        return F.linear(inp, self.weight, bias)  # (the small-shape path's host time matters: F.linear directly)
+            out = high_precision_linear(self, inp, self.weight, bias)
+        else:
+            out = F.linear(inp, self.weight, bias)  # (the small-shape path's host time matters: F.linear directly)
+        return out if residual is None else out + residual
 
     def _parallel_forward(self, inp, is_first_microbatch):
         tp = self.tp
@@ -143,7 +154,7 @@ class Linear(FP8ModuleBase):
         if state.enabled and self._runs_fp8(inp, self.tp.size):
             self._fp8_begin(state)
             return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
-                                    torch.is_grad_enabled(), is_first_microbatch)
+                                    torch.is_grad_enabled(), is_first_microbatch, None)
         return self._local_linear(self.tp.column_input(inp), bias, is_first_microbatch)
 
     def extra_repr(self):

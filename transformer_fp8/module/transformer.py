@@ -4,7 +4,9 @@
     y = a + dropout(LayerNormMLP(norm2(a)))               apply_residual_connection_post_layernorm)
 
 hidden_states [s, b, hidden] ("sbhd") or [b, s, hidden] ("bshd") -> same shape and dtype. Under fp8_autocast every
-GEMM runs in FP8; attention runs in BF16/FP16 through fused kernels (FP32 activations are cast around it).
+GEMM runs in FP8; attention runs in BF16/FP16 through fused kernels (FP32 activations are cast around it). Without
+hidden dropout (or in eval mode), tensor parallelism or the post-LN residual, the two residual adds ride in the
+epilogues of the projection and FC2 GEMMs.
 """
 import torch.nn.functional as F
 from torch import nn
@@ -53,8 +55,17 @@ class TransformerLayer(nn.Module):
             output_layer_init_method=output_layer_init_method, **mlp_extra, **common)
         self.split_sequence = self.self_attention.tp is not None and bool(sequence_parallel)
 
+    def _adds_residuals_in_gemms(self):
+        return (not self.post_ln_residual and self.self_attention.tp is None and
+                (self.hidden_dropout == 0 or not self.training))
+
     def forward(self, hidden_states, attention_mask=None, self_attn_mask_type=None, rotary_pos_emb=None,
                 is_first_microbatch=None):
+        if self._adds_residuals_in_gemms():
+            hidden = self.self_attention(hidden_states, attention_mask=attention_mask,
+                                         attn_mask_type=self_attn_mask_type, is_first_microbatch=is_first_microbatch,
+                                         rotary_pos_emb=rotary_pos_emb, residual=hidden_states)
+            return self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch, residual=hidden)
         attn = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type,
                                    is_first_microbatch=is_first_microbatch, rotary_pos_emb=rotary_pos_emb)
         attn_out, residual = attn if self.post_ln_residual else (attn, hidden_states)
