@@ -26,7 +26,8 @@ constexpr int kDactTile = 128;
 inline int64_t dact_dbias_workspace_rows(int64_t rows) { return (rows + kDactTile - 1) / kDactTile; }
 
 // d = dy * act'(x) for dy [rows, out_cols] and x [rows, in_cols] of dtype (in_cols = 2 * out_cols for SwiGLU):
-// q [rows, in_cols] and qT [in_cols, rows] = saturate(d * *scale) in fp8_dtype. With dbias (then workspace is float32
+// q [rows, in_cols] and qT [in_cols, rows] (not written when null) = saturate(d * *scale) in fp8_dtype. With dbias
+// (then workspace is float32
 // [dact_dbias_workspace_rows(rows), in_cols]): dbias[j] = sum_i d[i, j] in float32, written in dtype.
 // rows and out_cols must be > 0.
 void launch_dact_cast_transpose(const void* dy, const void* x, DType dtype, uint8_t* q, uint8_t* qT, DType fp8_dtype,

@@ -87,7 +87,7 @@ at::Tensor activation_bwd(const at::Tensor& grad_out, const at::Tensor& input, c
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dact_cast_transpose(
     const at::Tensor& grad_out, const at::Tensor& input, c10::string_view activation, const at::Tensor& scale,
     at::ScalarType fp8_dtype, const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& scale_inv,
-    bool compute_dbias) {
+    bool compute_dbias, bool transpose) {
   const Activation act = parse_activation(activation);
   check_input(input, act);
   TORCH_CHECK(input.dim() == 2, "input: expected a 2-D tensor [M, F_in], got shape ", dims(input.sizes()));
@@ -96,7 +96,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dact_cast_transpose(
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t rows = input.size(0), in_cols = input.size(1), out_cols = grad_out.size(1);
   at::Tensor q = at::empty({rows, in_cols}, input.options().dtype(fp8_dtype));
-  at::Tensor qT = at::empty({in_cols, rows}, input.options().dtype(fp8_dtype));
+  at::Tensor qT = at::empty(transpose ? at::IntArrayRef{in_cols, rows} : at::IntArrayRef{0},
+                            input.options().dtype(fp8_dtype));
   at::Tensor dbias = at::empty({compute_dbias ? in_cols : 0}, grad_out.options());
   if (rows == 0 || out_cols == 0) {  // nothing to cast: still refresh scale_inv, and the sums of no rows are 0
     if (scale_inv.has_value()) scale_inv->copy_(scale.reciprocal().reshape(scale_inv->sizes()));
@@ -108,7 +109,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dact_cast_transpose(
     workspace = at::empty({dact_dbias_workspace_rows(rows), in_cols}, input.options().dtype(at::kFloat));
   }
   launch_dact_cast_transpose(grad_out.data_ptr(), input.data_ptr(), to_dtype(input.scalar_type(), "input"),
-                             static_cast<uint8_t*>(q.data_ptr()), static_cast<uint8_t*>(qT.data_ptr()),
+                             static_cast<uint8_t*>(q.data_ptr()),
+                             transpose ? static_cast<uint8_t*>(qT.data_ptr()) : nullptr,
                              to_dtype(fp8_dtype, "fp8_dtype"), rows, out_cols, act, scale.data_ptr<float>(),
                              optional_ptr(amax), optional_ptr(scale_inv),
                              compute_dbias ? dbias.data_ptr() : nullptr,

@@ -3,7 +3,8 @@
 // One block of 256 threads per 128 x 128 tile of dy (rows x out_cols); SwiGLU tiles have two parts, the dgate tile
 // (columns c of d) and the dup tile (columns out_cols + c). Pass 1 reads dy and x row by row (VEC elements per thread,
 // 16-byte loads), writes q row-major straight from registers and keeps the FP8 bytes in shared memory; pass 2 reads the
-// bytes column by column and writes qT, 4 bytes per thread, each warp one contiguous 128-byte row segment.
+// bytes column by column and writes qT (when given), 4 bytes per thread, each warp one contiguous 128-byte row
+// segment.
 // The shared tile's rows are 129 bytes apart, so the 32 lanes reading 4 rows each of one column hit 32 banks.
 // dbias: each block writes its tile's column sums to a float32 workspace row; a second kernel adds the rows.
 #include "activation_common.cuh"
@@ -80,12 +81,12 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // Pass 2: columns of the tile -> rows of qT. Lane l writes tile rows 4l .. 4l+3 of one column.
+  // Pass 2 (qT given): columns of the tile -> rows of qT. Lane l writes tile rows 4l .. 4l+3 of one column.
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row = row0 + 4 * lane;
   const bool word_stores = rows % 4 == 0 && act::aligned(qT, 4);
 #pragma unroll
-  for (int p = 0; p < kParts; ++p) {
+  for (int p = 0; p < (qT != nullptr ? kParts : 0); ++p) {
     for (int tc = warp; tc < kTile && col0 + tc < out_cols; tc += kThreads / 32) {
       uint8_t* dst = qT + (p * out_cols + col0 + tc) * rows + row;
       if (word_stores && row + 4 <= rows) {

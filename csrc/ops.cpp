@@ -55,10 +55,11 @@ TORCH_LIBRARY(transformer_fp8, m) {
         "Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None) -> Tensor");
   m.def("activation_bwd(Tensor grad_out, Tensor input, str activation) -> Tensor");
   // d(activation) fused with the FP8 cast + transpose of the result (and its column sums for a bias gradient).
-  // grad_out [M, F], input [M, F] (or [M, 2F] for swiglu) -> d(input) as (q [M, F_in], qT [F_in, M], dbias [F_in] or
-  // empty), F_in = input's last dim
+  // grad_out [M, F], input [M, F] (or [M, 2F] for swiglu) -> d(input) as (q [M, F_in], qT [F_in, M] (empty unless
+  // transpose), dbias [F_in] or empty), F_in = input's last dim
   m.def("dact_cast_transpose(Tensor grad_out, Tensor input, str activation, Tensor scale, ScalarType fp8_dtype, "
-        "Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None, bool compute_dbias=False) -> (Tensor, Tensor, Tensor)");
+        "Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None, bool compute_dbias=False, bool transpose=True) -> "
+        "(Tensor, Tensor, Tensor)");
 
   // --- scaling family --- amax_histories[i] [H, n_i], scales[i] / scale_invs[i] [n_i], all float32.
   // Row 0 holds the amax accumulated this step. One launch: roll every history by one (row 0 -> row 1, ...),

@@ -127,10 +127,11 @@ def _(grad_out, input, activation):
 
 
 @_register_fake("transformer_fp8::dact_cast_transpose")
-def _(grad_out, input, activation, scale, fp8_dtype, amax=None, scale_inv=None, compute_dbias=False):
+def _(grad_out, input, activation, scale, fp8_dtype, amax=None, scale_inv=None, compute_dbias=False, transpose=True):
     m, f = input.shape
     dbias = grad_out.new_empty((f,) if compute_dbias else (0,))
-    return grad_out.new_empty((m, f), dtype=fp8_dtype), grad_out.new_empty((f, m), dtype=fp8_dtype), dbias
+    qt = grad_out.new_empty((f, m) if transpose else (0,), dtype=fp8_dtype)
+    return grad_out.new_empty((m, f), dtype=fp8_dtype), qt, dbias
 
 
 @_register_fake("transformer_fp8::delayed_scaling_update")

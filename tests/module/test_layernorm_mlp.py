@@ -77,3 +77,29 @@ def test_backward_frees_ffn_sized_tensors_after_their_last_use(device, monkeypat
     assert alive_at_dact == [[False]]
     with pytest.raises(RuntimeError, match="retain_graph"):
         y.backward(torch.randn_like(y))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_delayed_scaling_makes_the_fp8_fc1_gradient_transpose_after_the_dgrad(device, monkeypatch, activation):
+    """Once calibrated, the activation backward writes the FP8 d(fc1_out) row-major only (the backward's peak); its
+    transpose for the FC1 wgrad comes later, and the weight gradients match the float64 reference (see
+    test_fp8_matches_reference for the tolerances over two steps)."""
+    from transformer_fp8.module import layernorm_mlp
+    dact, transposes = layernorm_mlp._dact_to_fp8, []
+
+    def recording_dact(*args):
+        result = dact(*args)
+        transposes.append(result[1] is not None)
+        return result
+
+    monkeypatch.setattr(layernorm_mlp, "_dact_to_fp8", recording_dact)
+    mlp = te.LayerNormMLP(64, 96, activation=activation, params_dtype=torch.bfloat16, device=device,
+                          fp8_min_gemm_size=0)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device=device)
+    for _ in range(2):
+        with te.fp8_autocast():
+            y = mlp(x)
+        y.backward(torch.randn_like(y))
+    assert transposes == [True, False]  # calibrating step: the unfused cast makes both
+    assert mlp.fc1_weight.grad is not None and mlp.fc1_weight.grad.isfinite().all()

@@ -115,6 +115,17 @@ def test_dact_cast_transpose_without_dbias_returns_empty():
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_dact_cast_transpose_without_transpose(activation):
+    dy, x = random_pair((40, 24), activation, torch.bfloat16)
+    amax, amax_both = scalar(0.0), scalar(0.0)
+    q, qt, dbias = ops.dact_cast_transpose(dy, x, activation, scalar(2.0), torch.float8_e4m3fn, amax, None, True, False)
+    q_both, _, dbias_both = ops.dact_cast_transpose(dy, x, activation, scalar(2.0), torch.float8_e4m3fn, amax_both,
+                                                    None, True)
+    assert qt.numel() == 0 and torch.equal(q.view(torch.uint8), q_both.view(torch.uint8))
+    assert torch.equal(dbias, dbias_both) and torch.equal(amax, amax_both)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_empty_tensors(activation):
     dy, x = random_pair((0, 8), activation, torch.bfloat16)
     amax = scalar(0.0)
@@ -234,6 +245,20 @@ def test_cuda_dact_cast_transpose_matches_cpu(activation, fp8_dtype, dtype, m, f
     assert_close_rel(dbias.cpu(), ref.sum(dim=0), dbias_rtol, "dbias")
     assert amax.item() == pytest.approx(amax_ref.item(), rel=1e-6)
     assert scale_inv.item() == 1.0 / 8.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("m,f_in", ((33, 18), (257, 1000), (1024, 4096)))
+def test_cuda_dact_cast_transpose_without_transpose(activation, m, f_in):
+    dy, x = random_pair((m, f_in), activation, torch.bfloat16, "cuda")
+    amax, amax_both = scalar(0.0, "cuda"), scalar(0.0, "cuda")
+    q, qt, dbias = ops.dact_cast_transpose(dy, x, activation, scalar(8.0, "cuda"), torch.float8_e5m2, amax, None,
+                                           True, False)
+    q_both, _, dbias_both = ops.dact_cast_transpose(dy, x, activation, scalar(8.0, "cuda"), torch.float8_e5m2,
+                                                    amax_both, None, True)
+    assert qt.numel() == 0 and torch.equal(q.view(torch.uint8), q_both.view(torch.uint8))
+    assert torch.equal(dbias, dbias_both) and torch.equal(amax, amax_both)
 
 
 @pytest.mark.gpu

@@ -108,7 +108,7 @@ def activation_bwd(grad_out, input, activation):
 
 @register("dact_cast_transpose")
 def dact_cast_transpose(grad_out, input, activation, scale, fp8_dtype, amax=None, scale_inv=None,
-                        compute_dbias=False):
+                        compute_dbias=False, transpose=True):
     check_activation(activation)
     _check_input(input, activation)
     if input.dim() != 2:
@@ -121,5 +121,5 @@ def dact_cast_transpose(grad_out, input, activation, scale, fp8_dtype, amax=None
     dx = act_backward(grad_out.float(), input.float(), activation)
     q = _quantize(dx, scale, fp8_dtype, amax, scale_inv)
     dbias = dx.sum(dim=0).to(grad_out.dtype) if compute_dbias else grad_out.new_empty((0,))
-    return q, q.t().contiguous(), dbias
+    return q, (q.t().contiguous() if transpose else q.new_empty((0,))), dbias
 

@@ -46,14 +46,16 @@ def _take(stash, key):
 
 
 def _dact_to_fp8(module, d_act, fc1_out, with_dbias):
-    """d(fc1_out) = act'(fc1_out) * d_act into FP8 backward slot 0: (q, qT, scale_inv, dbias or None)."""
+    """d(fc1_out) = act'(fc1_out) * d_act into FP8 backward slot 0: (q, qT or None, scale_inv, dbias or None).
+    Delayed scaling writes q only: qT (for the FC1 wgrad) is made from q after the FC1 dgrad, once fc1_out and d_act
+    are gone, so that the backward's peak (here) holds half the FP8 bytes."""
     if module.fp8_current or not module.fp8_bwd.calibrated:  # (unfused: the cast's scale comes from d_fc1)
         d_fc1 = tfp8.activation_bwd(d_act, fc1_out, module.activation)
         return cast_grad_output(d_fc1, module, 0, with_dbias, True, True)
     scale, fp8_dtype, amax, scale_inv = fp8_output_args(module.fp8_bwd, 0, module.bwd_dtype)
-    q, qt, dbias = tfp8.dact_cast_transpose(d_act, fc1_out, module.activation, scale, fp8_dtype, amax, scale_inv,
-                                            with_dbias)
-    return q, qt, scale_inv, (dbias if with_dbias else None)
+    q, _, dbias = tfp8.dact_cast_transpose(d_act, fc1_out, module.activation, scale, fp8_dtype, amax, scale_inv,
+                                           with_dbias, False)
+    return q, None, scale_inv, (dbias if with_dbias else None)
 
 
 class _FP8LayerNormMLP(torch.autograd.Function):
@@ -99,8 +101,9 @@ class _FP8LayerNormMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, grad_ln_out):
         """FC2 wgrad, FC2 dgrad, activation backward, FC1 dgrad, FC1 wgrad, norm backward: in this order, each
-        stashed tensor dropped after its last use, so that the peak (the activation backward: fc1_out, its gradient
-        and their FP8 copies) holds no other [tokens, ffn] tensor (the FP8 activation goes with the FC2 wgrad)."""
+        stashed tensor dropped after its last use, so that the peak (the activation backward: fc1_out, d_act and the
+        FP8 d(fc1_out)) holds no other [tokens, ffn] tensor (the FP8 activation goes with the FC2 wgrad, the FP8
+        d(fc1_out)ᵀ comes after the FC1 dgrad)."""
         x, mean, rstd, ln_weight = ctx.saved_tensors
         if ctx.stash is None:
             raise RuntimeError("LayerNormMLP: backward ran twice through one forward (retain_graph is not supported)")
@@ -131,6 +134,8 @@ class _FP8LayerNormMLP(torch.autograd.Function):
                 w1t = module._fp8_weight_transpose(fc1_weight, _take(stash, "w1qt"), w1sinv) if need_dgrad else None
                 d_ln, _ = gemm_grads(module, fc1_weight, (dq1, None, dsinv1), (w1t, w1sinv), None, dtype, need_dgrad,
                                      False)
+                if dqt1 is None and needs[3]:
+                    dqt1 = tfp8.fp8_transpose(dq1)
                 del dq1, w1t
                 d_ln_sum = start_dgrad_sum(module, dgrad_collective(module, True), d_ln)
                 _, dw1 = gemm_grads(module, fc1_weight, (None, dqt1, dsinv1), None, (_take(stash, "lnqt"), lnsinv),
