@@ -1,6 +1,7 @@
 """TransformerLayer forward+backward: ours (FP8 under fp8_autocast, and BF16 without) vs the same pre-LN layer in
 plain PyTorch BF16 (SDPA), eager and torch.compile; then attention alone, our DotProductAttention vs torch SDPA
-(default choice and each fused backend). Prints tables and writes JSON (--json).
+(default choice and each fused backend, on bhsd tensors; and the cuDNN backend on the sbhd views ours takes). Prints
+tables and writes JSON (--json).
 
 Each step starts with the gradients set to None, as after optimizer.zero_grad() (no accumulation adds).
 Two times per layer step: "ms", each step alone (synchronised before it: the host's launch latency at the start of
@@ -117,6 +118,12 @@ def attention_rows(name, c):
             out.backward(dyt)
         return step
 
+    def torch_cudnn_sbhd():
+        """PyTorch's cuDNN backend on ours' inputs and output layout (sbhd views in, [s, b, h*d] out)."""
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), enable_gqa=g != h)
+        out.permute(2, 0, 1, 3).reshape(s, b, h * d).backward(dy)
+
     cudnn_dpa = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="no_mask", attention_backend="cudnn")
     variants = [("ours DotProductAttention", lambda: dpa(q, k, v).backward(dy))]
     if cudnn_attention_built():
@@ -124,6 +131,7 @@ def attention_rows(name, c):
     variants.append(("torch SDPA default", torch_sdpa()))
     variants += [(f"torch SDPA {bk.name}", torch_sdpa(bk)) for bk in
                  (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
+    variants.append(("torch SDPA CUDNN_ATTENTION, sbhd", torch_cudnn_sbhd))
     flops = 4 * b * h * s * s * d * 3.5  # fwd 2 GEMMs, bwd 5: 3.5x the forward's 4*b*h*s*s*d
     rows = []
     for variant, step in variants:
@@ -151,12 +159,14 @@ def main():
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--configs", default="guide,gqa")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--attention-only", action="store_true", help="only the attention-alone table")
     args = parser.parse_args()
     torch.manual_seed(0)
     layers, attention = [], []
     for name in args.configs.split(","):
-        layers += layer_rows(name, CONFIGS[name], not args.no_compile)
-        torch.cuda.empty_cache()
+        if not args.attention_only:
+            layers += layer_rows(name, CONFIGS[name], not args.no_compile)
+            torch.cuda.empty_cache()
         attention += attention_rows(name, CONFIGS[name])
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
