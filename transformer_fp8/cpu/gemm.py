@@ -78,12 +78,17 @@ def check_residual(a, b, out_dtype, gelu, residual):
                          f"{out_dtype}{' with gelu' if gelu else ''}")
     if residual.dtype != out_dtype:
         raise ValueError(f"residual: expected dtype {out_dtype} (out_dtype), got {residual.dtype}")
-    if residual.shape != (m, n):
-        raise ValueError(f"residual: expected shape ({m}, {n}), got {tuple(residual.shape)}")
-    if not residual.is_contiguous():
-        raise ValueError(f"residual: expected a contiguous tensor, got strides {residual.stride()}")
-    if residual.device != a.device:
-        raise ValueError(f"residual: expected a tensor on {a.device}, got one on {residual.device}")
+    _check_output_matrix(residual, "residual", m, n, a.device)
+
+
+def _check_output_matrix(t, arg, m, n, device):
+    """An [m, n] tensor the GEMM reads as C: shape, contiguity, device."""
+    if t.shape != (m, n):
+        raise ValueError(f"{arg}: expected shape ({m}, {n}), got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{arg}: expected a contiguous tensor, got strides {t.stride()}")
+    if t.device != device:
+        raise ValueError(f"{arg}: expected a tensor on {device}, got one on {t.device}")
 
 
 def dequantized_matmul(a, a_scale_inv, b, b_scale_inv):
@@ -119,10 +124,5 @@ def fp8_gemm_accumulate(a, a_scale_inv, b, b_scale_inv, out, use_split_accumulat
     m, n = a.shape[0], b.shape[0]
     if out.dtype != torch.float32:
         raise ValueError(f"out: expected a float32 tensor, got {out.dtype}")
-    if out.shape != (m, n):
-        raise ValueError(f"out: expected shape ({m}, {n}), got {tuple(out.shape)}")
-    if not out.is_contiguous():
-        raise ValueError(f"out: expected a contiguous tensor, got strides {out.stride()}")
-    if out.device != a.device:
-        raise ValueError(f"out: expected a tensor on {a.device}, got one on {out.device}")
+    _check_output_matrix(out, "out", m, n, a.device)
     out.add_(dequantized_matmul(a, a_scale_inv, b, b_scale_inv))
