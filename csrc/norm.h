@@ -43,6 +43,7 @@ struct NormBwdParams {
   const float* rstd;
   const void* weight;
   void* dx;
+  const void* dx_add;  // optional, the input's type: added to dx
   void* dgamma;
   void* dbeta;        // LayerNorm only
   int64_t rows, cols;

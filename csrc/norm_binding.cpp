@@ -35,14 +35,13 @@ void check_stat(const at::Tensor& t, const at::Tensor& input, const char* arg) {
   check_contiguous(t, arg);
 }
 
-// grad_out: the input's shape, dtype and device.
-void check_grad_out(const at::Tensor& grad_out, const at::Tensor& input) {
-  TORCH_CHECK(grad_out.scalar_type() == input.scalar_type(), "grad_out: expected dtype ", input.scalar_type(),
-              " (the input's), got ", grad_out.scalar_type());
-  TORCH_CHECK(grad_out.sizes() == input.sizes(), "grad_out: expected shape ", dims(input.sizes()), ", got ",
-              dims(grad_out.sizes()));
-  check_same_device(grad_out, input, "grad_out");
-  check_contiguous(grad_out, "grad_out");
+// grad_out, dx_add: the input's shape, dtype and device.
+void check_like_input(const at::Tensor& t, const at::Tensor& input, const char* arg) {
+  TORCH_CHECK(t.scalar_type() == input.scalar_type(), arg, ": expected dtype ", input.scalar_type(),
+              " (the input's), got ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == input.sizes(), arg, ": expected shape ", dims(input.sizes()), ", got ", dims(t.sizes()));
+  check_same_device(t, input, arg);
+  check_contiguous(t, arg);
 }
 
 void check_fp8_args(const at::Tensor& input, const std::optional<at::Tensor>& scale,
@@ -127,9 +126,11 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_fwd(const at::Tensor& input, const at
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
                                                         const std::optional<at::Tensor>& mean,
                                                         const at::Tensor& rstd, const at::Tensor& weight,
-                                                        bool zero_centered_gamma) {
+                                                        bool zero_centered_gamma,
+                                                        const std::optional<at::Tensor>& dx_add) {
   check_input(input);
-  check_grad_out(grad_out, input);
+  check_like_input(grad_out, input, "grad_out");
+  if (dx_add.has_value()) check_like_input(*dx_add, input, "dx_add");
   if (mean.has_value()) check_stat(*mean, input, "mean");
   check_stat(rstd, input, "rstd");
   check_param(weight, input, "weight");
@@ -147,6 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& grad_o
   p.rstd = rstd.data_ptr<float>();
   p.weight = weight.data_ptr();
   p.dx = dx.data_ptr();
+  p.dx_add = dx_add.has_value() ? dx_add->data_ptr() : nullptr;
   p.dgamma = dgamma.data_ptr();
   p.dbeta = mean.has_value() ? dbeta.data_ptr() : nullptr;
   p.rows = input.size(0);
@@ -161,14 +163,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& grad_o
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layernorm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
                                                              const at::Tensor& mean, const at::Tensor& rstd,
-                                                             const at::Tensor& weight, bool zero_centered_gamma) {
-  return norm_bwd(grad_out, input, mean, rstd, weight, zero_centered_gamma);
+                                                             const at::Tensor& weight, bool zero_centered_gamma,
+                                                             const std::optional<at::Tensor>& dx_add) {
+  return norm_bwd(grad_out, input, mean, rstd, weight, zero_centered_gamma, dx_add);
 }
 
 std::tuple<at::Tensor, at::Tensor> rmsnorm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
                                                const at::Tensor& rstd, const at::Tensor& weight,
-                                               bool zero_centered_gamma) {
-  auto [dx, dgamma, dbeta] = norm_bwd(grad_out, input, std::nullopt, rstd, weight, zero_centered_gamma);
+                                               bool zero_centered_gamma, const std::optional<at::Tensor>& dx_add) {
+  auto [dx, dgamma, dbeta] = norm_bwd(grad_out, input, std::nullopt, rstd, weight, zero_centered_gamma, dx_add);
   return {dx, dgamma};
 }
 

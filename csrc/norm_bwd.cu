@@ -84,11 +84,14 @@ __global__ void __launch_bounds__(bwd_max_threads_per_row<kVecs>())
       const int64_t col = (static_cast<int64_t>(v) * blockDim.x + threadIdx.x) * kVec;
       float gamma[kVec];
       load_floats(weight + col, gamma);
-      Vec<T, kVec> dx;
+      Vec<T, kVec> dx, add;
+      if (p.dx_add != nullptr)
+        add = *reinterpret_cast<const Vec<T, kVec>*>(static_cast<const T*>(p.dx_add) + row * p.cols + col);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         const float xhat = terms.xhat(to_float<T>(x[v].v[i])), g = terms.g(to_float<T>(dy[v].v[i]), gamma[i]);
-        dx.v[i] = from_float<T>(dx_of<kLayerNorm>(g, xhat, sums, cols_f, terms.rstd));
+        const float extra = p.dx_add != nullptr ? to_float<T>(add.v[i]) : 0.f;
+        dx.v[i] = from_float<T>(dx_of<kLayerNorm>(g, xhat, sums, cols_f, terms.rstd) + extra);
       }
       *reinterpret_cast<Vec<T, kVec>*>(static_cast<T*>(p.dx) + row * p.cols + col) = dx;
     }
@@ -143,9 +146,12 @@ __global__ void __launch_bounds__(kGeneralThreads) norm_bwd_general(NormBwdParam
     }
     sums = row_reduce(sums, partials);
     T* dx = static_cast<T*>(p.dx) + row * p.cols;
+    const T* add = p.dx_add != nullptr ? static_cast<const T*>(p.dx_add) + row * p.cols : nullptr;
     for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
       const float xhat = terms.xhat(to_float<T>(x[c])), d = to_float<T>(dy[c]);
-      dx[c] = from_float<T>(dx_of<kLayerNorm>(terms.g(d, to_float<W>(weight[c])), xhat, sums, cols_f, terms.rstd));
+      const float extra = add != nullptr ? to_float<T>(add[c]) : 0.f;
+      dx[c] = from_float<T>(
+          dx_of<kLayerNorm>(terms.g(d, to_float<W>(weight[c])), xhat, sums, cols_f, terms.rstd) + extra);
       dgamma[c] += d * xhat;
       if constexpr (kLayerNorm) dbeta[c] += d;
     }
@@ -181,7 +187,8 @@ struct BwdPlan {
 
 template <typename T, typename W, bool kLayerNorm>
 BwdPlan plan_typed(const NormBwdParams& p) {
-  const bool aligned = aligned16(p.input) && aligned16(p.grad_out) && aligned16(p.weight) && aligned16(p.dx);
+  const bool aligned = aligned16(p.input) && aligned16(p.grad_out) && aligned16(p.weight) && aligned16(p.dx) &&
+                       (p.dx_add == nullptr || aligned16(p.dx_add));
   RowLaunch plan = plan_rows(p.rows, p.cols, vec_elems<T>(), 1, bwd_max_threads_per_row<1>(), aligned);
   BwdPlan out{norm_bwd_registers<T, W, kLayerNorm, 1>, plan.block, 0};
   if (!plan.registers) {

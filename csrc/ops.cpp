@@ -42,12 +42,13 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("layernorm_fwd(Tensor input, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma=False, "
         "Tensor? scale=None, ScalarType? fp8_dtype=None, Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None) "
         "-> (Tensor, Tensor, Tensor)");  // (out, mean [M] f32, rstd [M] f32)
+  // dx_add (the input's shape and dtype): a gradient reaching the input by another path, added to dx (one rounding)
   m.def("layernorm_bwd(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd, Tensor weight, "
-        "bool zero_centered_gamma=False) -> (Tensor, Tensor, Tensor)");  // (dx, dgamma, dbeta)
+        "bool zero_centered_gamma=False, Tensor? dx_add=None) -> (Tensor, Tensor, Tensor)");  // (dx, dgamma, dbeta)
   m.def("rmsnorm_fwd(Tensor input, Tensor weight, float eps, bool zero_centered_gamma=False, Tensor? scale=None, "
         "ScalarType? fp8_dtype=None, Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None) -> (Tensor, Tensor)");
-  m.def("rmsnorm_bwd(Tensor grad_out, Tensor input, Tensor rstd, Tensor weight, bool zero_centered_gamma=False) "
-        "-> (Tensor, Tensor)");  // (dx, dgamma)
+  m.def("rmsnorm_bwd(Tensor grad_out, Tensor input, Tensor rstd, Tensor weight, bool zero_centered_gamma=False, "
+        "Tensor? dx_add=None) -> (Tensor, Tensor)");  // (dx, dgamma)
 
   // --- activation family --- activation in {"gelu", "relu", "swiglu"}; swiglu halves the last dim:
   // input [..., 2F] = [gate | up] -> silu(gate) * up [..., F]

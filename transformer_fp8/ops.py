@@ -75,7 +75,7 @@ def _(input, weight, bias, eps, zero_centered_gamma=False, scale=None, fp8_dtype
 
 
 @_register_fake("transformer_fp8::layernorm_bwd")
-def _(grad_out, input, mean, rstd, weight, zero_centered_gamma=False):
+def _(grad_out, input, mean, rstd, weight, zero_centered_gamma=False, dx_add=None):
     return torch.empty_like(input), torch.empty_like(weight), torch.empty_like(weight)
 
 
@@ -86,7 +86,7 @@ def _(input, weight, eps, zero_centered_gamma=False, scale=None, fp8_dtype=None,
 
 
 @_register_fake("transformer_fp8::rmsnorm_bwd")
-def _(grad_out, input, rstd, weight, zero_centered_gamma=False):
+def _(grad_out, input, rstd, weight, zero_centered_gamma=False, dx_add=None):
     return torch.empty_like(input), torch.empty_like(weight)
 
 

@@ -94,8 +94,8 @@ def test_bad_residual_names_the_argument(which):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_residual_may_be_the_input(device):
-    """mlp(x, residual=x): x's gradient is the MLP's input gradient plus the output's (also under torch.compile,
-    which would drop one gradient of a tensor given twice to one autograd Function)."""
+    """mlp(x, residual=x): x's gradient is the MLP's input gradient plus the output's, added inside the norm
+    backward (torch.compile: see tests/test_compile.py's TransformerLayer)."""
     module, in_shape, out_shape = make("LayerNormMLP", device)
     twin = copy.deepcopy(module)
     x = torch.randn(in_shape, device=device, dtype=BF16)
@@ -105,4 +105,4 @@ def test_residual_may_be_the_input(device):
         out = module(both, residual=both)
     out.backward(dy)
     _, dx_plain, _, _ = run(twin, x, None, dy, True)
-    assert torch.equal(both.grad, dx_plain + dy)
+    assert rel_error(both.grad, dx_plain.float() + dy.float()) < 4e-3  # (added inside the norm backward)

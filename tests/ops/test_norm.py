@@ -149,10 +149,23 @@ def autograd_ref(kind, x, weight, bias, zcg, dy):
     return (x64.grad, w64.grad, b64.grad) if kind == "layernorm" else (x64.grad, w64.grad)
 
 
-def run_bwd(kind, dy, x, mean, rstd, weight, zcg):
+def run_bwd(kind, dy, x, mean, rstd, weight, zcg, **kwargs):
     if kind == "layernorm":
-        return ops.layernorm_bwd(dy, x, mean, rstd, weight, zcg)
-    return ops.rmsnorm_bwd(dy, x, rstd, weight, zcg)
+        return ops.layernorm_bwd(dy, x, mean, rstd, weight, zcg, **kwargs)
+    return ops.rmsnorm_bwd(dy, x, rstd, weight, zcg, **kwargs)
+
+
+def check_dx_add(kind, m, n, dtype, device):
+    """dx_add joins dx (one rounding): dx(dx_add) vs float64 autograd's dx + dx_add; dgamma/dbeta unchanged."""
+    x, weight, bias = make_inputs(m, n, dtype, device)
+    dy, dx_add = (torch.randn(m, n, device=device).to(dtype) for _ in range(2))
+    _, mean, rstd = run_fwd(kind, x, weight, bias, False, None, None)
+    grads = run_bwd(kind, dy, x, mean, rstd, weight, False, dx_add=dx_add)
+    plain = run_bwd(kind, dy, x, mean, rstd, weight, False)
+    refs = autograd_ref(kind, x, weight, bias, False, dy)
+    assert_close_rel(grads[0], refs[0] + dx_add.double(), BWD_RTOL[dtype], "dx + dx_add")
+    for got, want in zip(grads[1:], plain[1:]):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
@@ -168,6 +181,13 @@ def test_bwd_matches_autograd_float64(kind, shape, dtype, zcg):
     for name, got, ref in zip(("dx", "dgamma", "dbeta"), grads, refs):
         assert got.dtype == dtype and got.shape == ref.shape
         assert_close_rel(got, ref, BWD_RTOL[dtype], name)
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("shape", [(7, 1000), (32, 768)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bwd_dx_add(kind, shape, dtype):
+    check_dx_add(kind, *shape, dtype, "cpu")
 
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
@@ -235,6 +255,8 @@ def bad_calls():
         ("mean", ValueError, lambda: ops.layernorm_bwd(x, x, stat[:3], stat, w)),
         ("rstd", TypeError, lambda: ops.rmsnorm_bwd(x, x, stat.double(), w)),
         ("weight", ValueError, lambda: ops.rmsnorm_bwd(x, x, stat, w[:5])),
+        ("dx_add", ValueError, lambda: ops.rmsnorm_bwd(x, x, stat, w, dx_add=x[:2])),
+        ("dx_add", TypeError, lambda: ops.layernorm_bwd(x, x, stat, stat, w, dx_add=x.double())),
     ]
 
 
@@ -298,6 +320,14 @@ def test_cuda_fwd_other_dtypes_zero_centered(kind, dtype, weight_dtype, n):
     assert out.dtype == dtype
     check_fwd_against_float64(out.cpu(), reference(kind, x, weight, bias, True).cpu(), dtype, None, None)
     assert_close_rel(out.cpu(), out_c, FWD_RTOL[dtype] / 2, "out vs CPU reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("m,n", [(37, 1000), (1000, 4096), (300, 20000)])  # (20000 columns: the general kernel)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_bwd_dx_add(kind, m, n, dtype):
+    check_dx_add(kind, m, n, dtype, "cuda")
 
 
 @pytest.mark.gpu

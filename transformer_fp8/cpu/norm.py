@@ -119,39 +119,42 @@ def rmsnorm_fwd(input, weight, eps, zero_centered_gamma=False, scale=None, fp8_d
     return _finish_fwd(y, input, scale, fp8_dtype, amax, scale_inv), rstd
 
 
-def _check_bwd(grad_out, input, rstd, weight, mean=None):
+def _check_bwd(grad_out, input, rstd, weight, mean=None, dx_add=None):
     _check_input(input)
     _check_like(grad_out, input, "grad_out")
+    if dx_add is not None:
+        _check_like(dx_add, input, "dx_add")
     if mean is not None:
         _check_stat(mean, input, "mean")
     _check_stat(rstd, input, "rstd")
     _check_param(weight, input, "weight")
 
 
-def _dx(g, xhat, rstd, center):
-    """dx = rstd * (g - [mean(g)] - xhat * mean(g * xhat)), g = dy * gamma'; the mean(g) term for LayerNorm only."""
+def _dx(g, xhat, rstd, center, dx_add=None):
+    """dx = rstd * (g - [mean(g)] - xhat * mean(g * xhat)) (+ dx_add), g = dy * gamma'; the mean(g) term for LayerNorm
+    only."""
     d = g - xhat * (g * xhat).mean(dim=1, keepdim=True)
     if center:
         d = d - g.mean(dim=1, keepdim=True)
-    return d * rstd[:, None]
+    return d * rstd[:, None] if dx_add is None else d * rstd[:, None] + dx_add.float()
 
 
 @register("layernorm_bwd")
-def layernorm_bwd(grad_out, input, mean, rstd, weight, zero_centered_gamma=False):
-    _check_bwd(grad_out, input, rstd, weight, mean)
+def layernorm_bwd(grad_out, input, mean, rstd, weight, zero_centered_gamma=False, dx_add=None):
+    _check_bwd(grad_out, input, rstd, weight, mean, dx_add)
     dy = grad_out.float()
     xhat = (input.float() - mean[:, None]) * rstd[:, None]
-    dx = _dx(dy * _gamma(weight, zero_centered_gamma), xhat, rstd, center=True)
+    dx = _dx(dy * _gamma(weight, zero_centered_gamma), xhat, rstd, center=True, dx_add=dx_add)
     dgamma = (dy * xhat).sum(dim=0)
     dbeta = dy.sum(dim=0)
     return dx.to(input.dtype), dgamma.to(weight.dtype), dbeta.to(weight.dtype)
 
 
 @register("rmsnorm_bwd")
-def rmsnorm_bwd(grad_out, input, rstd, weight, zero_centered_gamma=False):
-    _check_bwd(grad_out, input, rstd, weight)
+def rmsnorm_bwd(grad_out, input, rstd, weight, zero_centered_gamma=False, dx_add=None):
+    _check_bwd(grad_out, input, rstd, weight, dx_add=dx_add)
     dy = grad_out.float()
     xhat = input.float() * rstd[:, None]
-    dx = _dx(dy * _gamma(weight, zero_centered_gamma), xhat, rstd, center=False)
+    dx = _dx(dy * _gamma(weight, zero_centered_gamma), xhat, rstd, center=False, dx_add=dx_add)
     dgamma = (dy * xhat).sum(dim=0)
     return dx.to(input.dtype), dgamma.to(weight.dtype)

@@ -66,7 +66,7 @@ class _FP8LayerNormMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, training,
-                is_first_microbatch, residual):
+                is_first_microbatch, residual, adds_input):
         ctx.set_materialize_grads(False)
         needs = [training and n for n in ctx.needs_input_grad[:7]]
         need_dgrad, need_fc1_wgrad, need_fc2_wgrad = any(needs[:3]), needs[3], needs[5]
@@ -84,8 +84,8 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         fc1_out = fp8_gemm_bias(lnq, lnsinv, w1q, w1sinv, dtype, fc1_bias)
         aq, aqt, asinv = _activation_to_fp8(module, fc1_out, need_fc2_wgrad)
         w2q, w2qt, w2sinv = module._fp8_weight("fc2_weight", fc2_weight, 3, need_fc2_dgrad, is_first_microbatch)
-        out = fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, fc2_bias, residual_rows(residual))
-        ctx.has_residual = residual is not None
+        out = fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, fc2_bias, x if adds_input else residual_rows(residual))
+        ctx.has_residual, ctx.adds_input = residual is not None, adds_input
         if training:
             ctx.save_for_backward(x, mean, rstd, ln_weight)
             # The big intermediates sit outside save_for_backward so that the backward can drop each one right
@@ -112,9 +112,10 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         fc1_weight, fc2_weight = ctx.weights
         module, needs, dtype = ctx.module, ctx.needs, x.dtype
         need_dgrad, need_fc2_dgrad = any(needs[:3]), any(needs[:5])
-        dw1 = dbias1 = dw2 = dbias2 = d_ln = None
+        dw1 = dbias1 = dw2 = dbias2 = d_ln = residual_grad = None
         if grad is not None:
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
+            residual_grad = dy if ctx.adds_input else None  # (added to dx inside the norm backward)
             dq, dqt, dsinv, dbias2 = cast_grad_output(dy, module, 1, needs[6], need_fc2_dgrad, needs[5])
             register_backward(module, *ctx.fp8_state)
             _, dw2 = gemm_grads(module, fc2_weight, (None, dqt, dsinv), None, (_take(stash, "aqt"), asinv), dtype,
@@ -144,8 +145,9 @@ class _FP8LayerNormMLP(torch.autograd.Function):
                 d_ln = d_ln_sum.wait()
         del stash
         dx, dgamma, dbeta = norm_backward(module, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
-                                          ln_weight, ctx.inp_shape)
-        return dx, dgamma, dbeta, dw1, dbias1, dw2, dbias2, None, None, None, (grad if ctx.has_residual else None)
+                                          ln_weight, ctx.inp_shape, residual_grad)
+        return (dx, dgamma, dbeta, dw1, dbias1, dw2, dbias2, None, None, None, (grad if ctx.has_residual else None),
+                None)
 
 
 class LayerNormMLP(FP8ModuleBase):
@@ -211,6 +213,7 @@ class LayerNormMLP(FP8ModuleBase):
         """(fc2(act(fc1(norm(inp)))) (+ residual) with this rank's weights, norm output) in FP8 inside fp8_autocast.
         TP: the output is this rank's partial sum; with sequence_parallel inp is this rank's block and the norm
         output is all-gathered before FC1."""
+        adds_input = residual is inp  # (the MLP adds its own input: its gradient joins dx in the norm backward)
         inp = inp if inp.is_contiguous() else inp.contiguous()
         tp, gathers, state = self.tp, gathers_input(self), autocast.STATE
         ln_weight, ln_bias = self.layer_norm_weight, self.layer_norm_bias
@@ -219,10 +222,9 @@ class LayerNormMLP(FP8ModuleBase):
             ln_weight, ln_bias = tp.replicated(ln_weight), tp.replicated(ln_bias)
         if fp8:  # (TP: the Function sums the norm output's gradient over the ranks itself)
             self._fp8_begin(state)
-            if residual is inp:  # (torch.compile drops one gradient of a tensor given twice to a Function)
-                residual = residual.view_as(residual)
             return _FP8LayerNormMLP.apply(inp, ln_weight, ln_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
-                                          fc2_bias, self, torch.is_grad_enabled(), is_first_microbatch, residual)
+                                          fc2_bias, self, torch.is_grad_enabled(), is_first_microbatch,
+                                          None if adds_input else residual, adds_input)
         inp = tp.column_input(inp) if tp is not None and not gathers else inp
         ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps, self.zero_centered_gamma)
         fc1_in = gather_from_sequence_parallel_region(ln_out, self.tp.group) if gathers else ln_out

@@ -19,24 +19,26 @@ def norm_fwd(normalization, x, weight, bias, eps, zero_centered_gamma, scale=Non
     return out, None, rstd
 
 
-def norm_bwd(normalization, grad, x, mean, rstd, weight, zero_centered_gamma):
-    """-> (dx [M, N], dgamma [N], dbeta [N] or None)."""
+def norm_bwd(normalization, grad, x, mean, rstd, weight, zero_centered_gamma, dx_add=None):
+    """-> (dx [M, N] (+ dx_add [M, N]), dgamma [N], dbeta [N] or None)."""
+    extra = {} if dx_add is None else {"dx_add": dx_add}
     if normalization == "LayerNorm":
-        return tfp8.layernorm_bwd(grad, x, mean, rstd, weight, zero_centered_gamma)
-    dx, dgamma = tfp8.rmsnorm_bwd(grad, x, rstd, weight, zero_centered_gamma)
+        return tfp8.layernorm_bwd(grad, x, mean, rstd, weight, zero_centered_gamma, **extra)
+    dx, dgamma = tfp8.rmsnorm_bwd(grad, x, rstd, weight, zero_centered_gamma, **extra)
     return dx, dgamma, None
 
 
-def norm_backward(module, d_ln, grad_ln_out, x, mean, rstd, weight, inp_shape):
+def norm_backward(module, d_ln, grad_ln_out, x, mean, rstd, weight, inp_shape, dx_add=None):
     """The norm's backward at the end of LayerNormLinear / LayerNormMLP: the GEMM's input gradient d_ln plus the
     gradient of the returned norm output (either may be None) -> (dx in inp_shape, dgamma, dbeta), Nones if no grad.
-    An empty grad_ln_out (that of the empty placeholder output) counts as None: torch.compile passes one."""
+    An empty grad_ln_out (that of the empty placeholder output) counts as None: torch.compile passes one.
+    dx_add (x's shape, or None): another gradient of the input, added to dx inside the norm backward."""
     if grad_ln_out is not None and grad_ln_out.numel() == x.numel():
         d_ln = grad_ln_out.reshape(x.shape) if d_ln is None else d_ln + grad_ln_out.reshape(x.shape)
     if d_ln is None:
-        return None, None, None
+        return (None if dx_add is None else dx_add.view(inp_shape)), None, None
     dx, dgamma, dbeta = norm_bwd(module.normalization, d_ln.contiguous(), x, mean, rstd, weight,
-                                 module.zero_centered_gamma)
+                                 module.zero_centered_gamma, dx_add)
     return dx.view(inp_shape), dgamma, dbeta
 
 
