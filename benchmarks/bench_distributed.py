@@ -13,7 +13,9 @@ Bytes: per rank and step, the full buffer of each collective issued by transform
 tensor, the all-gather's output, the reduce-scatter's input), counted on one extra step; the amax all-reduce (a few
 hundred bytes) is not included. "sent": what each rank sends of those in a ring algorithm, (n-1)/n of the buffer for
 an all-gather or reduce-scatter and twice that for an all-reduce (n ranks): the figure to compare across variants.
-Time: median over --iters steps (CUDA events on GPU), the slowest rank's.
+Time: the slowest rank's, two ways (CUDA events on GPU): "ms" the median over --iters steps each timed alone (the
+GPU idles while the host issues the step's first kernels), "ms_b2b" the mean step of --iters steps issued back to
+back (a training loop's steady state). The target is checked on both.
 """
 import argparse
 import json
@@ -23,6 +25,9 @@ import time
 import types
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the device machines require it)
+# One hardware queue: kernels start in issue order across streams, so a collective started before a GEMM it should
+# overlap (the dgrad sums, see module/_column_parallel.py) gets its SMs first (as Megatron / TE set it for TP).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -83,7 +88,8 @@ class _swapped:
 
 
 def step_ms(step, device, warmup, iters):
-    """Median ms of step() (CUDA events on a GPU, wall clock on CPU)."""
+    """(median ms of step() timed alone, mean ms of `iters` steps back to back): CUDA events on a GPU, wall clock on
+    CPU."""
     for _ in range(warmup):
         step()
     times = []
@@ -99,11 +105,20 @@ def step_ms(step, device, warmup, iters):
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    if device.type != "cuda":
+        return statistics.median(times), statistics.mean(times)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    end.synchronize()
+    return statistics.median(times), start.elapsed_time(end) / iters
 
 
 def run_variant(c, tp_group, sequence_parallel, device, dtype, amax_group, fp8_recipe, args):
-    """(ms per step, {collective: bytes per step}) of one TransformerLayer configuration on this rank."""
+    """((ms alone, ms back to back) per step, {collective: bytes per step}) of one TransformerLayer configuration on
+    this rank."""
     tp = tp_group is not None
     size = dist.get_world_size(tp_group) if tp else 1
     torch.manual_seed(0)
@@ -174,21 +189,25 @@ def main():
     for variant in results:
         times = [r[variant][0] for r in per_rank if variant in r]
         collectives = results[variant][1]
-        rows.append(dict(variant=variant, ms=max(times), ms_per_rank=times, bytes=collectives,
-                         total_bytes=sum(collectives.values()), sent_bytes=sent_bytes(collectives, world)))
-    tp1_ms = rows[0]["ms"]
+        rows.append(dict(variant=variant, ms=max(t[0] for t in times), ms_b2b=max(t[1] for t in times),
+                         ms_per_rank=times, bytes=collectives, total_bytes=sum(collectives.values()),
+                         sent_bytes=sent_bytes(collectives, world)))
     for row in rows:
-        row["vs_tp1"] = row["ms"] / tp1_ms
+        row["vs_tp1"] = row["ms"] / rows[0]["ms"]
+        row["vs_tp1_b2b"] = row["ms_b2b"] / rows[0]["ms_b2b"]
     print(f"TransformerLayer fwd+bwd, config {name} {c}, FP8 (delayed scaling), {dtype}, {device.type}, "
           f"world {world}")
-    print(f"{'variant':<24} {'ms/step':>9} {'vs TP=1':>8} {'buffers MiB':>12} {'sent MiB':>9}  collectives (buffers)")
+    print(f"{'variant':<24} {'ms alone':>9} {'vs TP=1':>8} {'ms b2b':>8} {'vs TP=1':>8} {'buffers MiB':>12} "
+          f"{'sent MiB':>9}  collectives (buffers)")
     for row in rows:
         detail = ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in sorted(row["bytes"].items())) or "-"
-        print(f"{row['variant']:<24} {row['ms']:>9.2f} {row['vs_tp1']:>8.2f} {row['total_bytes'] / 2**20:>12.1f} "
-              f"{row['sent_bytes'] / 2**20:>9.1f}  {detail}")
-    tp_vs_tp1 = rows[1]["vs_tp1"]
-    target_met = tp_vs_tp1 <= TARGET_TP2_VS_TP1
-    print(f"target TP={world} <= {TARGET_TP2_VS_TP1}x TP=1: {'met' if target_met else 'NOT met'} ({tp_vs_tp1:.2f}x)")
+        print(f"{row['variant']:<24} {row['ms']:>9.2f} {row['vs_tp1']:>8.2f} {row['ms_b2b']:>8.2f} "
+              f"{row['vs_tp1_b2b']:>8.2f} {row['total_bytes'] / 2**20:>12.1f} {row['sent_bytes'] / 2**20:>9.1f}  {detail}")
+    best = {timing: min(row[timing] for row in rows[1:]) for timing in ("vs_tp1", "vs_tp1_b2b")}
+    target_met = {timing: ratio <= TARGET_TP2_VS_TP1 for timing, ratio in best.items()}
+    for timing, label in (("vs_tp1", "steps alone"), ("vs_tp1_b2b", "back to back")):
+        print(f"target TP={world} <= {TARGET_TP2_VS_TP1}x TP=1 ({label}, best TP variant): "
+              f"{'met' if target_met[timing] else 'NOT met'} ({best[timing]:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=name, shape=c, dtype=str(dtype), device=device.type, world=world, rows=rows,

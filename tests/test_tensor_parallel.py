@@ -66,6 +66,36 @@ def _transformer_layer(parallel_mode=None, **tp):
                                device=DEVICE, set_parallel_mode=parallel_mode is not None, **tp)
 
 
+class _ResidualParam(torch.nn.Module):
+    """module(x, residual=r), r a parameter of the output's shape (its gradient is checked like a weight's)."""
+
+    def __init__(self, module, shape):
+        super().__init__()
+        self.module, self.residual = module, torch.nn.Parameter(torch.randn(shape).to(DEVICE))
+
+    def forward(self, x):
+        return self.module(x, residual=self.residual)
+
+
+class _AddsInput(torch.nn.Module):
+    """module(x, residual=x)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x, residual=x)
+
+
+def _row_linear_residual(**tp):
+    return _ResidualParam(_row_linear(**tp), (S, B, H))
+
+
+def _mlp_adds_input(parallel_mode=None, **tp):
+    return _AddsInput(_mlp()(parallel_mode, **tp))
+
+
 # name: (constructor, parallel_mode, sequence_parallel, input split, output split, input width)
 # splits: None (full), "seq" (this rank's dim-0 block), "last" (this rank's last-dim block)
 CASES = {
@@ -73,10 +103,12 @@ CASES = {
     "column_sp": (_linear, "column", True, "seq", "last", H),
     "row": (_row_linear, "row", False, "last", None, N),
     "row_sp": (_row_linear, "row", True, "last", "seq", N),
+    "row_residual": (_row_linear_residual, "row", False, "last", None, N),
     "layernorm_linear": (_ln_linear, "column", False, None, "last", H),
     "layernorm_linear_sp": (_ln_linear, "column", True, "seq", "last", H),
     "layernorm_mlp": (_mlp(), "column", False, None, None, H),
     "layernorm_mlp_sp": (_mlp(), "column", True, "seq", "seq", H),
+    "layernorm_mlp_adds_input": (_mlp_adds_input, "column", False, None, None, H),
     "layernorm_mlp_swiglu_rmsnorm_sp": (_mlp("swiglu", "RMSNorm"), "column", True, "seq", "seq", H),
     "multihead_attention": (_attention, "column", False, None, None, H),
     "multihead_attention_sp": (_attention, "column", True, "seq", "seq", H),
@@ -230,6 +262,9 @@ def _errors_in_group(rank):
         "parallel_mode": lambda: te.LayerNormLinear(H, N, device="cpu", tp_group=group, parallel_mode="row"),
         "inp": lambda: te.Linear(H, N, device=DEVICE, tp_group=group, parallel_mode="column",
                                  sequence_parallel=True)(torch.randn(H, device=DEVICE)),
+        "residual": lambda: te.Linear(N, H, device=DEVICE, tp_group=group, parallel_mode="row",
+                                      sequence_parallel=True)(torch.randn(2, N // 2, device=DEVICE),
+                                                              residual=torch.randn(4, H, device=DEVICE)),
     }
     out = {}
     for name, build in checks.items():
@@ -385,7 +420,7 @@ def test_norms_run_on_this_ranks_sequence_block(tp_results, name):
 
 
 @pytest.mark.parametrize("check", ["out_features", "in_features", "ffn_hidden_size", "tp_size", "sequence_parallel",
-                                   "parallel_mode", "fp8_group", "inp"])
+                                   "parallel_mode", "fp8_group", "inp", "residual"])
 def test_bad_arguments_in_a_group_raise_naming_the_argument(tp_results, check):
     assert tp_results["errors"][check].startswith(f"{check}:"), tp_results["errors"][check]
 

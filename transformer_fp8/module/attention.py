@@ -329,7 +329,8 @@ class MultiheadAttention(nn.Module):
     def forward(self, hidden_states, attention_mask=None, attn_mask_type=None, is_first_microbatch=None,
                 rotary_pos_emb=None, residual=None):
         """rotary_pos_emb: freqs [s, 1, 1, rot_dim] from RotaryPositionEmbedding, or a (q_freqs, k_freqs) pair.
-        residual: added to the output in the projection GEMM's epilogue (see Linear; not with tensor parallelism)."""
+        residual: added to the output in the projection GEMM's epilogue (see Linear; not with sequence
+        parallelism)."""
         layernorm_output = None
         if self.input_layernorm:
             qkv = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)

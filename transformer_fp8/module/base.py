@@ -161,12 +161,12 @@ def check_input(inp, in_features, name="inp"):
 
 
 def check_residual(residual, inp, out_features, tp):
-    """A forward's residual argument: the output's shape and dtype (the input's), no tensor parallelism (a TP output
-    is summed over the ranks after the GEMM)."""
+    """A forward's residual argument: the output's shape and dtype (the input's), no sequence parallelism (the
+    residual is then this rank's sequence block, the GEMM output the full sequence)."""
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual: expected a tensor, got {type(residual).__name__}")
-    if tp is not None:
-        raise ValueError("residual: not supported with tensor parallelism (add it to the output instead)")
+    if tp is not None and tp.sequence_parallel:
+        raise ValueError("residual: not supported with sequence parallelism (add it to the output instead)")
     shape = (*inp.shape[:-1], out_features)
     if tuple(residual.shape) != shape or residual.dtype != inp.dtype or residual.device != inp.device:
         raise ValueError(f"residual: expected shape {shape}, dtype {inp.dtype} and device {inp.device} (the "

@@ -12,6 +12,7 @@ from .. import autocast
 from ..distributed import TensorParallel, gather_from_sequence_parallel_region
 from ..ops import activation_high_precision, tfp8
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
+from ._row_parallel import epilogue_terms, sum_partials
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_norm, gathered_shape, gathers_input,
                                start_dgrad_sum)
 from .base import (FP8ModuleBase, cast_transpose, check_choice, check_input, check_positive, check_residual,
@@ -62,7 +63,8 @@ class _FP8LayerNormMLP(torch.autograd.Function):
     """Saves x, mean/rstd, fc1_out (high precision, for the activation backward) and the FP8 transposes. Sequence
     parallel: x, mean/rstd are this rank's block, norm(x) is all-gathered in FP8. Tensor parallel: the gradient of
     norm(x) is summed over the TP ranks (all-reduce, or SP reduce-scatter) while the FC1 wgrad GEMM runs, before the
-    norm backward (see _column_parallel.py)."""
+    norm backward (see _column_parallel.py); FC2 is row-parallel: fc2_bias and the residual in rank 0's epilogue,
+    the output all-reduced here, or reduce-scattered by the caller with SP (see _row_parallel.py)."""
 
     @staticmethod
     def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, training,
@@ -84,7 +86,8 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         fc1_out = fp8_gemm_bias(lnq, lnsinv, w1q, w1sinv, dtype, fc1_bias)
         aq, aqt, asinv = _activation_to_fp8(module, fc1_out, need_fc2_wgrad)
         w2q, w2qt, w2sinv = module._fp8_weight("fc2_weight", fc2_weight, 3, need_fc2_dgrad, is_first_microbatch)
-        out = fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, fc2_bias, x if adds_input else residual_rows(residual))
+        bias_here, residual_here = epilogue_terms(module.tp, fc2_bias, x if adds_input else residual_rows(residual))
+        out = sum_partials(module.tp, fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, bias_here, residual_here))
         ctx.has_residual, ctx.adds_input = residual is not None, adds_input
         if training:
             ctx.save_for_backward(x, mean, rstd, ln_weight)
@@ -157,12 +160,13 @@ class LayerNormMLP(FP8ModuleBase):
     return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1, set_parallel_mode=False,
     sequence_parallel=False). forward(inp [..., hidden], is_first_microbatch=None, residual=None). gelu is the tanh
     approximation. residual: a tensor of the input's shape and dtype added to the output, inside fp8_autocast in the
-    FC2 GEMM's epilogue (one rounding, no separate add); not with tensor parallelism.
+    FC2 GEMM's epilogue (one rounding, no separate add); not with sequence parallelism.
     Small-shape automatic path: as Linear's, with M*K*N summed over both GEMMs (M*hidden*(fc1 width + ffn)).
 
     Tensor parallelism (set_parallel_mode=True and a tp_group of size tp > 1): FC1 column-parallel (fc1_weight
     [F1/tp, hidden], fc1_bias [F1/tp]; for swiglu this rank's gate rows then its up rows), FC2 row-parallel
-    (fc2_weight [hidden, ffn/tp], fc2_bias [hidden] added after the sum over ranks). The input is copied to every
+    (fc2_weight [hidden, ffn/tp], fc2_bias [hidden] added once: inside fp8_autocast in rank 0's FC2 epilogue, see
+    _row_parallel.py; else after the sum over ranks). The input is copied to every
     rank and the output all-reduced; or with sequence_parallel the input is this rank's dim-0 block, normalised on
     the block, the norm output all-gathered along dim 0 before FC1 (in FP8 inside fp8_autocast, else in high
     precision), and the output reduce-scattered back to the block. The norm's weight gradients are all-reduced over
@@ -201,18 +205,22 @@ class LayerNormMLP(FP8ModuleBase):
 
     def forward(self, inp, is_first_microbatch=None, residual=None):
         check_input(inp, self.hidden_size)
+        tp = self.tp
         if residual is not None:
-            check_residual(residual, inp, self.hidden_size, self.tp)
-        if self.tp is not None:
-            return self._parallel_forward(inp, is_first_microbatch)
-        out, ln_out = self._local_mlp(inp, None if self.return_bias else self.fc2_bias, is_first_microbatch,
-                                      residual)
-        return pack_outputs(self, out, self.fc2_bias, ln_out)
+            check_residual(residual, inp, self.hidden_size, tp)
+        if tp is not None and autocast.STATE.enabled:
+            tp.check_amax_group(autocast.STATE.group)
+        if tp is not None and tp.gathers_input:
+            check_sequence_block(inp)
+        out, ln_out = self._mlp(inp, None if self.return_bias else self.fc2_bias, is_first_microbatch, residual)
+        # (sequence parallel: the unadded bias's gradient on this rank's block is a partial sum)
+        bias = tp.replicated(self.fc2_bias) if tp is not None and tp.sequence_parallel else self.fc2_bias
+        return pack_outputs(self, out, bias, ln_out)
 
-    def _local_mlp(self, inp, fc2_bias, is_first_microbatch, residual=None):
-        """(fc2(act(fc1(norm(inp)))) (+ residual) with this rank's weights, norm output) in FP8 inside fp8_autocast.
-        TP: the output is this rank's partial sum; with sequence_parallel inp is this rank's block and the norm
-        output is all-gathered before FC1."""
+    def _mlp(self, inp, fc2_bias, is_first_microbatch, residual):
+        """(fc2(act(fc1(norm(inp)))) (+ fc2_bias) (+ residual), norm output) in FP8 inside fp8_autocast, summed over
+        the TP ranks (all-reduced, or reduce-scattered to this rank's block with sequence_parallel, where inp is this
+        rank's block and the norm output is all-gathered before FC1)."""
         adds_input = residual is inp  # (the MLP adds its own input: its gradient joins dx in the norm backward)
         inp = inp if inp.is_contiguous() else inp.contiguous()
         tp, gathers, state = self.tp, gathers_input(self), autocast.STATE
@@ -220,31 +228,22 @@ class LayerNormMLP(FP8ModuleBase):
         fp8 = state.enabled and self._runs_fp8(inp, tp.size if gathers else 1)
         if tp is not None and (gathers or not fp8):  # norm weights whose gradients are partial sums over ranks
             ln_weight, ln_bias = tp.replicated(ln_weight), tp.replicated(ln_bias)
-        if fp8:  # (TP: the Function sums the norm output's gradient over the ranks itself)
+        if fp8:  # (TP: the Function sums the norm output's gradient and, without SP, its output over the ranks)
             self._fp8_begin(state)
-            return _FP8LayerNormMLP.apply(inp, ln_weight, ln_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight,
-                                          fc2_bias, self, torch.is_grad_enabled(), is_first_microbatch,
-                                          None if adds_input else residual, adds_input)
+            out, ln_out = _FP8LayerNormMLP.apply(inp, ln_weight, ln_bias, self.fc1_weight, self.fc1_bias,
+                                                 self.fc2_weight, fc2_bias, self, torch.is_grad_enabled(),
+                                                 is_first_microbatch, None if adds_input else residual, adds_input)
+            return (tp.row_output(out) if gathers else out), ln_out
         inp = tp.column_input(inp) if tp is not None and not gathers else inp
         ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps, self.zero_centered_gamma)
         fc1_in = gather_from_sequence_parallel_region(ln_out, self.tp.group) if gathers else ln_out
         act = ACTIVATIONS[self.activation](high_precision_linear(self, fc1_in, self.fc1_weight, self.fc1_bias))
-        out = high_precision_linear(self, act, self.fc2_weight, fc2_bias)
+        out = high_precision_linear(self, act, self.fc2_weight, fc2_bias if tp is None else None)
+        if tp is not None:
+            out = tp.row_output(out)
+            if fc2_bias is not None:
+                out = out + (tp.replicated(fc2_bias) if tp.sequence_parallel else fc2_bias)
         return (out if residual is None else out + residual), ln_out
-
-    def _parallel_forward(self, inp, is_first_microbatch):
-        """The local MLP (partial sums), all-reduce / reduce-scatter, then fc2_bias."""
-        tp = self.tp
-        if autocast.STATE.enabled:
-            tp.check_amax_group(autocast.STATE.group)
-        if tp.gathers_input:
-            check_sequence_block(inp)
-        partial, _ = self._local_mlp(inp, None, is_first_microbatch)
-        out = tp.row_output(partial)
-        bias = tp.replicated(self.fc2_bias) if tp.sequence_parallel else self.fc2_bias
-        if self.return_bias:
-            return out, bias
-        return out if bias is None else out + bias
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -11,13 +11,15 @@ from ..distributed import TensorParallel
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_cast, gathered_shape, gathers_input,
                                input_grads)
 from ._gemm import cast_grad_output, fp8_gemm_bias, high_precision_linear, register_backward
+from ._row_parallel import epilogue_terms, sum_partials
 from .base import FP8ModuleBase, cast_transpose, check_input, check_positive, check_residual, residual_rows
 
 
 class _FP8Linear(torch.autograd.Function):
     """inp [..., K] (contiguous), weight [N, K], bias [N] or None, residual [..., N] or None -> [..., N] (the
     residual added in the GEMM's epilogue). Saves only the FP8 xᵀ (+ scale_invs; Wᵀ only when cached: the backward
-    casts it, see FP8ModuleBase._fp8_weight)."""
+    casts it, see FP8ModuleBase._fp8_weight). Row-parallel: bias and residual in rank 0's epilogue, the output
+    summed over the TP ranks here (or reduce-scattered by the caller): see _row_parallel.py."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias, module, training, is_first_microbatch, residual):
@@ -32,7 +34,10 @@ class _FP8Linear(torch.autograd.Function):
             xq, xqt, xsinv = cast_transpose(x, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
                                             transpose=need_wgrad)
         wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
-        out = fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias, residual_rows(residual))
+        row_tp = module.tp if module.parallel_mode == "row" else None
+        bias_here, residual_here = epilogue_terms(row_tp, bias, residual)
+        out = sum_partials(row_tp, fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias_here,
+                                                 residual_rows(residual_here)))
         ctx.has_residual = residual is not None
         if training:
             ctx.save_for_backward(xqt if need_wgrad else None, wqt)
@@ -66,7 +71,7 @@ class Linear(FP8ModuleBase):
     parallel_mode=None, sequence_parallel=False).
     forward(inp [..., in], is_first_microbatch=None, residual=None). return_bias=True returns (out, bias) with the bias
     not added. residual: a tensor of the output's shape and dtype added to the output, inside fp8_autocast in the
-    GEMM's epilogue (one rounding, no separate add); not with tensor parallelism.
+    GEMM's epilogue (one rounding, no separate add); not with sequence parallelism.
 
     Small-shape automatic path: inside fp8_autocast, a CUDA input with M*in*out < fp8_min_gemm_size (None: the
     default base.FP8_MIN_GEMM_SIZE = 2**35 ~ 3.4e10) runs the high-precision F.linear and leaves the FP8 state
@@ -77,7 +82,8 @@ class Linear(FP8ModuleBase):
     sequence_parallel: this rank's dim-0 block, all-gathered: cast to FP8 on the block and gathered in FP8 inside
     fp8_autocast), output [..., out/tp]. parallel_mode="row": weight
     [out, in/tp], bias [out] (full); input [..., in/tp], output [..., out] summed over ranks (with
-    sequence_parallel: reduce-scattered along dim 0), the bias added after the sum. The weight is created by
+    sequence_parallel: reduce-scattered along dim 0), the bias (and residual) added once (inside fp8_autocast: in
+    rank 0's GEMM epilogue, see _row_parallel.py; else after the sum). The weight is created by
     initialising the full [out, in] tensor and keeping this rank's part; load_state_dict takes full tensors (sliced
     by rank) or shards. parallel_mode=None: nothing is split."""
 
@@ -105,7 +111,7 @@ class Linear(FP8ModuleBase):
         if self.tp is not None:
             if residual is not None:
                 check_residual(residual, inp, self.out_features, self.tp)
-            return self._parallel_forward(inp, is_first_microbatch)
+            return self._parallel_forward(inp, is_first_microbatch, residual)
         check_input(inp, self.in_features)
         if residual is not None:
             check_residual(residual, inp, self.out_features, None)
@@ -127,7 +133,7 @@ class Linear(FP8ModuleBase):
             out = F.linear(inp, self.weight, bias)  # (the small-shape path's host time matters: F.linear directly)
         return out if residual is None else out + residual
 
-    def _parallel_forward(self, inp, is_first_microbatch):
+    def _parallel_forward(self, inp, is_first_microbatch, residual):
         tp = self.tp
         if autocast.STATE.enabled:
             tp.check_amax_group(autocast.STATE.group)
@@ -140,11 +146,20 @@ class Linear(FP8ModuleBase):
                 out = self._local_linear(tp.column_input(inp), bias, is_first_microbatch)
             return (out, self.bias) if self.return_bias else out
         check_input(inp, self.weight.shape[1])
-        out = tp.row_output(self._local_linear(inp, None, is_first_microbatch))
-        bias = tp.replicated(self.bias) if tp.sequence_parallel else self.bias
+        bias = None if self.return_bias else self.bias
+        state = autocast.STATE
+        if state.enabled and self._runs_fp8(inp):  # (the Function adds bias and residual once and sums the ranks)
+            self._fp8_begin(state)
+            out = _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
+                                   torch.is_grad_enabled(), is_first_microbatch, residual)
+            out = tp.row_output(out) if tp.sequence_parallel else out
+        else:
+            out = tp.row_output(self._local_linear(inp, None, is_first_microbatch))
+            out = out if bias is None else out + (tp.replicated(bias) if tp.sequence_parallel else bias)
+            out = out if residual is None else out + residual
         if self.return_bias:
-            return out, bias
-        return out if bias is None else out + bias
+            return out, (tp.replicated(self.bias) if tp.sequence_parallel else self.bias)
+        return out
 
     def _gathering_linear(self, inp, bias, is_first_microbatch):
         """Column-parallel with sequence_parallel: inp is this rank's dim-0 block, all-gathered in FP8 inside the FP8

@@ -5,8 +5,8 @@
 
 hidden_states [s, b, hidden] ("sbhd") or [b, s, hidden] ("bshd") -> same shape and dtype. Under fp8_autocast every
 GEMM runs in FP8; attention runs in BF16/FP16 through fused kernels (FP32 activations are cast around it). Without
-hidden dropout (or in eval mode), tensor parallelism or the post-LN residual, the two residual adds ride in the
-epilogues of the projection and FC2 GEMMs.
+hidden dropout (or in eval mode), sequence parallelism or the post-LN residual, the two residual adds ride in the
+epilogues of the projection and FC2 GEMMs (with tensor parallelism: rank 0's, before the sum over the ranks).
 """
 import torch.nn.functional as F
 from torch import nn
@@ -56,7 +56,7 @@ class TransformerLayer(nn.Module):
         self.split_sequence = self.self_attention.tp is not None and bool(sequence_parallel)
 
     def _adds_residuals_in_gemms(self):
-        return (not self.post_ln_residual and self.self_attention.tp is None and
+        return (not self.post_ln_residual and not self.split_sequence and
                 (self.hidden_dropout == 0 or not self.training))
 
     def forward(self, hidden_states, attention_mask=None, self_attn_mask_type=None, rotary_pos_emb=None,
