@@ -6,7 +6,7 @@ tables and writes JSON (--json).
 Each step starts with the gradients set to None, as after optimizer.zero_grad() (no accumulation adds).
 Two times per layer step: "ms", each step alone (synchronised before it: the host's launch latency at the start of
 the step counts), and "ms b2b", steps back to back (10 between two CUDA events, as a training loop issues them: the
-host runs ahead while the GPU works).
+host runs ahead while the GPU works). The attention table has both too (b2b: 20 steps), and TFLOP/s from b2b.
 Configs (no mask, no dropout, sbhd): guide = hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4;
 gqa = the same with 8 GQA groups, kv_channels 128, seq 1024, batch 32, bias.
 """
@@ -108,6 +108,12 @@ def attention_rows(name, c):
     qt, kt, vt = leaf(b, h, s, d), leaf(b, g, s, d), leaf(b, g, s, d)
     dyt = torch.randn(b, h, s, d, device=DEV, dtype=DT)
 
+    def backward(out, grad, leaves):
+        """out.backward(grad), then the leaves' gradients dropped: no gradient accumulation kernels timed."""
+        out.backward(grad)
+        for t in leaves:
+            t.grad = None
+
     def torch_sdpa(backend=None):
         def step():
             if backend is None:
@@ -115,19 +121,19 @@ def attention_rows(name, c):
             else:
                 with sdpa_kernel(backend):
                     out = F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=g != h)
-            out.backward(dyt)
+            backward(out, dyt, (qt, kt, vt))
         return step
 
     def torch_cudnn_sbhd():
         """PyTorch's cuDNN backend on ours' inputs and output layout (sbhd views in, [s, b, h*d] out)."""
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), enable_gqa=g != h)
-        out.permute(2, 0, 1, 3).reshape(s, b, h * d).backward(dy)
+        backward(out.permute(2, 0, 1, 3).reshape(s, b, h * d), dy, (q, k, v))
 
     cudnn_dpa = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="no_mask", attention_backend="cudnn")
-    variants = [("ours DotProductAttention", lambda: dpa(q, k, v).backward(dy))]
+    variants = [("ours DotProductAttention", lambda: backward(dpa(q, k, v), dy, (q, k, v)))]
     if cudnn_attention_built():
-        variants.append(("ours DotProductAttention cuDNN", lambda: cudnn_dpa(q, k, v).backward(dy)))
+        variants.append(("ours DotProductAttention cuDNN", lambda: backward(cudnn_dpa(q, k, v), dy, (q, k, v))))
     variants.append(("torch SDPA default", torch_sdpa()))
     variants += [(f"torch SDPA {bk.name}", torch_sdpa(bk)) for bk in
                  (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
@@ -136,8 +142,9 @@ def attention_rows(name, c):
     rows = []
     for variant, step in variants:
         try:
-            ms = gpu_time_ms(step)
-            rows.append(dict(config=name, variant=variant, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1)))
+            ms, ms_b2b = gpu_time_ms(step), loop_time_ms(step, iters=20)
+            rows.append(dict(config=name, variant=variant, ms=round(ms, 3), ms_b2b=round(ms_b2b, 3),
+                             tflops=round(flops / ms_b2b / 1e9, 1)))
         except Exception as err:
             rows.append(dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300]))
         print(rows[-1], flush=True)
@@ -171,7 +178,7 @@ def main():
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     print_table("TransformerLayer fwd+bwd", layers, ["config", "variant", "ms", "ms_b2b", "peak_gib"])
-    print_table("Attention alone fwd+bwd", attention, ["config", "variant", "ms", "tflops"])
+    print_table("Attention alone fwd+bwd", attention, ["config", "variant", "ms", "ms_b2b", "tflops"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "layer": layers, "attention": attention}, f, indent=1)

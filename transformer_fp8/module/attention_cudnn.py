@@ -68,7 +68,9 @@ def _one_buffer_fits(q, k, v):
 
 def _grad_buffers(q, k, v, zeroed):
     """(dq, dk, dv) with q's, k's, v's shapes and strides: views of one new buffer when q, k, v are disjoint views
-    of one (a fused QKV), else separate tensors. zeroed: rows the kernel leaves unwritten (padding) read zero."""
+    of one (a fused QKV), else separate tensors each laid out like its input (so that autograd hands them on to
+    the sbhd / bshd tensors q, k, v are views of without a layout copy). zeroed: rows the kernel leaves unwritten
+    (padding) read zero."""
     new = torch.zeros if zeroed else torch.empty
     same_storage = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == \
         v.untyped_storage().data_ptr()
@@ -77,7 +79,8 @@ def _grad_buffers(q, k, v, zeroed):
         end = max(t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 for t in (q, k, v))
         buffer = new(end - start, dtype=q.dtype, device=q.device)
         return tuple(buffer.as_strided(t.shape, t.stride(), t.storage_offset() - start) for t in (q, k, v))
-    return tuple(new(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    like = torch.zeros_like if zeroed else torch.empty_like
+    return tuple(like(t) for t in (q, k, v))
 
 
 def _torch_sdpa_grads(grad_out, q, k, v, scale, causal, seqlens_kv):

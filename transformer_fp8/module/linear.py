@@ -12,6 +12,7 @@ from ._column_parallel import (check_sequence_block, dgrad_collective, gather_ca
                                input_grads)
 from ._gemm import cast_grad_output, fp8_gemm_bias, high_precision_linear, register_backward
 from ._row_parallel import epilogue_terms, sum_partials
+from . import base
 from .base import FP8ModuleBase, cast_transpose, check_input, check_positive, check_residual, residual_rows
 
 
@@ -106,8 +107,22 @@ class Linear(FP8ModuleBase):
         if tp is not None:
             sharded = {"weight": (0, 1), "bias": (0, 1)} if tp.mode == "column" else {"weight": (1, 1)}
             self.register_load_state_dict_pre_hook(tp.load_full_checkpoint_hook(sharded))
+        # forward's one-call path applies: no TP, bias added, no wgrad fusion, high-precision weight
+        self._plain = tp is None and not self.return_bias and not self.fuse_wgrad_accumulation and \
+            not self._fp8_params
 
     def forward(self, inp, is_first_microbatch=None, residual=None):
+        # A plain Linear on its high-precision path (outside fp8_autocast, or the small-shape path inside it): F.linear
+        # at once, the input's checks only when it fails. (The inference of small layers is host-bound: every
+        # call's Python counts.)
+        if self._plain and residual is None and isinstance(inp, torch.Tensor) and (
+                not autocast.STATE.enabled or inp.is_cuda and inp.numel() * self._gemm_n < (
+                    base.FP8_MIN_GEMM_SIZE if self.fp8_min_gemm_size is None else self.fp8_min_gemm_size)):
+            try:
+                return F.linear(inp, self.weight, self.bias)
+            except (RuntimeError, TypeError):
+                check_input(inp, self.in_features)  # (raises the clear error when the input is the cause)
+                raise
         if self.tp is not None:
             if residual is not None:
                 check_residual(residual, inp, self.out_features, self.tp)
