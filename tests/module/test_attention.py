@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend
 
 from tests.utils import check_against_float64, rel_error
 from transformer_fp8.module import attention as attention_module
+from transformer_fp8.module import attention_cudnn
 from transformer_fp8.module.attention import ATTN_MASK_TYPES, DotProductAttention
 from transformer_fp8.module.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 
@@ -153,6 +154,23 @@ def test_dropout_statistics(device, p):
     assert torch.equal(dpa(q, q, v).float(), out), "same seed, same dropout mask"
     dpa.eval()
     assert torch.allclose(dpa(q, q, v).float(), torch.full_like(out, 1 / s), rtol=1e-2)
+
+
+@pytest.mark.parametrize("zeroed", [False, True])
+def test_cudnn_gradient_buffers_take_their_inputs_layout(zeroed):
+    """The cuDNN backward's dq, dk, dv: views of one buffer laid out like a fused QKV's, else each laid out like its
+    own input (sbhd views here): autograd then hands them to the sbhd tensors without a layout copy."""
+    qkv = torch.randn(8, 2, 3 * 4 * 16).view(8, 2, 3, 4, 16).permute(1, 3, 0, 2, 4)  # [b, h, s, 3, d] views
+    fused = attention_cudnn._grad_buffers(*(qkv[..., i, :] for i in range(3)), zeroed)
+    assert fused[0].untyped_storage().data_ptr() == fused[2].untyped_storage().data_ptr()
+    separate = [torch.randn(8, 2, h, 16).permute(1, 2, 0, 3) for h in (4, 2, 2)]  # sbhd tensors as [b, h, s, d]
+    separate[2] = torch.randn(8, 2, 2, 32)[..., :16].permute(1, 2, 0, 3)  # not dense: dense in the same dim order
+    for t, grad in zip(separate, attention_cudnn._grad_buffers(*separate, zeroed)):
+        order = sorted(range(4), key=lambda i: -t.stride(i))
+        assert grad.shape == t.shape and grad.is_contiguous() is False
+        assert sorted(range(4), key=lambda i: -grad.stride(i)) == order
+        assert grad.permute(order).is_contiguous()
+        assert not zeroed or not grad.any()
 
 
 def test_bad_inputs():
