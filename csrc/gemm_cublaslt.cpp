@@ -6,9 +6,19 @@
 // pointers' values) and kept in a thread_local table. A call looks its plan up, sets the pointer attributes (scales,
 // amax, bias, GELU aux) on the plan's descriptor and runs: no lock, no descriptor creation, no heuristic query.
 // A descriptor is only ever used by the thread that owns it. One handle per device, shared, kept for the process.
+//
+// Algorithm choice: cuBLASLt's heuristic's first answer, or with TFP8_GEMM_AUTOTUNE=1 the fastest of its first
+// kAutotuneCandidates answers, timed on the plan's first call outside CUDA graph capture (each candidate once to
+// warm up, then kAutotuneRuns times between two events on the call's stream; the host waits for them once per
+// plan). The candidates write the call's own output, workspace and GELU aux; the chosen algorithm then runs once more,
+// so the output is its result. Accumulating calls (C = D) keep the heuristic's choice.
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdlib>
+#include <cstdio>
+#include <vector>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -23,6 +33,18 @@ namespace {
 
 // Plans a thread keeps before it drops them all (a bound for workloads whose shapes keep changing).
 constexpr size_t kMaxPlansPerThread = 1024;
+constexpr int kAutotuneCandidates = 8;
+constexpr int kAutotuneRuns = 3;
+
+// TFP8_GEMM_AUTOTUNE: unset or "0" off, "1" on, "verbose" on and printing each plan's candidate times.
+int autotune_mode() {
+  static const int mode = [] {
+    const char* value = std::getenv("TFP8_GEMM_AUTOTUNE");
+    if (value == nullptr || std::string(value) == "0" || std::string(value).empty()) return 0;
+    return std::string(value) == "verbose" ? 2 : 1;
+  }();
+  return mode;
+}
 
 void check_cublas(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS)
@@ -150,7 +172,8 @@ struct Plan {
   MatmulDesc desc;
   Layout a, b, c, d;  // cuBLASLt's A (our b), B (our a), C and D (out)
   cublasLtMatmulAlgo_t algo;
-  size_t workspace_bytes;
+  size_t workspace_bytes;  // what `algo` needs; until tuned, what the largest candidate needs
+  std::vector<cublasLtMatmulHeuristicResult_t> candidates;  // left to time (autotuning), else empty
 
   Plan(const Fp8GemmArgs& g, cublasLtHandle_t handle)
       : handle(handle),
@@ -192,17 +215,71 @@ struct Plan {
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(g.a));
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(g.residual != nullptr ? g.residual : g.out));
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(g.out));
-    cublasLtMatmulHeuristicResult_t result = {};
+    const int wanted = autotune_mode() && !g.accumulate ? kAutotuneCandidates : 1;
+    std::vector<cublasLtMatmulHeuristicResult_t> results(wanted);
     int count = 0;
     cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc.desc, a.layout, b.layout, c.layout, d.layout,
-                                                           pref.pref, 1, &result, &count);
+                                                           pref.pref, wanted, results.data(), &count);
     if (status != CUBLAS_STATUS_SUCCESS || count == 0)
       throw std::runtime_error("fp8_gemm: this combination is not supported by cuBLASLt (" + describe(g) +
                                "): " + cublasLtGetStatusString(status));
-    algo = result.algo;
-    workspace_bytes = result.workspaceSize;
+    algo = results[0].algo;
+    workspace_bytes = results[0].workspaceSize;
+    if (count > 1) {
+      candidates.assign(results.begin(), results.begin() + count);
+      for (const auto& r : candidates) workspace_bytes = std::max(workspace_bytes, r.workspaceSize);
+    }
   }
 };
+
+// Runs the plan's algorithm `algo` on g's pointers (set on the descriptor by the caller).
+void run(Plan& plan, const cublasLtMatmulAlgo_t& algo, const Fp8GemmArgs& g, cudaStream_t stream) {
+  const float alpha = 1.0f, beta = g.accumulate || g.residual != nullptr ? 1.0f : 0.0f;
+  // C is read only when accumulating (then C = D = out, float32) or adding a residual (C = residual, D's layout).
+  // Otherwise beta = 0 and C is null: passing D there with a C dtype that differs from D's (FP8 outputs) is refused
+  // as an in-place call with mismatched layouts.
+  const void* c = g.accumulate ? g.out : g.residual;
+  check_cublas(cublasLtMatmul(plan.handle, plan.desc.desc, &alpha, g.b, plan.a.layout, g.a, plan.b.layout, &beta, c,
+                              plan.c.layout, g.out, plan.d.layout, &algo, g.workspace, g.workspace_bytes, stream),
+               "cublasLtMatmul");
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TFP8_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Times plan.candidates on g (see the file comment), keeps the fastest as plan.algo and clears the candidates.
+void autotune(Plan& plan, const Fp8GemmArgs& g, cudaStream_t stream) {
+  cudaEvent_t start, end;
+  TFP8_CUDA_CHECK(cudaEventCreate(&start));
+  TFP8_CUDA_CHECK(cudaEventCreate(&end));
+  float best_ms = -1.0f;
+  size_t best = 0;
+  std::string report;
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    const auto& candidate = plan.candidates[i];
+    if (candidate.workspaceSize > g.workspace_bytes) continue;
+    run(plan, candidate.algo, g, stream);
+    TFP8_CUDA_CHECK(cudaEventRecord(start, stream));
+    for (int r = 0; r < kAutotuneRuns; ++r) run(plan, candidate.algo, g, stream);
+    TFP8_CUDA_CHECK(cudaEventRecord(end, stream));
+    TFP8_CUDA_CHECK(cudaEventSynchronize(end));
+    float ms = 0.0f;
+    TFP8_CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
+    if (best_ms < 0 || ms < best_ms) best_ms = ms, best = i;
+    report += " " + std::to_string(ms / kAutotuneRuns);
+  }
+  TFP8_CUDA_CHECK(cudaEventDestroy(start));
+  TFP8_CUDA_CHECK(cudaEventDestroy(end));
+  if (autotune_mode() == 2)
+    std::fprintf(stderr, "tfp8 GEMM autotune (%s): ms per candidate%s; chose %zu\n", describe(g).c_str(),
+                 report.c_str(), best);
+  plan.algo = plan.candidates[best].algo;
+  plan.workspace_bytes = plan.candidates[best].workspaceSize;
+  plan.candidates.clear();
+}
 
 // This thread's plan for g on the current device, built on first use.
 Plan& plan_for(const Fp8GemmArgs& g) {
@@ -227,14 +304,8 @@ void fp8_gemm_cublaslt(const Fp8GemmArgs& g, cudaStream_t stream) {
     throw std::invalid_argument("fp8_gemm_cublaslt: workspace of " + std::to_string(g.workspace_bytes) +
                                 " bytes, the algorithm needs " + std::to_string(plan.workspace_bytes));
   plan.set_pointers(g);
-  const float alpha = 1.0f, beta = g.accumulate || g.residual != nullptr ? 1.0f : 0.0f;
-  // C is read only when accumulating (then C = D = out, float32) or adding a residual (C = residual, D's layout).
-  // Otherwise beta = 0 and C is null: passing D there with a C dtype that differs from D's (FP8 outputs) is refused
-  // as an in-place call with mismatched layouts.
-  const void* c = g.accumulate ? g.out : g.residual;
-  check_cublas(cublasLtMatmul(plan.handle, plan.desc.desc, &alpha, g.b, plan.a.layout, g.a, plan.b.layout, &beta, c,
-                              plan.c.layout, g.out, plan.d.layout, &plan.algo, g.workspace, g.workspace_bytes, stream),
-               "cublasLtMatmul");
+  if (!plan.candidates.empty() && !capturing(stream)) autotune(plan, g, stream);
+  run(plan, plan.algo, g, stream);
 }
 
 }  // namespace tfp8
