@@ -36,6 +36,7 @@ import transformer_fp8 as te  # noqa: E402
 from transformer_fp8 import distributed as tpd  # noqa: E402
 from transformer_fp8 import recipe  # noqa: E402
 from transformer_fp8.module import base  # noqa: E402
+from timing import gpu_time_ms, loop_time_ms  # noqa: E402  (benchmarks/timing.py: the script's folder is on sys.path)
 
 CONFIGS = {
     "guide": dict(hidden=4096, ffn=16384, heads=32, seq=2048, batch=4),
@@ -88,32 +89,18 @@ class _swapped:
 
 
 def step_ms(step, device, warmup, iters):
-    """(median ms of step() timed alone, mean ms of `iters` steps back to back): CUDA events on a GPU, wall clock on
-    CPU."""
+    """(median ms of step() timed alone, mean ms of `iters` steps back to back): CUDA events on a GPU (timing.py),
+    wall clock on CPU."""
+    if device.type == "cuda":
+        return gpu_time_ms(step, warmup, iters), loop_time_ms(step, warmup=0, iters=iters, repeats=1)
     for _ in range(warmup):
         step()
     times = []
     for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    if device.type != "cuda":
-        return statistics.median(times), statistics.mean(times)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
+        t0 = time.perf_counter()
         step()
-    end.record()
-    end.synchronize()
-    return statistics.median(times), start.elapsed_time(end) / iters
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), statistics.mean(times)
 
 
 def run_variant(c, tp_group, sequence_parallel, device, dtype, amax_group, fp8_recipe, args):
