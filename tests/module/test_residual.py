@@ -1,6 +1,7 @@
 """forward(..., residual=) of Linear, LayerNormMLP and MultiheadAttention (the add in the GEMM's epilogue), and
-TransformerLayer's use of it: the same results as the separate add, the residual's gradient is the output's, and
-bad residuals are rejected."""
+TransformerLayer's use of it: the same results as the separate add, the residual's gradient is the output's (added
+inside the norm backward when the residual is the module's own normalised input), and bad residuals are
+rejected."""
 import copy
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import transformer_fp8 as te
 from tests.module.helpers import DEVICES
 from tests.utils import rel_error
+from transformer_fp8.module import norm as norm_ops
 from transformer_fp8.module.transformer import TransformerLayer
 
 BF16 = torch.bfloat16
@@ -106,3 +108,32 @@ def test_residual_may_be_the_input(device):
     out.backward(dy)
     _, dx_plain, _, _ = run(twin, x, None, dy, True)
     assert rel_error(both.grad, dx_plain.float() + dy.float()) < 4e-3  # (added inside the norm backward)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", [True, False])
+def test_attention_residual_may_be_the_input(device, fp8, monkeypatch):
+    """mha(x, residual=x) with input_layernorm: x's gradient is the attention block's input gradient plus the
+    output's; inside fp8_autocast the projection hands the output's to the QKV norm backward (dx_add), so autograd
+    does no separate add."""
+    module, in_shape, out_shape = make("MultiheadAttention", device)
+    twin = copy.deepcopy(module)
+    x = torch.randn(in_shape, device=device, dtype=BF16)
+    dy = torch.randn(out_shape, device=device, dtype=BF16)
+    dx_adds = []
+    real_norm_bwd = norm_ops.norm_bwd
+
+    def recording(normalization, grad, x, mean, rstd, weight, zero_centered_gamma, dx_add=None):
+        dx_adds.append(dx_add is not None)
+        return real_norm_bwd(normalization, grad, x, mean, rstd, weight, zero_centered_gamma, dx_add)
+    monkeypatch.setattr(norm_ops, "norm_bwd", recording)
+    both = x.clone().requires_grad_()
+    with te.fp8_autocast(enabled=fp8):
+        out = module(both, residual=both)
+    out.backward(dy)
+    _, dx_plain, _, grads_plain = run(twin, x, None, dy, fp8)
+    assert rel_error(both.grad, dx_plain.float() + dy.float()) < 4e-3
+    for p, g_plain in zip(module.parameters(), grads_plain):
+        assert torch.equal(p.grad, g_plain)
+    assert dx_adds[0] is fp8  # (the high-precision path's norm is a separate autograd node: autograd adds there)
+

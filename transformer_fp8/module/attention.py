@@ -23,6 +23,7 @@ from .attention_varlen import check_packed_qkv, packed_attention
 from .base import _allow_missing_extra_state
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
+from ._residual_relay import ResidualGradRelay
 from .qkv_split import split_qkv
 from .rope import apply_rotary_pos_emb
 
@@ -332,8 +333,13 @@ class MultiheadAttention(nn.Module):
         residual: added to the output in the projection GEMM's epilogue (see Linear; not with sequence
         parallelism)."""
         layernorm_output = None
+        relay = None  # (the residual's gradient joins the QKV norm backward's dx: see _residual_relay.py)
+        if residual is hidden_states and self.input_layernorm and torch.is_grad_enabled() and \
+                not torch.compiler.is_compiling():
+            relay = ResidualGradRelay()
         if self.input_layernorm:
-            qkv = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+            qkv = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch,
+                                     residual_grad_relay=relay)
             if self.return_layernorm_output:
                 qkv, layernorm_output = qkv
         else:
@@ -346,7 +352,8 @@ class MultiheadAttention(nn.Module):
             v = v.contiguous()  # q and k are new tensors now: a view v alone would keep the whole QKV output alive
         with model_parallel_rng(self.tp is not None):  # dropout on this rank's heads
             context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
-        out = self.proj(context, is_first_microbatch=is_first_microbatch, residual=residual)
+        out = self.proj(context, is_first_microbatch=is_first_microbatch, residual=residual,
+                        residual_grad_relay=relay)
         outputs = (*out,) if self.return_bias else (out,)
         if self.return_layernorm_output:
             outputs += (layernorm_output,)

@@ -22,7 +22,7 @@ class _FP8LayerNormLinear(torch.autograd.Function):
     gradient reduce-scattered (see _column_parallel.py)."""
 
     @staticmethod
-    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, module, training, is_first_microbatch):
+    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, module, training, is_first_microbatch, relay):
         ctx.set_materialize_grads(False)
         need_dgrad = training and any(ctx.needs_input_grad[:3])
         need_wgrad = training and ctx.needs_input_grad[3]
@@ -42,6 +42,9 @@ class _FP8LayerNormLinear(torch.autograd.Function):
             ctx.weight = weight  # for main_grad, its dtype and the backward's Wᵀ cast
             ctx.module, ctx.fp8_state = module, (autocast.STATE.recipe, autocast.STATE.group)
             ctx.need, ctx.inp_shape = (need_dgrad, need_wgrad), inp.shape
+            ctx.relay = relay
+            if relay is not None:
+                relay.armed = True  # (its gradient joins dx in the norm backward, see _residual_relay.py)
         out = out.view(*out_shape[:-1], out.shape[-1])
         return out, (ln_out.view(inp.shape) if ln_out is not None else inp.new_empty(0))
 
@@ -58,9 +61,11 @@ class _FP8LayerNormLinear(torch.autograd.Function):
             wqt = module._fp8_weight_transpose(ctx.weight, wqt, wsinv) if need_dgrad else None
             d_ln, dw = input_grads(module, dgrad_collective(module, True), ctx.weight, (dq, dqt, dsinv),
                                    (wqt, wsinv), (lnqt, lnsinv), x.dtype, need_dgrad, need_wgrad)
+        handed = ctx.relay.take() if ctx.relay is not None else None
         dx, dgamma, dbeta = norm_backward(module, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
-                                          ln_weight, ctx.inp_shape)
-        return dx, dgamma, dbeta, dw, dbias, None, None, None
+                                          ln_weight, ctx.inp_shape,
+                                          None if handed is None else handed.reshape(x.shape).contiguous())
+        return dx, dgamma, dbeta, dw, dbias, None, None, None, None
 
 
 class LayerNormLinear(FP8ModuleBase):
@@ -69,6 +74,7 @@ class LayerNormLinear(FP8ModuleBase):
     fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1,
     parallel_mode=None, sequence_parallel=False).
     forward(inp [..., in], is_first_microbatch=None). Small-shape automatic path: as Linear's (M*in*out).
+    (residual_grad_relay: MultiheadAttention's, see _residual_relay.py.)
 
     Tensor parallelism: parallel_mode="column" only (as Linear's: weight [out/tp, in], bias [out/tp], output
     [..., out/tp]). The input is copied to every rank, or with sequence_parallel it is this rank's dim-0 block: the
@@ -98,7 +104,7 @@ class LayerNormLinear(FP8ModuleBase):
         if tp is not None:
             self.register_load_state_dict_pre_hook(tp.load_full_checkpoint_hook({"weight": (0, 1), "bias": (0, 1)}))
 
-    def forward(self, inp, is_first_microbatch=None):
+    def forward(self, inp, is_first_microbatch=None, residual_grad_relay=None):
         check_input(inp, self.in_features)
         ln_weight, ln_bias = self.layer_norm_weight, self.layer_norm_bias
         tp, gathers = self.tp, gathers_input(self)
@@ -116,7 +122,7 @@ class LayerNormLinear(FP8ModuleBase):
         if fp8:  # (TP: the Function sums the input gradient over the ranks itself)
             self._fp8_begin(state)
             out, ln_out = _FP8LayerNormLinear.apply(inp, ln_weight, ln_bias, self.weight, bias, self,
-                                                    torch.is_grad_enabled(), is_first_microbatch)
+                                                    torch.is_grad_enabled(), is_first_microbatch, residual_grad_relay)
         else:
             inp = tp.column_input(inp) if tp is not None and not gathers else inp
             ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps,

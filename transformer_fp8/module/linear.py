@@ -23,7 +23,7 @@ class _FP8Linear(torch.autograd.Function):
     summed over the TP ranks here (or reduce-scattered by the caller): see _row_parallel.py."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, module, training, is_first_microbatch, residual):
+    def forward(ctx, inp, weight, bias, module, training, is_first_microbatch, residual, relay):
         need_dgrad = training and ctx.needs_input_grad[0]
         need_wgrad = training and ctx.needs_input_grad[1]
         x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
@@ -40,6 +40,7 @@ class _FP8Linear(torch.autograd.Function):
         out = sum_partials(row_tp, fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias_here,
                                                  residual_rows(residual_here)))
         ctx.has_residual = residual is not None
+        ctx.relay = relay if residual is not None and relay is not None and relay.armed else None
         if training:
             ctx.save_for_backward(xqt if need_wgrad else None, wqt)
             state = autocast.STATE
@@ -63,7 +64,10 @@ class _FP8Linear(torch.autograd.Function):
             dx = dx.view(-1, *grad.shape[1:-1], dx.shape[-1])
         elif dx is not None and grad.dim() != 2:
             dx = dx.view(*grad.shape[:-1], dx.shape[-1])
-        return dx, dw, dbias, None, None, None, (grad if ctx.has_residual else None)
+        residual_grad = grad if ctx.has_residual else None
+        if ctx.relay is not None:  # (handed to the norm backward of the LayerNormLinear that added it: see
+            ctx.relay.grad, residual_grad = grad, None  # _residual_relay.py)
+        return dx, dw, dbias, None, None, None, residual_grad, None
 
 
 class Linear(FP8ModuleBase):
@@ -72,7 +76,8 @@ class Linear(FP8ModuleBase):
     parallel_mode=None, sequence_parallel=False).
     forward(inp [..., in], is_first_microbatch=None, residual=None). return_bias=True returns (out, bias) with the bias
     not added. residual: a tensor of the output's shape and dtype added to the output, inside fp8_autocast in the
-    GEMM's epilogue (one rounding, no separate add); not with sequence parallelism.
+    GEMM's epilogue (one rounding, no separate add); not with sequence parallelism. (residual_grad_relay:
+    MultiheadAttention's, see _residual_relay.py.)
 
     Small-shape automatic path: inside fp8_autocast, a CUDA input with M*in*out < fp8_min_gemm_size (None: the
     default base.FP8_MIN_GEMM_SIZE = 2**35 ~ 3.4e10) runs the high-precision F.linear and leaves the FP8 state
@@ -111,7 +116,7 @@ class Linear(FP8ModuleBase):
         self._plain = tp is None and not self.return_bias and not self.fuse_wgrad_accumulation and \
             not self._fp8_params
 
-    def forward(self, inp, is_first_microbatch=None, residual=None):
+    def forward(self, inp, is_first_microbatch=None, residual=None, residual_grad_relay=None):
         # A plain Linear on its high-precision path (outside fp8_autocast, or the small-shape path inside it): F.linear
         # at once, the input's checks only when it fails. (The inference of small layers is host-bound: every
         # call's Python counts.)
@@ -126,29 +131,29 @@ class Linear(FP8ModuleBase):
         if self.tp is not None:
             if residual is not None:
                 check_residual(residual, inp, self.out_features, self.tp)
-            return self._parallel_forward(inp, is_first_microbatch, residual)
+            return self._parallel_forward(inp, is_first_microbatch, residual, residual_grad_relay)
         check_input(inp, self.in_features)
         if residual is not None:
             check_residual(residual, inp, self.out_features, None)
         if self.return_bias:
-            return self._local_linear(inp, None, is_first_microbatch, residual), self.bias
-        return self._local_linear(inp, self.bias, is_first_microbatch, residual)
+            return self._local_linear(inp, None, is_first_microbatch, residual, residual_grad_relay), self.bias
+        return self._local_linear(inp, self.bias, is_first_microbatch, residual, residual_grad_relay)
 
-    def _local_linear(self, inp, bias, is_first_microbatch, residual=None):
+    def _local_linear(self, inp, bias, is_first_microbatch, residual=None, relay=None):
         """inp [..., local in] @ this rank's weightᵀ (+ bias) (+ residual): FP8 inside fp8_autocast, else high
         precision."""
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp):
             self._fp8_begin(state)
             return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
-                                    torch.is_grad_enabled(), is_first_microbatch, residual)
+                                    torch.is_grad_enabled(), is_first_microbatch, residual, relay)
         if self.fuse_wgrad_accumulation:
             out = high_precision_linear(self, inp, self.weight, bias)
         else:
             out = F.linear(inp, self.weight, bias)  # (the small-shape path's host time matters: F.linear directly)
         return out if residual is None else out + residual
 
-    def _parallel_forward(self, inp, is_first_microbatch, residual):
+    def _parallel_forward(self, inp, is_first_microbatch, residual, relay):
         tp = self.tp
         if autocast.STATE.enabled:
             tp.check_amax_group(autocast.STATE.group)
@@ -166,7 +171,7 @@ class Linear(FP8ModuleBase):
         if state.enabled and self._runs_fp8(inp):  # (the Function adds bias and residual once and sums the ranks)
             self._fp8_begin(state)
             out = _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
-                                   torch.is_grad_enabled(), is_first_microbatch, residual)
+                                   torch.is_grad_enabled(), is_first_microbatch, residual, relay)
             out = tp.row_output(out) if tp.sequence_parallel else out
         else:
             out = tp.row_output(self._local_linear(inp, None, is_first_microbatch))
@@ -184,7 +189,7 @@ class Linear(FP8ModuleBase):
         if state.enabled and self._runs_fp8(inp, self.tp.size):
             self._fp8_begin(state)
             return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
-                                    torch.is_grad_enabled(), is_first_microbatch, None)
+                                    torch.is_grad_enabled(), is_first_microbatch, None, None)
         return self._local_linear(self.tp.column_input(inp), bias, is_first_microbatch)
 
     def extra_repr(self):
