@@ -1,10 +1,12 @@
 """LayerNormMLP vs a float64 plain-PyTorch reference (norm -> fc1 -> activation -> fc2)."""
+import copy
+
 import pytest
 import torch
 
 import transformer_fp8 as te
-from tests.module.helpers import DEVICES, GRAD_TOL, RECIPES, RELU_GRAD_TOL, check_against_reference, params64, \
-    randomize_vectors, reference_forward
+from tests.module.helpers import DEVICES, GRAD_TOL, RECIPES, RELU_GRAD_TOL, check_against_reference, fp8_steps, \
+    params64, randomize_vectors, reference_forward
 from tests.utils import rel_error
 
 
@@ -103,3 +105,35 @@ def test_delayed_scaling_makes_the_fp8_fc1_gradient_transpose_after_the_dgrad(de
         y.backward(torch.randn_like(y))
     assert transposes == [True, False]  # calibrating step: the unfused cast makes both
     assert mlp.fc1_weight.grad is not None and mlp.fc1_weight.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gelu_rides_in_the_fc1_epilogue_after_the_first_update(device, monkeypatch):
+    """Delayed scaling, BF16, gelu: from the second step FC1's GEMM applies GELU and emits the FP8 activation itself
+    (no activation kernel); results as with the activation kernel, within an FP8 rounding of the activation."""
+    from transformer_fp8.module import layernorm_mlp
+    torch.manual_seed(0)
+    m = te.LayerNormMLP(64, 96, params_dtype=torch.bfloat16, device=device)
+    randomize_vectors(m)
+    twin = copy.deepcopy(m)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, device=device)
+    dy = torch.randn(32, 64, dtype=torch.bfloat16, device=device)
+    calls = []
+    real_ops = layernorm_mlp.tfp8
+
+    class Spy:
+        def __getattr__(self, name):
+            op = getattr(real_ops, name)
+            return lambda *args, **kwargs: calls.append((name, kwargs.get("gelu", False))) or op(*args, **kwargs)
+    monkeypatch.setattr(layernorm_mlp, "tfp8", Spy())
+    recipe = te.recipe.DelayedScaling()
+    out, grads = fp8_steps(m, x, dy, recipe)
+    # (step 1 calibrates: the activation in high precision, then a cast; step 2: the GEMM epilogue, no kernel)
+    assert calls.count(("fp8_gemm", True)) == 1 and not any(name == "activation_fwd" for name, _ in calls), calls
+    monkeypatch.setattr(layernorm_mlp, "_gelu_in_fc1_epilogue", lambda *args: False)
+    twin_out, twin_grads = fp8_steps(twin, x, dy, recipe)
+    assert rel_error(out, twin_out) < 0.03
+    for name, g in grads.items():
+        assert rel_error(g, twin_grads[name]) < 0.06, name
+    # the GEMM's amax fed the update (GELU of the float32 result, not of its BF16 rounding: amaxes differ a little)
+    assert torch.allclose(m.fp8_fwd.scale, twin.fp8_fwd.scale, rtol=1e-2)

@@ -1,4 +1,5 @@
-"""LayerNormMLP: y = fc2(act(fc1(norm(x)))) with FP8 GEMMs inside fp8_autocast; the norm and the activation emit FP8.
+"""LayerNormMLP: y = fc2(act(fc1(norm(x)))) with FP8 GEMMs inside fp8_autocast; the norm and the activation emit FP8
+(GELU under delayed scaling: in FC1's GEMM epilogue).
 
 Parameters: layer_norm_weight / layer_norm_bias [hidden], fc1_weight [F1, hidden] (F1 = ffn, or 2*ffn for swiglu
 whose rows are [gate | up]), fc1_bias [F1], fc2_weight [hidden, ffn], fc2_bias [hidden].
@@ -38,6 +39,24 @@ def _activation_to_fp8(module, fc1_out, need_transpose):
     fp8_args = fp8_output_args(module.fp8_fwd, 2, module.fwd_dtype)
     q = tfp8.activation_fwd(fc1_out, module.activation, *fp8_args)
     return q, (tfp8.fp8_transpose(q) if need_transpose else None), fp8_args[3]
+
+
+def _gelu_in_fc1_epilogue(module, dtype, fc1_bias):
+    """True when FC1's GEMM itself applies GELU and emits the FP8 activation (cuBLASLt's GELU_AUX(_BIAS) epilogue with
+    an E4M3 output, as TE's FC1; its aux output, the pre-activation, is what the backward keeps): gelu, delayed
+    scaling with a known scale (after the first update: the output's scale must exist before the GEMM), BF16."""
+    return (module.activation == "gelu" and not module.fp8_current and module.fp8_fwd.calibrated and
+            dtype == torch.bfloat16 and (fc1_bias is None or fc1_bias.dtype == dtype))
+
+
+def _fc1_gelu_to_fp8(module, lnq, lnsinv, w1q, w1sinv, fc1_bias, need_transpose):
+    """gelu(lnq w1ᵀ + fc1_bias) into FP8 forward slot 2 in the FC1 GEMM's epilogue: (q [M, F], qT [F, M] or None,
+    scale_inv [1], fc1_out [M, F] BF16, the pre-activation)."""
+    scale, fp8_dtype, amax, scale_inv = fp8_output_args(module.fp8_fwd, 2, module.fwd_dtype)
+    q, fc1_out = tfp8.fp8_gemm(lnq, lnsinv, w1q, w1sinv, fp8_dtype, bias=fc1_bias, gelu=True, out_scale=scale,
+                               out_amax=amax)
+    torch.reciprocal(scale, out=scale_inv)  # (the snapshot a cast would have written)
+    return q, (tfp8.fp8_transpose(q) if need_transpose else None), scale_inv, fc1_out
 
 
 def _take(stash, key):
@@ -83,8 +102,11 @@ class _FP8LayerNormMLP(torch.autograd.Function):
             lnq, lnqt, lnsinv, ln_out, mean, rstd = norm_to_fp8(module, x, need_fc1_wgrad,
                                                                 module.return_layernorm_output)
         w1q, w1qt, w1sinv = module._fp8_weight("fc1_weight", fc1_weight, 1, need_dgrad, is_first_microbatch)
-        fc1_out = fp8_gemm_bias(lnq, lnsinv, w1q, w1sinv, dtype, fc1_bias)
-        aq, aqt, asinv = _activation_to_fp8(module, fc1_out, need_fc2_wgrad)
+        if _gelu_in_fc1_epilogue(module, dtype, fc1_bias):
+            aq, aqt, asinv, fc1_out = _fc1_gelu_to_fp8(module, lnq, lnsinv, w1q, w1sinv, fc1_bias, need_fc2_wgrad)
+        else:
+            fc1_out = fp8_gemm_bias(lnq, lnsinv, w1q, w1sinv, dtype, fc1_bias)
+            aq, aqt, asinv = _activation_to_fp8(module, fc1_out, need_fc2_wgrad)
         w2q, w2qt, w2sinv = module._fp8_weight("fc2_weight", fc2_weight, 3, need_fc2_dgrad, is_first_microbatch)
         bias_here, residual_here = epilogue_terms(module.tp, fc2_bias, x if adds_input else residual_rows(residual))
         out = sum_partials(module.tp, fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, bias_here, residual_here))
