@@ -7,11 +7,13 @@
 // amax, bias, GELU aux) on the plan's descriptor and runs: no lock, no descriptor creation, no heuristic query.
 // A descriptor is only ever used by the thread that owns it. One handle per device, shared, kept for the process.
 //
-// Algorithm choice: cuBLASLt's heuristic's first answer, or with TFP8_GEMM_AUTOTUNE=1 the fastest of its first
+// Algorithm choice (autotuning, on unless TFP8_GEMM_AUTOTUNE=0): the fastest of the heuristic's first
 // kAutotuneCandidates answers, timed on the plan's first call outside CUDA graph capture (each candidate once to
 // warm up, then kAutotuneRuns times between two events on the call's stream; the host waits for them once per
 // plan). The candidates write the call's own output, workspace and GELU aux; the chosen algorithm then runs once more,
-// so the output is its result. Accumulating calls (C = D) keep the heuristic's choice.
+// so the output is its result. Accumulating calls (C = D), calls inside a capture and TFP8_GEMM_AUTOTUNE=0 take the
+// heuristic's first answer. (H100: the first answer was the fastest for most split-accumulator GEMMs, and 10-18%
+// slower than the best for fast-accumulation ones at M*N*K >= 1.4e11: benchmarks/RESULTS.md.)
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -36,12 +38,12 @@ constexpr size_t kMaxPlansPerThread = 1024;
 constexpr int kAutotuneCandidates = 8;
 constexpr int kAutotuneRuns = 3;
 
-// TFP8_GEMM_AUTOTUNE: unset or "0" off, "1" on, "verbose" on and printing each plan's candidate times.
+// TFP8_GEMM_AUTOTUNE: "0" off, unset or anything else on, "verbose" on and printing each plan's candidate times.
 int autotune_mode() {
   static const int mode = [] {
     const char* value = std::getenv("TFP8_GEMM_AUTOTUNE");
-    if (value == nullptr || std::string(value) == "0" || std::string(value).empty()) return 0;
-    return std::string(value) == "verbose" ? 2 : 1;
+    if (value == nullptr) return 1;
+    return std::string(value) == "0" ? 0 : std::string(value) == "verbose" ? 2 : 1;
   }();
   return mode;
 }

@@ -14,11 +14,14 @@ from .base import cast_transpose
 
 
 def fp8_gemm_bias(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, residual=None):
-    """out [M, N] = a bᵀ (+ bias [N]) (+ residual [M, N] of out_dtype, in the GEMM epilogue) in out_dtype. The bias
+    """The forward GEMM: out [M, N] = a bᵀ (+ bias [N]) (+ residual [M, N] of out_dtype, in the GEMM epilogue) in
+    out_dtype, with FP8 fast accumulation (as TE's and torchao's forward GEMMs; the backward's dgrad and wgrad GEMMs
+    keep the split accumulator, whose float32 promotion their longer and smaller-valued sums need). The bias
     rides in the GEMM epilogue for 16-bit outputs (cast to out_dtype); a float32 output gets it added afterwards in
     float32 (cuBLASLt takes no float32 bias there): in place, except under torch.compile, whose autograd.Function
     support drops the gradient of a forward output that was modified in place (torch 2.11: it arrives as zeros)."""
-    extra = {} if residual is None else {"residual": residual}
+    extra = {"use_split_accumulator": False} if residual is None else {"use_split_accumulator": False,
+                                                                        "residual": residual}
     if bias is None or out_dtype != torch.float32:
         bias = bias.to(out_dtype) if bias is not None and bias.dtype != out_dtype else bias
         return tfp8.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, **extra)[0]
