@@ -54,7 +54,7 @@ def _fc1_gelu_to_fp8(module, lnq, lnsinv, w1q, w1sinv, fc1_bias, need_transpose)
     scale_inv [1], fc1_out [M, F] BF16, the pre-activation)."""
     scale, fp8_dtype, amax, scale_inv = fp8_output_args(module.fp8_fwd, 2, module.fwd_dtype)
     q, fc1_out = tfp8.fp8_gemm(lnq, lnsinv, w1q, w1sinv, fp8_dtype, bias=fc1_bias, gelu=True, out_scale=scale,
-                               out_amax=amax)
+                               out_amax=amax, use_split_accumulator=False)  # (a forward GEMM: see fp8_gemm_bias)
     torch.reciprocal(scale, out=scale_inv)  # (the snapshot a cast would have written)
     return q, (tfp8.fp8_transpose(q) if need_transpose else None), scale_inv, fc1_out
 
