@@ -272,6 +272,31 @@ def test_fused_qkv_gradient_without_copies(monkeypatch, interleaved, heads, grou
 
 
 @cudnn_built
+@pytest.mark.parametrize("fmt", ("sbhd", "bshd"))
+def test_cudnn_attention_takes_the_module_format_without_layout_nodes(fmt):
+    """cudnn_attention (on the CPU op) on sbhd / bshd tensors: output [s, b, h*d] / [b, s, h*d] whose autograd node
+    is the attention Function itself (the layout views are taken inside it), values and gradients as float64."""
+    s, b, h, g, d = 5, 2, 4, 2, 8
+    lead = (s, b) if fmt == "sbhd" else (b, s)
+    q, k, v = (torch.randn(*lead, heads, d, dtype=torch.bfloat16, requires_grad=True) for heads in (h, g, g))
+    out = cudnn_attention(q, k, v, None, "causal", 0.0, 0.3, qkv_format=fmt)
+    assert out.shape == (*lead, h * d) and out.is_contiguous()
+    assert type(out.grad_fn).__name__ == "_FusedAttentionBackward"
+    assert all(type(fn).__name__ == "AccumulateGrad" for fn, _ in out.grad_fn.next_functions if fn is not None)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if fmt == "sbhd" else (lambda t: t.transpose(1, 2))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = ref_attention(*map(to_bhsd, leaves), 0.3, causal=True)
+    ref = (ref.permute(2, 0, 1, 3) if fmt == "sbhd" else ref.transpose(1, 2)).reshape(out.shape)
+    ref.backward(grad_out.double())
+    assert_close_rel(out, ref, CPU_RTOL[torch.bfloat16], "out")
+    for name, t, r in zip("qkv", (q, k, v), leaves):
+        assert t.grad.stride() == t.stride()
+        assert_close_rel(t.grad, r.grad, 2 * CPU_RTOL[torch.bfloat16], f"d{name}")
+
+
+@cudnn_built
 def test_cudnn_attention_key_padding_mask_to_seqlens():
     b, h, s, d = 3, 2, 7, 8
     q, k, v = make_qkv("bshd", b, h, h, s, s, d, torch.bfloat16)

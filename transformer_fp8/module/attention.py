@@ -226,23 +226,29 @@ class DotProductAttention(nn.Module):
         if max_seqlen_q is not None or max_seqlen_kv is not None:
             raise ValueError(f"max_seqlen_q/max_seqlen_kv: only taken with qkv_format='thd', got {fmt!r}")
         self._check_qkv(query_layer, key_layer, value_layer, fmt)
-        to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if fmt == "sbhd" else (lambda t: t.transpose(1, 2))
-        q, k, v = to_bhsd(query_layer), to_bhsd(key_layer), to_bhsd(value_layer)
+        seq_dim, batch_dim = (0, 1) if fmt == "sbhd" else (1, 0)
+        b, sq, skv = query_layer.shape[batch_dim], query_layer.shape[seq_dim], key_layer.shape[seq_dim]
+        device = query_layer.device
         if cu_seqlens_q is not None or cu_seqlens_kv is not None:
             attention_mask = _padding_mask_from_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, attention_mask, mask_type,
-                                                           q.shape[0], k.shape[2], q.device)
-        attn_mask, is_causal = _sdpa_mask(attention_mask, mask_type, q.shape[2], k.shape[2], q.device)
+                                                           b, skv, device)
+        attn_mask, is_causal = _sdpa_mask(attention_mask, mask_type, sq, skv, device)
+        to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if fmt == "sbhd" else (lambda t: t.transpose(1, 2))
         out = None
         if fp8_dpa_enabled():
-            out = fp8_attention(self.fp8_scaling, q, k, v, attention_mask, mask_type, dropout_p, self.softmax_scale)
-        if out is None and self.attention_backend == "cudnn" and q.is_cuda:
-            out = cudnn_attention(q, k, v, attention_mask, mask_type, dropout_p, self.softmax_scale)
+            out = fp8_attention(self.fp8_scaling, *map(to_bhsd, (query_layer, key_layer, value_layer)),
+                                attention_mask, mask_type, dropout_p, self.softmax_scale)
+        if out is None and self.attention_backend == "cudnn" and device.type == "cuda":
+            out = cudnn_attention(query_layer, key_layer, value_layer, attention_mask, mask_type, dropout_p,
+                                  self.softmax_scale, fmt)  # (already [s, b, h * d] / [b, s, h * d])
+            if out is not None:
+                return out
         if out is None:
-            out = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                               dropout_p=dropout_p, scale=self.softmax_scale)  # [b, h, sq, d]
-        b, h, sq, d = out.shape
+            out = scaled_dot_product_attention(*map(to_bhsd, (query_layer, key_layer, value_layer)),
+                                               attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
+                                               scale=self.softmax_scale)  # [b, h, sq, d]
         out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
-        return out.reshape(*out.shape[:2], h * d)
+        return out.reshape(*out.shape[:2], -1)
 
 
 def check_no_tensor_parallel(tp_size, tp_group):

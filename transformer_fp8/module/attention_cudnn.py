@@ -1,15 +1,17 @@
 """DotProductAttention's "cudnn" backend: the fused_attn_fwd / fused_attn_bwd ops (cuDNN's graph API, csrc/ops.cpp)
 behind an autograd Function.
 
-q/k/v go in as the [b, h, s, d] views DotProductAttention makes (of sbhd / bshd tensors, or of one fused QKV
-buffer): no copies. The output comes back in q's dim order, and the backward writes dq, dk, dv into ONE buffer laid
-out like q, k, v's own (a fused QKV gradient) when q, k, v are disjoint views of one buffer.
+q/k/v go in as DotProductAttention gets them (sbhd / bshd tensors, or views of one fused QKV buffer), or as
+[b, h, s, d] tensors of any strides: the autograd Function takes the [b, h, s, d] views itself, so no layout change
+adds an autograd node or a copy. The output comes back in q's dim order, and the backward writes dq, dk, dv into
+ONE buffer laid out like q, k, v's own (a fused QKV gradient) when q, k, v are disjoint views of one buffer.
 
 A case the backend cannot take (an arbitrary attention mask, a mask that is not a key-padding prefix, a shape or
 dtype cuDNN's support check refuses) returns None, after one warning per reason, and so does torch.compile tracing
 (silently); the caller then runs PyTorch's SDPA. Dropout draws a philox (seed, offset) pair from torch's CUDA
 generator per forward, so results repeat under torch.manual_seed and the backward replays the forward's mask.
 """
+import functools
 import os
 import warnings
 
@@ -32,6 +34,7 @@ def default_backend():
     return backend
 
 
+@functools.cache
 def cudnn_attention_built():
     return torch._C._dispatch_has_kernel_for_dispatch_key("transformer_fp8::fused_attn_fwd", "CUDA")
 
@@ -99,21 +102,35 @@ def _torch_sdpa_grads(grad_out, q, k, v, scale, causal, seqlens_kv):
         return torch.autograd.grad(out, (q, k, v), grad_out)
 
 
+# qkv_format -> (the permutation of its dims to [b, h, s, d], the inverse)
+_TO_BHSD = {"bhsd": ((0, 1, 2, 3), (0, 1, 2, 3)), "sbhd": ((1, 2, 0, 3), (2, 0, 1, 3)),
+            "bshd": ((0, 2, 1, 3), (0, 2, 1, 3))}
+
+
 class _FusedAttention(torch.autograd.Function):
+    """q, k, v in qkv_format -> out: [b, h, s, d] for "bhsd", else the format's [s, b, h * d] / [b, s, h * d]. The
+    layout changes are views taken inside (no autograd nodes of their own: the host time of a step counts)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, dropout_p, seqlens_q, seqlens_kv, case):
+    def forward(ctx, q, k, v, qkv_format, scale, causal, dropout_p, seqlens_q, seqlens_kv, case):
+        perm, inverse = _TO_BHSD[qkv_format]
+        q, k, v = (t.permute(perm) for t in (q, k, v))
         rng_state = None
         if dropout_p > 0:  # a fresh philox (seed, offset) from torch's CUDA generator
             rng_state = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=q.device)
         out, stats = ops.tfp8.fused_attn_fwd(q, k, v, scale, causal, dropout_p, seqlens_q, seqlens_kv, rng_state)
         ctx.save_for_backward(q, k, v, out, stats, seqlens_q, seqlens_kv, rng_state)
-        ctx.args = (scale, causal, dropout_p, case)
-        return out
+        ctx.args = (qkv_format, scale, causal, dropout_p, case)
+        out = out.permute(inverse)  # (dense in q's dim order: for sbhd / bshd inputs a contiguous tensor)
+        return out if qkv_format == "bhsd" else out.reshape(*out.shape[:2], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, stats, seqlens_q, seqlens_kv, rng_state = ctx.saved_tensors
-        scale, causal, dropout_p, case = ctx.args
+        qkv_format, scale, causal, dropout_p, case = ctx.args
+        perm, inverse = _TO_BHSD[qkv_format]
+        if qkv_format != "bhsd":
+            grad_out = grad_out.view(*grad_out.shape[:2], -1, out.shape[3]).permute(perm)
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
         dq, dk, dv = _grad_buffers(q, k, v, zeroed=seqlens_q is not None)
@@ -128,7 +145,7 @@ class _FusedAttention(torch.autograd.Function):
                                    f"mask: {err}") from err
             _warn_once(f"backward: {err}")
             dq, dk, dv = _torch_sdpa_grads(grad_out, q, k, v, scale, causal, seqlens_kv)
-        return dq, dk, dv, None, None, None, None, None, None
+        return (*(t.permute(inverse) for t in (dq, dk, dv)), None, None, None, None, None, None, None)
 
 
 def _padding_seqlens(attention_mask, b, sq, skv, device):
@@ -147,9 +164,10 @@ def _padding_seqlens(attention_mask, b, sq, skv, device):
     return torch.full((b,), sq, dtype=torch.int32, device=masked.device), seqlens_kv
 
 
-def cudnn_attention(q, k, v, attention_mask, attn_mask_type, dropout_p, scale):
-    """q [b, hq, sq, d], k/v [b, hkv, skv, d] CUDA views (DotProductAttention's masks and scale) -> out
-    [b, hq, sq, d] in q's dtype (memory in q's dim order), or None when the cuDNN backend cannot take the case
+def cudnn_attention(q, k, v, attention_mask, attn_mask_type, dropout_p, scale, qkv_format="bhsd"):
+    """q [b, hq, sq, d], k/v [b, hkv, skv, d] CUDA tensors of any strides (DotProductAttention's masks and scale), or
+    the same in qkv_format "sbhd" / "bshd" -> out [b, hq, sq, d] (memory in q's dim order), or for "sbhd" / "bshd"
+    [sq, b, hq * d] / [b, sq, hq * d] (contiguous), in q's dtype; or None when the cuDNN backend cannot take the case
     (one warning per reason). Under torch.compile it returns None at once, without a warning (tracing a warning
     would break a fullgraph compile): compiled graphs run PyTorch's SDPA."""
     if torch.compiler.is_compiling():
@@ -162,20 +180,23 @@ def cudnn_attention(q, k, v, attention_mask, attn_mask_type, dropout_p, scale):
         q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     seqlens_q = seqlens_kv = None
     if attn_mask_type in ("padding", "padding_causal"):
-        seqlens = _padding_seqlens(attention_mask, q.shape[0], q.shape[2], k.shape[2], q.device)
+        perm = _TO_BHSD[qkv_format][0]
+        b, sq, skv = q.shape[perm[0]], q.shape[perm[2]], k.shape[perm[2]]
+        seqlens = _padding_seqlens(attention_mask, b, sq, skv, q.device)
         if isinstance(seqlens, str):
             _warn_once(seqlens)
             return None
         seqlens_q, seqlens_kv = seqlens
     causal = attn_mask_type in ("causal", "padding_causal")
-    case = (q.dtype, q.device, causal, seqlens_q is not None, dropout_p > 0, float(scale),
+    case = (q.dtype, q.device, causal, seqlens_q is not None, dropout_p > 0, float(scale), qkv_format,
             *((t.shape, t.stride(), t.data_ptr() % 16) for t in (q, k, v)))
     if case in _unsupported_cases:
         return None
     try:
-        out = _FusedAttention.apply(q, k, v, float(scale), causal, float(dropout_p), seqlens_q, seqlens_kv, case)
+        out = _FusedAttention.apply(q, k, v, qkv_format, float(scale), causal, float(dropout_p), seqlens_q,
+                                    seqlens_kv, case)
     except NotImplementedError as err:
         _unsupported_cases[case] = str(err)
         _warn_once(str(err))
         return None
-    return out.to(dtype)
+    return out if out.dtype == dtype else out.to(dtype)
