@@ -1,6 +1,7 @@
 // CUDA kernels of fp8_gemm and fp8_gemm_accumulate (contracts in csrc/ops.cpp): argument checks, output allocation,
 // and zero padding of the shapes cuBLASLt's FP8 kernels cannot take (K and the output row length must be multiples
 // of 16, pointers 16-byte aligned). Padding is exact: zero K columns add nothing, extra output columns are sliced off.
+#include <ATen/cuda/CUDAContextLight.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -93,11 +94,17 @@ Fp8GemmArgs operand_args(const at::Tensor& a, const at::Tensor& a_scale_inv, con
   return args;
 }
 
-// Gives the fully described GEMM `args` the workspace its algorithm needs (possibly none); the tensor returned
-// owns it (undefined when none) and must live until the GEMM is enqueued.
+// Gives the fully described GEMM `args` the workspace its algorithm needs (possibly none): torch's own cuBLASLt
+// workspace of the current stream when it is large enough (kept by torch per stream, also under graph capture: no
+// allocation per call, no second buffer; GEMMs on one stream run in order, so sharing it is safe), else a fresh
+// buffer. The tensor returned owns a fresh buffer (undefined otherwise) and must live until the GEMM is enqueued.
 at::Tensor attach_workspace(Fp8GemmArgs& args, const at::TensorOptions& options) {
   args.workspace_bytes = fp8_gemm_workspace_bytes(args);
   if (args.workspace_bytes == 0) return {};
+  if (args.workspace_bytes <= at::cuda::getCUDABlasLtWorkspaceSize()) {
+    args.workspace = at::cuda::getCUDABlasLtWorkspace();
+    return {};
+  }
   at::Tensor workspace = at::empty({int64_t(args.workspace_bytes)}, options.dtype(at::kByte));
   args.workspace = workspace.data_ptr();
   return workspace;

@@ -38,6 +38,26 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("fp8_gemm_accumulate(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor(a!) out, "
         "bool use_split_accumulator=True) -> ()");
 
+  // --- composites (csrc/composite.cpp): the ops of an FP8 Linear step, one call per direction ---
+  // Forward of out = x Wᵀ (+ bias) (+ residual): x [M, K] and weight [N, K] (high precision) cast as cast_transpose
+  // does (rowwise, transposed when x_transpose / w_transpose; into x_scale_inv / w_scale_inv, amaxes accumulated),
+  // then fp8_gemm(xq, x_scale_inv, wq, w_scale_inv, out_dtype, bias, use_split_accumulator=False, residual=residual).
+  // Returns (out [M, N], xqT [K, M] or empty, wqT [K, N] or empty).
+  m.def("fp8_linear_fwd(Tensor x, Tensor weight, Tensor x_scale, Tensor w_scale, ScalarType fp8_dtype, "
+        "Tensor(a!)? x_amax, Tensor(b!) x_scale_inv, Tensor(c!)? w_amax, Tensor(d!) w_scale_inv, bool x_transpose, "
+        "bool w_transpose, ScalarType out_dtype, Tensor? bias=None, Tensor? residual=None) "
+        "-> (Tensor, Tensor, Tensor)");
+  // Backward from the forward's FP8 operands: dy [M, N] cast into dy_scale_inv (cast_transpose_dbias when
+  // compute_dbias, else cast_transpose, rowwise when w_t is given, transposed when x_t is), then
+  // dx [M, K] = fp8_gemm(dyq, dy_scale_inv, w_t [K, N], w_scale_inv, dx_dtype) when w_t is given;
+  // dW [N, K] = fp8_gemm(dyqT, dy_scale_inv, x_t [K, M], x_scale_inv, dw_dtype) when x_t is given, or accumulated
+  // into main_grad (float32 [N, K], fp8_gemm_accumulate) when that is given too. Split accumulators in both.
+  // Returns (dx or empty, dW or empty, dbias [N] in dy's dtype or empty).
+  m.def("fp8_linear_bwd(Tensor dy, Tensor dy_scale, ScalarType fp8_dtype, Tensor(a!)? dy_amax, "
+        "Tensor(b!) dy_scale_inv, bool compute_dbias, Tensor? w_t, Tensor w_scale_inv, ScalarType dx_dtype, "
+        "Tensor? x_t, Tensor x_scale_inv, ScalarType dw_dtype, Tensor(c!)? main_grad=None) "
+        "-> (Tensor, Tensor, Tensor)");
+
   // --- norm family --- input [M, N]; out in input's dtype, or fp8_dtype (scale required) when given
   m.def("layernorm_fwd(Tensor input, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma=False, "
         "Tensor? scale=None, ScalarType? fp8_dtype=None, Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None) "

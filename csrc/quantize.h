@@ -23,11 +23,15 @@ void launch_compute_amax(const void* x, int64_t n, DType in_type, float* amax, c
 
 // Rows of input that one cast-transpose tile covers: the dbias workspace holds one float32 row per tile row.
 constexpr int kTransposeTileRows = 128;
-inline int64_t dbias_workspace_rows(int64_t m) { return (m + kTransposeTileRows - 1) / kTransposeTileRows; }
+// Rows of the dbias workspace: one per row of tiles; none when there is one (the kernel writes dbias directly).
+inline int64_t dbias_workspace_rows(int64_t m) {
+  const int64_t tile_rows = (m + kTransposeTileRows - 1) / kTransposeTileRows;
+  return tile_rows == 1 ? 0 : tile_rows;
+}
 
 // x [m, n] -> q [m, n] (when q is not null) and qT [n, m] (when qT is not null).
-// With dbias (then workspace is float32 [dbias_workspace_rows(m), n]): dbias[j] = sum_i x[i, j] in float32,
-// written in in_type; m must be > 0.
+// With dbias (then workspace is float32 [dbias_workspace_rows(m), n], null when that is 0): dbias[j] = sum_i x[i, j]
+// in float32, written in in_type; m must be > 0.
 void launch_cast_transpose(const void* x, uint8_t* q, uint8_t* qT, int64_t m, int64_t n, DType in_type,
                            DType fp8_type, const float* scale, float* amax, float* scale_inv, void* dbias,
                            float* workspace, cudaStream_t stream);

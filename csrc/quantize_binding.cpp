@@ -115,10 +115,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_transpose_dbias(const at::Te
     refresh_scale_inv(scale, scale_inv);
     return {q, qT, dbias};
   }
-  at::Tensor workspace = at::empty({dbias_workspace_rows(m), n}, grad.options().dtype(at::kFloat));
+  const int64_t workspace_rows = dbias_workspace_rows(m);
+  at::Tensor workspace;
+  if (workspace_rows > 0) workspace = at::empty({workspace_rows, n}, grad.options().dtype(at::kFloat));
   launch_cast_transpose(grad.data_ptr(), fp8_ptr(q), fp8_ptr(qT), m, n, to_dtype(grad.scalar_type(), "grad"),
                         to_dtype(fp8_dtype, "fp8_dtype"), scale.data_ptr<float>(), optional_ptr(amax),
-                        optional_ptr(scale_inv), dbias.data_ptr(), workspace.data_ptr<float>(), current_stream());
+                        optional_ptr(scale_inv), dbias.data_ptr(),
+                        workspace.defined() ? workspace.data_ptr<float>() : nullptr, current_stream());
   return {q, qT, dbias};
 }
 

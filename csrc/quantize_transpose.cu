@@ -7,7 +7,8 @@
 // 4 rows of qT, 16 bytes each. The tile's 16-byte chunks are XOR-swizzled (chunk ^ 4 in odd 16-row groups) so that
 // both phases are free of bank conflicts. Chunks at the right or bottom edge, or in rows not 16-byte aligned, take
 // a guarded scalar path. dbias: per-tile column sums go to a float32 workspace [tile rows, n], then a second small
-// kernel sums the workspace's rows in a fixed order (deterministic).
+// kernel sums the workspace's rows in a fixed order (deterministic); with one row of tiles (m <= 128) the tiles'
+// sums are dbias itself and one launch writes it (the same bits: the reduce kernel would add them to 0).
 #include <type_traits>
 
 #include "quantize.h"
@@ -30,7 +31,7 @@ __device__ __forceinline__ int tile_offset(int row, int chunk) {
   return row * kTileN + (chunk ^ (((row >> 4) & 1) << 2)) * kChunk;
 }
 
-// Shapes and outputs of one launch. q / qT / dbias_workspace / amax / scale_inv may be null (skipped).
+// Shapes and outputs of one launch. q / qT / dbias_workspace / dbias / amax / scale_inv may be null (skipped).
 struct TransposeArgs {
   int64_t m, n;
   bool rows_vectorized;  // n % 16 == 0 and x, q 16-byte aligned: phase 1 may use 16-byte accesses
@@ -38,6 +39,7 @@ struct TransposeArgs {
   uint8_t* q;
   uint8_t* qT;
   float* dbias_workspace;
+  void* dbias;  // with one row of tiles: the column sums' final destination (in the input's type), not the workspace
   const float* scale;
   float* amax;
   float* scale_inv;
@@ -82,7 +84,9 @@ __device__ __forceinline__ void store_transposed(const uint8_t* tile, const Tran
   }
 }
 
-// Phase-1 column sums of the tile -> one row of the dbias workspace. Every thread of the block must call it.
+// Phase-1 column sums of the tile -> one row of the dbias workspace, or dbias itself. Every thread of the block must
+// call it.
+template <typename T>
 __device__ __forceinline__ void store_column_sums(const float (&sums)[kChunk], const TransposeArgs& a, int64_t n0) {
   __shared__ float partial[kRowsPerPass][kTileN];  // one row per thread row of phase 1
   const int chunk = threadIdx.x % kChunksPerRow, thread_row = threadIdx.x / kChunksPerRow;
@@ -92,7 +96,11 @@ __device__ __forceinline__ void store_column_sums(const float (&sums)[kChunk], c
   if (threadIdx.x < kTileN && n0 + threadIdx.x < a.n) {
     float s = 0.0f;
     for (int r = 0; r < kRowsPerPass; ++r) s += partial[r][threadIdx.x];
-    a.dbias_workspace[int64_t{blockIdx.y} * a.n + n0 + threadIdx.x] = s;
+    if (a.dbias != nullptr) {
+      static_cast<T*>(a.dbias)[n0 + threadIdx.x] = from_float<T>(s);
+    } else {
+      a.dbias_workspace[int64_t{blockIdx.y} * a.n + n0 + threadIdx.x] = s;
+    }
   }
 }
 
@@ -170,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks_per_sm<T, kDbias>()))
     __syncthreads();
     store_transposed(tile, a, m0, n0);
   }
-  if constexpr (kDbias) store_column_sums(sums, a, n0);
+  if constexpr (kDbias) store_column_sums<T>(sums, a, n0);
   if constexpr (!kRaw) {
     if (a.amax != nullptr) block_amax_atomic(local_amax, a.amax);
   }
@@ -197,20 +205,30 @@ void launch_cast_transpose(const void* x, uint8_t* q, uint8_t* qT, int64_t m, in
                            DType fp8_type, const float* scale, float* amax, float* scale_inv, void* dbias,
                            float* workspace, cudaStream_t stream) {
   if (m == 0 || n == 0) return;
-  const TransposeArgs args{m,         n,  n % kChunk == 0 && aligned16(x) && (q == nullptr || aligned16(q)),
-                           m % kChunk == 0 && (qT == nullptr || aligned16(qT)),
-                           q,         qT, dbias != nullptr ? workspace : nullptr,
-                           scale,     amax, scale_inv};
   const dim3 grid = tile_grid(m, n);
   if (grid.y > 65535) throw std::invalid_argument("cast_transpose: too many rows for one launch");
+  const bool one_tile_row = grid.y == 1;
+  const TransposeArgs args{m,
+                           n,
+                           n % kChunk == 0 && aligned16(x) && (q == nullptr || aligned16(q)),
+                           m % kChunk == 0 && (qT == nullptr || aligned16(qT)),
+                           q,
+                           qT,
+                           dbias != nullptr && !one_tile_row ? workspace : nullptr,
+                           one_tile_row ? dbias : nullptr,
+                           scale,
+                           amax,
+                           scale_inv};
   TFP8_DISPATCH_HIGH_PRECISION(in_type, T, TFP8_DISPATCH_FP8(fp8_type, F,
       if (dbias != nullptr) {
         cast_transpose_kernel<T, F, true><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), args);
         TFP8_CUDA_CHECK(cudaGetLastError());
-        const int reduce_threads = 256;
-        const unsigned reduce_blocks = static_cast<unsigned>((n + reduce_threads - 1) / reduce_threads);
-        dbias_reduce_kernel<T><<<reduce_blocks, reduce_threads, 0, stream>>>(workspace, static_cast<T*>(dbias),
-                                                                              grid.y, n);
+        if (!one_tile_row) {
+          const int reduce_threads = 256;
+          const unsigned reduce_blocks = static_cast<unsigned>((n + reduce_threads - 1) / reduce_threads);
+          dbias_reduce_kernel<T><<<reduce_blocks, reduce_threads, 0, stream>>>(workspace, static_cast<T*>(dbias),
+                                                                                grid.y, n);
+        }
       } else {
         cast_transpose_kernel<T, F, false><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), args);
       }));
@@ -220,7 +238,7 @@ void launch_cast_transpose(const void* x, uint8_t* q, uint8_t* qT, int64_t m, in
 void launch_fp8_transpose(const uint8_t* q, uint8_t* qT, int64_t m, int64_t n, cudaStream_t stream) {
   if (m == 0 || n == 0) return;
   const TransposeArgs args{m,  n,       n % kChunk == 0 && aligned16(q), m % kChunk == 0 && aligned16(qT),
-                           nullptr, qT, nullptr, nullptr, nullptr, nullptr};
+                           nullptr, qT, nullptr, nullptr, nullptr, nullptr, nullptr};
   const dim3 grid = tile_grid(m, n);
   if (grid.y > 65535) throw std::invalid_argument("fp8_transpose: too many rows for one launch");
   cast_transpose_kernel<uint8_t, DType::kE4M3, false><<<grid, kThreads, 0, stream>>>(q, args);

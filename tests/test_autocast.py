@@ -5,6 +5,7 @@ import torch
 
 import transformer_fp8 as te
 from transformer_fp8 import autocast, recipe
+from tests.utils import OpCalls
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
@@ -143,19 +144,14 @@ def test_first_step_calibrates_scales_from_its_tensors(monkeypatch, reduce_amax)
     over the group when the recipe reduces amaxes), not the initial 1; the update then proceeds as usual."""
     dist, collectives = torch.distributed, fake_two_ranks(monkeypatch)
     m, group = te.Linear(32, 16, bias=False, params_dtype=torch.float32, device="cpu", fp8_min_gemm_size=0), object()
-    x, scales_seen, cast = with_amax((8, 32), 1.0), [], te.ops.tfp8.cast_transpose
-
-    def spy(inp, scale, *args, **kwargs):
-        scales_seen.append(scale.item())
-        return cast(inp, scale, *args, **kwargs)
-
-    monkeypatch.setattr(te.ops.tfp8, "cast_transpose", spy)
+    x = with_amax((8, 32), 1.0)
     assert m.fp8_fwd is None  # (made by the first FP8 call, uncalibrated)
-    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(reduce_amax=reduce_amax), fp8_group=group):
-        m(x)
+    with OpCalls("cast_transpose", lambda arguments: arguments["scale"].item()) as scales:
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(reduce_amax=reduce_amax), fp8_group=group):
+            m(x)
     expected_x = E4M3_MAX / (10.0 if reduce_amax else 1.0)
     expected_w = E4M3_MAX / 10.0 if reduce_amax else E4M3_MAX / m.weight.detach().abs().max().item()
-    assert scales_seen == pytest.approx([expected_x, expected_w], rel=1e-6)
+    assert scales.seen == pytest.approx([expected_x, expected_w], rel=1e-6)
     per_cast = [(1, dist.ReduceOp.MAX, group)] * 2
     assert collectives == (per_cast + [(2, dist.ReduceOp.MAX, group)] if reduce_amax else [])
     assert m.fp8_fwd.calibrated and not m.fp8_bwd.calibrated

@@ -1,5 +1,6 @@
-"""Shared test helpers: relative error and FP8 tolerances."""
+"""Shared test helpers: relative error, FP8 tolerances, a recorder of our op calls."""
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -34,3 +35,21 @@ def check_against_float64(out, inputs, reference, tol, grad_tol, names="qkv"):
 
 def scalar(value, device="cpu"):
     return torch.tensor([value], dtype=torch.float32, device=device)
+
+
+class OpCalls(TorchDispatchMode):
+    """Inside `with OpCalls(name, keep) as calls:`, calls.seen lists keep(arguments) for every call of
+    torch.ops.transformer_fp8.<name>, also those a composite op (fp8_linear_fwd, ...) makes from C++. arguments:
+    a dict by the schema's argument names; keep defaults to the dict itself."""
+
+    def __init__(self, name, keep=None):
+        super().__init__()
+        self.name, self.keep, self.seen = f"transformer_fp8::{name}", keep or (lambda arguments: arguments), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.name == self.name:
+            arguments = {a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+                         for i, a in enumerate(func._schema.arguments)}
+            self.seen.append(self.keep(arguments))
+        return func(*args, **kwargs)

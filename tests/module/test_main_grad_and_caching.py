@@ -4,7 +4,7 @@ import torch
 
 import transformer_fp8 as te
 from tests.module.helpers import DEVICES, RECIPES, randomize_vectors
-from tests.utils import rel_error
+from tests.utils import OpCalls, rel_error
 from transformer_fp8.module import base
 
 MODULES = {
@@ -56,36 +56,33 @@ def test_missing_main_grad_is_a_clear_error(device, fp8):
         out.sum().backward()
 
 
-def count_weight_casts(monkeypatch, module):
-    """Patch cast_transpose to count casts whose input is one of the module's weights."""
-    ptrs = {p.data_ptr() for n, p in module.named_parameters() if p.dim() == 2}
-    original, count = te.ops.tfp8.cast_transpose, [0]
+class WeightCasts(OpCalls):
+    """Counts (count()) the casts, also those inside composite ops, whose input is one of the module's weights."""
 
-    def spy(input, *args, **kwargs):
-        count[0] += input.data_ptr() in ptrs
-        return original(input, *args, **kwargs)
+    def __init__(self, module):
+        ptrs = {p.data_ptr() for n, p in module.named_parameters() if p.dim() == 2}
+        super().__init__("cast_transpose", lambda arguments: arguments["input"].data_ptr() in ptrs)
 
-    monkeypatch.setattr(te.ops.tfp8, "cast_transpose", spy)
-    return count
+    def count(self):
+        return sum(self.seen)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(MODULES))
 @pytest.mark.parametrize("recipe_name", ["delayed-HYBRID", "current-E4M3"])
-def test_first_microbatch_caches_the_fp8_weight(device, name, recipe_name, monkeypatch):
+def test_first_microbatch_caches_the_fp8_weight(device, name, recipe_name):
     m = MODULES[name](params_dtype=torch.bfloat16, device=device)
-    casts = count_weight_casts(monkeypatch, m)
     n_weights = len(weight_names(m))
     x = torch.randn(20, 64, dtype=torch.bfloat16, device=device)
-    with te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]):
+    with WeightCasts(m) as casts, te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]):
         first = m(x, is_first_microbatch=True)
-        assert casts[0] == n_weights
+        assert casts.count() == n_weights
         with torch.no_grad():
             m.get_parameter(weight_names(m)[0]).mul_(2)  # a cached weight ignores this until the next True
         second = m(x, is_first_microbatch=False)
-        assert casts[0] == n_weights
+        assert casts.count() == n_weights
         third = m(x)
-        assert casts[0] == 2 * n_weights
+        assert casts.count() == 2 * n_weights
     if recipe_name.startswith("delayed"):  # the input's scale did not move inside the autocast: same bytes
         assert torch.equal(first, second)
     assert rel_error(second, first) < 0.05 and rel_error(third, first) > 0.1
@@ -103,7 +100,6 @@ def test_backward_casts_big_weight_transposes_unless_cached(device, name, recipe
     the input gradients agree (the cast of the weight with 1 / scale_inv may round a rare element apart)."""
     monkeypatch.setattr(base, "MIN_RECAST_WEIGHT_NUMEL", min_recast)
     m = MODULES[name](params_dtype=torch.bfloat16, device=device)
-    casts = count_weight_casts(monkeypatch, m)
     n_weights = len(weight_names(m))
     x = torch.randn(20, 64, dtype=torch.bfloat16, device=device)
     grads = []
@@ -111,9 +107,9 @@ def test_backward_casts_big_weight_transposes_unless_cached(device, name, recipe
         inp = x.clone().requires_grad_()
         with te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]):
             out = m(inp, is_first_microbatch=first_microbatch)
-        before = casts[0]
-        out.float().square().sum().backward()
-        assert casts[0] - before == (n_weights if first_microbatch is None and min_recast == 0 else 0)
+        with WeightCasts(m) as casts:
+            out.float().square().sum().backward()
+        assert casts.count() == (n_weights if first_microbatch is None and min_recast == 0 else 0)
         grads.append(inp.grad)
     if recipe_name.startswith("current"):
         assert rel_error(grads[1], grads[0]) < 1e-3

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import transformer_fp8 as te
 from tests.module.helpers import DEVICES, RECIPES
-from tests.utils import rel_error
+from tests.utils import OpCalls, rel_error
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -21,13 +21,10 @@ def test_fp8_model_init_weights_are_float8_tensors(device, monkeypatch):
     fp8_bytes = sum(p._data.numel() * p._data.element_size() + p._scale_inv.numel() * 4 for p in weights.values())
     bf16_bytes = sum(p.numel() * 2 for p in weights.values())
     assert fp8_bytes <= 0.55 * bf16_bytes
-    casts = []
-    original = te.ops.tfp8.cast_transpose
-    monkeypatch.setattr(te.ops.tfp8, "cast_transpose", lambda x, *a, **k: casts.append(x.shape) or original(x, *a, **k))
     x = torch.randn(32, 128, dtype=torch.bfloat16, device=device, requires_grad=True)
-    with te.fp8_autocast():
+    with OpCalls("cast_transpose", lambda arguments: arguments["input"].shape) as casts, te.fp8_autocast():
         out = m(x)
-    assert all(shape[0] == 32 for shape in casts)  # the weights were not cast: their FP8 data was used
+    assert all(shape[0] == 32 for shape in casts.seen)  # the weights were not cast: their FP8 data was used
     out.float().pow(2).sum().backward()
     assert m.fc1_weight.grad.dtype == torch.bfloat16 and m.fc1_weight.grad.shape == (256, 128)
     plain = m(x.detach())  # outside autocast: high precision on the dequantized weights

@@ -15,7 +15,7 @@ from ..distributed import (Pending, all_gather_first_dim, all_gather_fp8, start_
                            start_reduce_scatter_first_dim)
 from ..ops import tfp8
 from . import norm
-from ._gemm import gemm_grads
+from ._gemm import cast_grad_output, fused_grads, gemm_grads
 from .base import cast_transpose
 
 COLLECTIVES = {"reduce_scatter": start_reduce_scatter_first_dim, "all_reduce": start_all_reduce}
@@ -92,3 +92,16 @@ def input_grads(module, collective, weight, dy_fp8, w_t, x_t, dx_dtype, need_dgr
     pending = start_dgrad_sum(module, collective, dx)
     _, dw = gemm_grads(module, weight, dy_fp8, w_t, x_t, dx_dtype, False, need_wgrad)
     return pending.wait(), dw
+
+
+def output_grads(module, collective, weight, dy, with_dbias, w_t, x_t, dx_dtype):
+    """The backward of a GEMM from its output gradient dy [M, N] (high precision, cast here into backward slot 0):
+    (dx or None, dW or None, dbias or None). w_t / x_t: (FP8 Wᵀ / xᵀ, scale_inv), or None where dgrad / wgrad is
+    not needed. Without a collective, one op call (fp8_linear_bwd); else input_grads' overlap."""
+    need_dgrad, need_wgrad = w_t is not None, x_t is not None
+    if collective is None:
+        return fused_grads(module, weight, dy, with_dbias, w_t, x_t, dx_dtype)
+    dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, with_dbias, need_dgrad, need_wgrad)
+    dx, dw = input_grads(module, collective, weight, (dq, dqt, dsinv), w_t or (None, None), x_t or (None, None),
+                         dx_dtype, need_dgrad, need_wgrad)
+    return dx, dw, dbias

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from .. import autocast
 from ..ops import tfp8
-from ..recipe import FP8_MAX
+from ..float8_tensor import Float8Tensor
 from ._compiled_backward import queue_backward_update
-from .base import cast_transpose
+from .base import cast_args
 
 
 def fp8_gemm_bias(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, residual=None):
@@ -31,17 +31,47 @@ def fp8_gemm_bias(a, a_scale_inv, b, b_scale_inv, out_dtype, bias, residual=None
 
 def cast_grad_output(dy, module, slot, with_dbias, rowwise, transpose):
     """dy [M, N] -> (q [M, N], qT [N, M], scale_inv [1], dbias [N] or None) in backward slot `slot` of `module`."""
-    state, fp8_dtype = module.fp8_bwd, module.bwd_dtype
+    scale, amax, scale_inv = cast_args(dy, module.fp8_bwd, slot, module.bwd_dtype, module.fp8_current)
     if not with_dbias:
-        return (*cast_transpose(dy, state, slot, fp8_dtype, module.fp8_current, rowwise, transpose), None)
-    if not module.fp8_current:
-        scale_inv = state.scale_invs[slot] if state.calibrated else state.calibrate_scale(dy, slot, FP8_MAX[fp8_dtype])
-        q, qt, dbias = tfp8.cast_transpose_dbias(dy, state.scales[slot], fp8_dtype, state.amaxes[slot], scale_inv)
-        return q, qt, scale_inv, dbias
-    scale_inv = torch.empty(1, dtype=torch.float32, device=dy.device)
-    state.set_current_scale(dy, slot, FP8_MAX[fp8_dtype])
-    q, qt, dbias = tfp8.cast_transpose_dbias(dy, state.scales[slot], fp8_dtype, None, scale_inv)
+        q, qt = tfp8.cast_transpose(dy, scale, module.bwd_dtype, rowwise, transpose, amax, scale_inv)
+        return q, qt, scale_inv, None
+    q, qt, dbias = tfp8.cast_transpose_dbias(dy, scale, module.bwd_dtype, amax, scale_inv)
     return q, qt, scale_inv, dbias
+
+
+def fused_forward_applies(module, weight, bias, out_dtype, is_first_microbatch):
+    """Whether a plain GEMM's forward can be the one op fp8_linear_fwd: a high-precision weight cast at this call (no
+    FP8 weight cache, no Float8Tensor) and a bias the GEMM epilogue takes (see fp8_gemm_bias)."""
+    return is_first_microbatch is None and not isinstance(weight, Float8Tensor) and (
+        bias is None or out_dtype != torch.float32)
+
+
+def fused_forward(module, x, weight, bias, out_dtype, need_x_t, need_w_t, residual):
+    """fp8_linear_fwd in forward slots (0 input, 1 weight): x [M, K] @ weight [N, K]ᵀ (+ bias) (+ residual [M, N])
+    -> (out [M, N], (xqT [K, M] or None, x scale_inv), (wqT [K, N] or None, w scale_inv)). need_w_t: as
+    FP8ModuleBase._fp8_weight decides for an uncached weight."""
+    state, fp8_dtype, current = module.fp8_fwd, module.fwd_dtype, module.fp8_current
+    x_scale, x_amax, x_sinv = cast_args(x, state, 0, fp8_dtype, current)
+    w_scale, w_amax, w_sinv = cast_args(weight, state, 1, fp8_dtype, current)
+    bias = bias.to(out_dtype) if bias is not None and bias.dtype != out_dtype else bias
+    out, xqt, wqt = tfp8.fp8_linear_fwd(x, weight, x_scale, w_scale, fp8_dtype, x_amax, x_sinv, w_amax, w_sinv,
+                                        need_x_t, need_w_t, out_dtype, bias, residual)
+    return out, (xqt if need_x_t else None, x_sinv), (wqt if need_w_t else None, w_sinv)
+
+
+def fused_grads(module, weight, dy, with_dbias, w_t, x_t, dx_dtype):
+    """fp8_linear_bwd in backward slot 0: dy [M, N] -> (dx [M, K] or None, dW [N, K] or None, dbias [N] or None).
+    w_t = (Wᵀ [K, N] FP8, scale_inv) or None (no dgrad), x_t likewise for the wgrad; with fuse_wgrad_accumulation
+    the wgrad goes into weight.main_grad and dW is None."""
+    scale, amax, scale_inv = cast_args(dy, module.fp8_bwd, 0, module.bwd_dtype, module.fp8_current)
+    need_dgrad, need_wgrad = w_t is not None, x_t is not None
+    main_grad = module._main_grad(weight) if need_wgrad and module.fuse_wgrad_accumulation else None
+    dx, dw, dbias = tfp8.fp8_linear_bwd(dy, scale, module.bwd_dtype, amax, scale_inv, with_dbias,
+                                        w_t[0] if need_dgrad else None, w_t[1] if need_dgrad else scale_inv, dx_dtype,
+                                        x_t[0] if need_wgrad else None, x_t[1] if need_wgrad else scale_inv,
+                                        weight.dtype, main_grad)
+    return (dx if need_dgrad else None, dw if need_wgrad and main_grad is None else None,
+            dbias if with_dbias else None)
 
 
 def register_backward(module, recipe, group):

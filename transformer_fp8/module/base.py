@@ -112,19 +112,24 @@ class ScalingState:
         return torch.empty(1, dtype=torch.float32, device=x.device)
 
 
-def cast_transpose(x, state, i, fp8_dtype, current, rowwise=True, transpose=True):
-    """x [M, N] -> (q [M, N] or empty, qT [N, M] or empty, scale_inv [1]) with slot i of `state`.
+def cast_args(x, state, i, fp8_dtype, current):
+    """(scale, amax or None, scale_inv) for a cast of x into slot i of `state`.
     Delayed scaling: the cast writes scale_inv into the slot's snapshot state.scale_invs[i] (before the state's first
     update: the scale calibrated from x and a fresh scale_inv, see ScalingState.calibrate_scale). Current scaling
     sets the slot's scale from amax(x) first and the cast writes a fresh scale_inv (the slot's next cast may come
     before the backward that reads this one)."""
     if not current:
         scale_inv = state.scale_invs[i] if state.calibrated else state.calibrate_scale(x, i, FP8_MAX[fp8_dtype])
-        q, qt = tfp8.cast_transpose(x, state.scales[i], fp8_dtype, rowwise, transpose, state.amaxes[i], scale_inv)
-        return q, qt, scale_inv
+        return state.scales[i], state.amaxes[i], scale_inv
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
     state.set_current_scale(x, i, FP8_MAX[fp8_dtype])
-    q, qt = tfp8.cast_transpose(x, state.scales[i], fp8_dtype, rowwise, transpose, None, scale_inv)
+    return state.scales[i], None, scale_inv
+
+
+def cast_transpose(x, state, i, fp8_dtype, current, rowwise=True, transpose=True):
+    """x [M, N] -> (q [M, N] or empty, qT [N, M] or empty, scale_inv [1]) with slot i of `state` (see cast_args)."""
+    scale, amax, scale_inv = cast_args(x, state, i, fp8_dtype, current)
+    q, qt = tfp8.cast_transpose(x, scale, fp8_dtype, rowwise, transpose, amax, scale_inv)
     return q, qt, scale_inv
 
 

@@ -9,8 +9,8 @@ import torch
 from .. import autocast
 from ..distributed import TensorParallel, gather_from_sequence_parallel_region
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_norm, gathered_shape, gathers_input,
-                               input_grads)
-from ._gemm import cast_grad_output, fp8_gemm_bias, high_precision_linear, register_backward
+                               output_grads)
+from ._gemm import fp8_gemm_bias, high_precision_linear, register_backward
 from .base import FP8ModuleBase, check_choice, check_input, check_positive, pack_outputs
 from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
 
@@ -56,11 +56,11 @@ class _FP8LayerNormLinear(torch.autograd.Function):
         dw = dbias = d_ln = None
         if grad is not None:
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
-            dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, ctx.needs_input_grad[4], need_dgrad, need_wgrad)
-            register_backward(module, *ctx.fp8_state)
             wqt = module._fp8_weight_transpose(ctx.weight, wqt, wsinv) if need_dgrad else None
-            d_ln, dw = input_grads(module, dgrad_collective(module, True), ctx.weight, (dq, dqt, dsinv),
-                                   (wqt, wsinv), (lnqt, lnsinv), x.dtype, need_dgrad, need_wgrad)
+            d_ln, dw, dbias = output_grads(module, dgrad_collective(module, True), ctx.weight, dy,
+                                           ctx.needs_input_grad[4], (wqt, wsinv) if need_dgrad else None,
+                                           (lnqt, lnsinv) if need_wgrad else None, x.dtype)
+            register_backward(module, *ctx.fp8_state)
         handed = ctx.relay.take() if ctx.relay is not None else None
         dx, dgamma, dbeta = norm_backward(module, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
                                           ln_weight, ctx.inp_shape,

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from .. import autocast
 from ..distributed import TensorParallel
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_cast, gathered_shape, gathers_input,
-                               input_grads)
-from ._gemm import cast_grad_output, fp8_gemm_bias, high_precision_linear, register_backward
+                               output_grads)
+from ._gemm import fp8_gemm_bias, fused_forward, fused_forward_applies, high_precision_linear, register_backward
 from ._row_parallel import epilogue_terms, sum_partials
 from . import base
 from .base import FP8ModuleBase, cast_transpose, check_input, check_positive, check_residual, residual_rows
@@ -28,17 +28,24 @@ class _FP8Linear(torch.autograd.Function):
         need_wgrad = training and ctx.needs_input_grad[1]
         x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
         out_shape = inp.shape
-        if gathers_input(module):  # sequence parallel: x is this rank's block, cast and all-gathered in FP8
-            xq, xqt, xsinv = gather_cast(module, x, need_wgrad)
-            out_shape = gathered_shape(inp.shape, module)
-        else:
-            xq, xqt, xsinv = cast_transpose(x, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
-                                            transpose=need_wgrad)
-        wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
         row_tp = module.tp if module.parallel_mode == "row" else None
         bias_here, residual_here = epilogue_terms(row_tp, bias, residual)
-        out = sum_partials(row_tp, fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias_here,
-                                                 residual_rows(residual_here)))
+        gathers = gathers_input(module)
+        if not gathers and fused_forward_applies(module, weight, bias_here, inp.dtype, is_first_microbatch):
+            # (casts and GEMM in one op call: the common case, where a small layer's host time counts)
+            out, (xqt, xsinv), (wqt, wsinv) = fused_forward(
+                module, x, weight, bias_here, inp.dtype, need_wgrad,
+                need_dgrad and weight.numel() < base.MIN_RECAST_WEIGHT_NUMEL, residual_rows(residual_here))
+        else:
+            if gathers:  # sequence parallel: x is this rank's block, cast and all-gathered in FP8
+                xq, xqt, xsinv = gather_cast(module, x, need_wgrad)
+                out_shape = gathered_shape(inp.shape, module)
+            else:
+                xq, xqt, xsinv = cast_transpose(x, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
+                                                transpose=need_wgrad)
+            wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
+            out = fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias_here, residual_rows(residual_here))
+        out = sum_partials(row_tp, out)
         ctx.has_residual = residual is not None
         ctx.relay = relay if residual is not None and relay is not None and relay.armed else None
         if training:
@@ -54,12 +61,12 @@ class _FP8Linear(torch.autograd.Function):
         xqt, wqt = ctx.saved_tensors
         module, weight, xsinv, wsinv, recipe, group, need_dgrad, need_wgrad, dx_dtype = ctx.info
         dy = grad if grad.dim() == 2 and grad.is_contiguous() else grad.reshape(-1, grad.shape[-1]).contiguous()
-        dq, dqt, dsinv, dbias = cast_grad_output(dy, module, 0, ctx.needs_input_grad[2], need_dgrad, need_wgrad)
-        register_backward(module, recipe, group)
         wqt = module._fp8_weight_transpose(weight, wqt, wsinv) if need_dgrad else None
         # (sequence parallel: dx reduce-scattered to this rank's block while the wgrad GEMM runs)
-        dx, dw = input_grads(module, dgrad_collective(module, False), weight, (dq, dqt, dsinv), (wqt, wsinv),
-                             (xqt, xsinv), dx_dtype, need_dgrad, need_wgrad)
+        dx, dw, dbias = output_grads(module, dgrad_collective(module, False), weight, dy, ctx.needs_input_grad[2],
+                                     (wqt, wsinv) if need_dgrad else None, (xqt, xsinv) if need_wgrad else None,
+                                     dx_dtype)
+        register_backward(module, recipe, group)
         if dx is not None and gathers_input(module):
             dx = dx.view(-1, *grad.shape[1:-1], dx.shape[-1])
         elif dx is not None and grad.dim() != 2:
