@@ -137,12 +137,22 @@ def bench_inference_grid():
     return rows
 
 
+def interleaved_host_times(steps, rounds=7, iters=200):
+    """Per step function, its host time per call (µs) in each of `rounds` rounds; a round times each in turn (the
+    device host's speed drifts by 10-20% over seconds: separate measurements would read that drift as a ratio)."""
+    times = [[] for _ in steps]
+    for _ in range(rounds):
+        for step, out in zip(steps, times):
+            out.append(host_time_us(step, iters=iters))
+    return times
+
+
 def bench_host_overhead(tokens=16, hidden=64, layers=(1, 8)):
     """Host time per Linear forward+backward, the FP8 path forced: one Linear per training step (the per-step work —
     autocast exit, the two scale updates, the backward callback — all charged to it), and a stack of 8 Linears per
-    step (per-step work shared, as in a model). Divided by the number of layers. Also our stack captured with
-    te.make_graphed_callables (FP8 inside the graphs; the remedy for host-bound small models, as with TE), against
-    the same eager nn.Linear."""
+    step (per-step work shared, as in a model). Divided by the number of layers; medians over interleaved rounds and
+    the median of the per-round ratios. Also our stack captured with te.make_graphed_callables (FP8 inside the graphs;
+    the remedy for host-bound small models, as with TE), against the same eager nn.Linear."""
     rows = []
     for n in layers:
         def stack():
@@ -152,17 +162,19 @@ def bench_host_overhead(tokens=16, hidden=64, layers=(1, 8)):
         ref = nn.Sequential(*[nn.Linear(hidden, hidden, device=DEV, dtype=DT) for _ in range(n)])
         x = torch.randn(tokens, hidden, device=DEV, dtype=DT, requires_grad=True)
         dy = torch.randn(tokens, hidden, device=DEV, dtype=DT)
-        row = {"tokens": tokens, "hidden": hidden, "layers": n,
-               "fp8_us": host_time_us(train_step(ours, x, dy, True)) / n,
-               "bf16_us": host_time_us(train_step(ref, x, dy, False)) / n}
-        row["ratio"] = row["fp8_us"] / row["bf16_us"]
         graphed = te.make_graphed_callables(stack(), (x,), fp8_enabled=True, fp8_recipe=recipe.DelayedScaling())
         train_step(graphed, x, dy, False)()  # (its first step calibrates the FP8 scales eagerly, then graphs replay)
-        row["fp8_graphed_us"] = host_time_us(train_step(graphed, x, dy, False)) / n
-        row["graphed_ratio"] = row["fp8_graphed_us"] / row["bf16_us"]
+        t_fp8, t_bf16, t_graphed = interleaved_host_times(
+            [train_step(ours, x, dy, True), train_step(ref, x, dy, False), train_step(graphed, x, dy, False)])
+        row = {"tokens": tokens, "hidden": hidden, "layers": n, "fp8_us": statistics.median(t_fp8) / n,
+               "bf16_us": statistics.median(t_bf16) / n, "fp8_graphed_us": statistics.median(t_graphed) / n,
+               "ratio": median_ratio(t_fp8, t_bf16), "graphed_ratio": median_ratio(t_graphed, t_bf16),
+               "ratio_range": [round(min(a / b for a, b in zip(t_fp8, t_bf16)), 2),
+                               round(max(a / b for a, b in zip(t_fp8, t_bf16)), 2)]}
         print(f"host time per Linear fwd+bwd ({tokens}x{hidden}, {n} Linear per step): fp8 {row['fp8_us']:.1f} us, "
-              f"nn.Linear {row['bf16_us']:.1f} us, ratio {row['ratio']:.2f}; fp8 CUDA-graphed "
-              f"{row['fp8_graphed_us']:.1f} us, ratio {row['graphed_ratio']:.2f}")
+              f"nn.Linear {row['bf16_us']:.1f} us, ratio {row['ratio']:.2f} (rounds {row['ratio_range'][0]:.2f}-"
+              f"{row['ratio_range'][1]:.2f}); fp8 CUDA-graphed {row['fp8_graphed_us']:.1f} us, ratio "
+              f"{row['graphed_ratio']:.2f}")
         rows.append(row)
     return rows
 

@@ -21,7 +21,7 @@ from .. import ops
 
 BACKENDS = ("torch", "cudnn")
 BACKEND_ENV = "TFP8_ATTENTION_BACKEND"
-_unsupported_cases = {}  # case key -> cuDNN's reason, so a refused case costs one dict lookup afterwards
+_unsupported_cases = {}  # _case_key -> cuDNN's reason, so a refused case costs one dict lookup afterwards
 _warned_reasons = set()
 _shared_grad_layouts = {}  # (shape, stride, offset) of q, k, v -> whether one gradient buffer can hold them
 
@@ -75,9 +75,9 @@ def _grad_buffers(q, k, v, zeroed):
     the sbhd / bshd tensors q, k, v are views of without a layout copy). zeroed: rows the kernel leaves unwritten
     (padding) read zero."""
     new = torch.zeros if zeroed else torch.empty
-    same_storage = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == \
-        v.untyped_storage().data_ptr()
-    if same_storage and q.numel() and k.numel() and _one_buffer_fits(q, k, v):
+    base = q._base  # (views of one tensor: a fused QKV)
+    if base is not None and k._base is base and v._base is base and q.numel() and k.numel() and \
+            _one_buffer_fits(q, k, v):
         start = min(t.storage_offset() for t in (q, k, v))
         end = max(t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 for t in (q, k, v))
         buffer = new(end - start, dtype=q.dtype, device=q.device)
@@ -102,6 +102,12 @@ def _torch_sdpa_grads(grad_out, q, k, v, scale, causal, seqlens_kv):
         return torch.autograd.grad(out, (q, k, v), grad_out)
 
 
+def _case_key(q, k, v, qkv_format, causal, padding, dropout_p, scale):
+    """What decides whether cuDNN takes a call (q, k, v as cudnn_attention gets them)."""
+    return (q.dtype, q.device, causal, padding, dropout_p > 0, scale, qkv_format,
+            *((t.shape, t.stride(), t.data_ptr() % 16) for t in (q, k, v)))
+
+
 # qkv_format -> (the permutation of its dims to [b, h, s, d], the inverse)
 _TO_BHSD = {"bhsd": ((0, 1, 2, 3), (0, 1, 2, 3)), "sbhd": ((1, 2, 0, 3), (2, 0, 1, 3)),
             "bshd": ((0, 2, 1, 3), (0, 2, 1, 3))}
@@ -112,7 +118,7 @@ class _FusedAttention(torch.autograd.Function):
     layout changes are views taken inside (no autograd nodes of their own: the host time of a step counts)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, qkv_format, scale, causal, dropout_p, seqlens_q, seqlens_kv, case):
+    def forward(ctx, q, k, v, qkv_format, scale, causal, dropout_p, seqlens_q, seqlens_kv):
         perm, inverse = _TO_BHSD[qkv_format]
         q, k, v = (t.permute(perm) for t in (q, k, v))
         rng_state = None
@@ -120,14 +126,14 @@ class _FusedAttention(torch.autograd.Function):
             rng_state = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=q.device)
         out, stats = ops.tfp8.fused_attn_fwd(q, k, v, scale, causal, dropout_p, seqlens_q, seqlens_kv, rng_state)
         ctx.save_for_backward(q, k, v, out, stats, seqlens_q, seqlens_kv, rng_state)
-        ctx.args = (qkv_format, scale, causal, dropout_p, case)
+        ctx.args = (qkv_format, scale, causal, dropout_p)
         out = out.permute(inverse)  # (dense in q's dim order: for sbhd / bshd inputs a contiguous tensor)
         return out if qkv_format == "bhsd" else out.reshape(*out.shape[:2], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, stats, seqlens_q, seqlens_kv, rng_state = ctx.saved_tensors
-        qkv_format, scale, causal, dropout_p, case = ctx.args
+        qkv_format, scale, causal, dropout_p = ctx.args
         perm, inverse = _TO_BHSD[qkv_format]
         if qkv_format != "bhsd":
             grad_out = grad_out.view(*grad_out.shape[:2], -1, out.shape[3]).permute(perm)
@@ -138,14 +144,16 @@ class _FusedAttention(torch.autograd.Function):
             ops.tfp8.fused_attn_bwd(grad_out, q, k, v, out, stats, dq, dk, dv, scale, causal, dropout_p, seqlens_q,
                                     seqlens_kv, rng_state)
         except NotImplementedError as err:
-            _unsupported_cases[case] = str(err)  # the next forward of this case runs PyTorch's SDPA
+            # (the next forward of this case runs PyTorch's SDPA)
+            _unsupported_cases[_case_key(*(t.permute(inverse) for t in (q, k, v)), qkv_format, causal,
+                                         seqlens_q is not None, dropout_p, scale)] = str(err)
             if dropout_p > 0:
                 raise RuntimeError(f"DotProductAttention(attention_backend='cudnn'): the forward ran with dropout on "
                                    f"cuDNN, whose backward refuses the case, and no other kernel replays its dropout "
                                    f"mask: {err}") from err
             _warn_once(f"backward: {err}")
             dq, dk, dv = _torch_sdpa_grads(grad_out, q, k, v, scale, causal, seqlens_kv)
-        return (*(t.permute(inverse) for t in (dq, dk, dv)), None, None, None, None, None, None, None)
+        return (*(t.permute(inverse) for t in (dq, dk, dv)), None, None, None, None, None, None)
 
 
 def _padding_seqlens(attention_mask, b, sq, skv, device):
@@ -187,16 +195,14 @@ def cudnn_attention(q, k, v, attention_mask, attn_mask_type, dropout_p, scale, q
             _warn_once(seqlens)
             return None
         seqlens_q, seqlens_kv = seqlens
-    causal = attn_mask_type in ("causal", "padding_causal")
-    case = (q.dtype, q.device, causal, seqlens_q is not None, dropout_p > 0, float(scale), qkv_format,
-            *((t.shape, t.stride(), t.data_ptr() % 16) for t in (q, k, v)))
-    if case in _unsupported_cases:
+    causal, scale, dropout_p = attn_mask_type in ("causal", "padding_causal"), float(scale), float(dropout_p)
+    if _unsupported_cases and _case_key(q, k, v, qkv_format, causal, seqlens_q is not None, dropout_p,
+                                        scale) in _unsupported_cases:
         return None
     try:
-        out = _FusedAttention.apply(q, k, v, qkv_format, float(scale), causal, float(dropout_p), seqlens_q,
-                                    seqlens_kv, case)
+        out = _FusedAttention.apply(q, k, v, qkv_format, scale, causal, dropout_p, seqlens_q, seqlens_kv)
     except NotImplementedError as err:
-        _unsupported_cases[case] = str(err)
+        _unsupported_cases[_case_key(q, k, v, qkv_format, causal, seqlens_q is not None, dropout_p, scale)] = str(err)
         _warn_once(str(err))
         return None
     return out if out.dtype == dtype else out.to(dtype)
