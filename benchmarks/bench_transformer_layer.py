@@ -96,7 +96,8 @@ def layer_rows(name, c, compile_torch):
 
 
 def attention_rows(name, c):
-    """fwd+bwd of attention alone at the config's shape: ours (sbhd in, [s, b, h*d] out) vs torch SDPA (bhsd)."""
+    """fwd+bwd of attention alone at the config's shape: ours (sbhd in, [s, b, h*d] out; and on bhsd memory) vs torch
+    SDPA (bhsd; and its cuDNN backend on ours' sbhd views)."""
     s, b, h, g, d = c["seq"], c["batch"], c["heads"], c["groups"], c["d"]
 
     def leaf(*shape):
@@ -131,9 +132,19 @@ def attention_rows(name, c):
         backward(out.permute(2, 0, 1, 3).reshape(s, b, h * d), dy, (q, k, v))
 
     cudnn_dpa = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="no_mask", attention_backend="cudnn")
+    bshd_dpa = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="no_mask", attention_backend="cudnn",
+                                   qkv_format="bshd")
+
+    dy_bshd = torch.randn(b, s, h * d, device=DEV, dtype=DT)
+
+    def ours_on_bhsd_memory():
+        """Ours on torch's bhsd tensors (as bshd views): the same memory layout as the torch rows."""
+        backward(bshd_dpa(*(t.transpose(1, 2) for t in (qt, kt, vt))), dy_bshd, (qt, kt, vt))
+
     variants = [("ours DotProductAttention", lambda: backward(dpa(q, k, v), dy, (q, k, v)))]
     if cudnn_attention_built():
-        variants.append(("ours DotProductAttention cuDNN", lambda: backward(cudnn_dpa(q, k, v), dy, (q, k, v))))
+        variants += [("ours DotProductAttention cuDNN", lambda: backward(cudnn_dpa(q, k, v), dy, (q, k, v))),
+                     ("ours cuDNN, bhsd memory", ours_on_bhsd_memory)]
     variants.append(("torch SDPA default", torch_sdpa()))
     variants += [(f"torch SDPA {bk.name}", torch_sdpa(bk)) for bk in
                  (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
