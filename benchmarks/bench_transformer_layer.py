@@ -26,6 +26,7 @@ from transformer_fp8.module.attention_cudnn import cudnn_attention_built
 from transformer_fp8.module.transformer import TransformerLayer
 
 DEV, DT = "cuda", torch.bfloat16
+OUR_DEFAULT = "cudnn" if cudnn_attention_built() else "torch"  # DotProductAttention's default attention_backend
 CONFIGS = {
     "guide": dict(hidden=4096, ffn=16384, heads=32, groups=32, d=128, seq=2048, batch=4),
     "gqa": dict(hidden=4096, ffn=16384, heads=32, groups=8, d=128, seq=1024, batch=32),
@@ -75,11 +76,11 @@ def layer_rows(name, c, compile_torch):
                             hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="no_mask",
                             params_dtype=DT, device=DEV)
     plain = TorchPreLNLayer(c["hidden"], c["ffn"], c["heads"], c["groups"], c["d"]).to(DEV, DT)
-    variants = [("ours FP8", train_step(ours, x, dy, fp8=True, attention_backend="torch"))]
+    variants = [("ours FP8", train_step(ours, x, dy, fp8=True, attention_backend=OUR_DEFAULT))]
     if cudnn_attention_built():  # (else these would time the PyTorch fallback under their names)
-        variants += [("ours FP8, cuDNN attention", train_step(ours, x, dy, fp8=True, attention_backend="cudnn")),
+        variants += [("ours FP8, PyTorch SDPA", train_step(ours, x, dy, fp8=True, attention_backend="torch")),
                      ("ours FP8, FP8 attention", train_step(ours, x, dy, fp8=True, fp8_dpa=True))]
-    variants += [("ours BF16", train_step(ours, x, dy, attention_backend="torch")),
+    variants += [("ours BF16", train_step(ours, x, dy, attention_backend=OUR_DEFAULT)),
                  ("torch BF16 eager", train_step(plain, x, dy))]
     if compile_torch:
         variants.append(("torch BF16 compile", train_step(torch.compile(plain), x, dy)))
@@ -105,7 +106,7 @@ def attention_rows(name, c):
 
     q, k, v = leaf(s, b, h, d), leaf(s, b, g, d), leaf(s, b, g, d)
     dy = torch.randn(s, b, h * d, device=DEV, dtype=DT)
-    dpa = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="no_mask")
+    torch_dpa = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="no_mask", attention_backend="torch")
     qt, kt, vt = leaf(b, h, s, d), leaf(b, g, s, d), leaf(b, g, s, d)
     dyt = torch.randn(b, h, s, d, device=DEV, dtype=DT)
 
@@ -141,10 +142,10 @@ def attention_rows(name, c):
         """Ours on torch's bhsd tensors (as bshd views): the same memory layout as the torch rows."""
         backward(bshd_dpa(*(t.transpose(1, 2) for t in (qt, kt, vt))), dy_bshd, (qt, kt, vt))
 
-    variants = [("ours DotProductAttention", lambda: backward(dpa(q, k, v), dy, (q, k, v)))]
+    variants = [("ours, PyTorch SDPA inside", lambda: backward(torch_dpa(q, k, v), dy, (q, k, v)))]
     if cudnn_attention_built():
-        variants += [("ours DotProductAttention cuDNN", lambda: backward(cudnn_dpa(q, k, v), dy, (q, k, v))),
-                     ("ours cuDNN, bhsd memory", ours_on_bhsd_memory)]
+        variants += [("ours DotProductAttention", lambda: backward(cudnn_dpa(q, k, v), dy, (q, k, v))),
+                     ("ours, bhsd memory", ours_on_bhsd_memory)]
     variants.append(("torch SDPA default", torch_sdpa()))
     variants += [(f"torch SDPA {bk.name}", torch_sdpa(bk)) for bk in
                  (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]

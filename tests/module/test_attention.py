@@ -17,7 +17,7 @@ from transformer_fp8.module.rope import RotaryPositionEmbedding, apply_rotary_po
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 FUSED_OPS = ("aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention",
-             "aten::_scaled_dot_product_efficient_attention")
+             "aten::_scaled_dot_product_efficient_attention", "transformer_fp8::fused_attn_fwd")
 MATH_OP = "aten::_scaled_dot_product_attention_math"
 
 
@@ -103,7 +103,8 @@ def test_large_head_dims_cuda(d, mask_type):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_cuda_runs_a_fused_kernel(mask_type, groups, d, dropout):
-    """Every supported case runs cuDNN, FlashAttention or memory-efficient attention, never math, with no warning."""
+    """Every supported case runs a fused kernel (our cuDNN ops, or PyTorch's cuDNN, FlashAttention or
+    memory-efficient attention), never math, with no unfused-math warning."""
     q, k, v = make_qkv("sbhd", 2, 256, 256, 8, groups, d, torch.bfloat16, "cuda")
     pad_mask = random_padding_mask(2, 256, "cuda") if "padding" in mask_type else None
     dpa = DotProductAttention(8, d, num_gqa_groups=groups, attn_mask_type=mask_type, attention_dropout=dropout)
@@ -119,12 +120,13 @@ def test_cuda_runs_a_fused_kernel(mask_type, groups, d, dropout):
 
 @pytest.mark.gpu
 def test_cuda_fallback_warns_once_and_is_correct(monkeypatch):
-    """With FlashAttention as the only fused backend a padding mask cannot be fused: one warning, then math."""
+    """The torch backend with FlashAttention as its only fused backend: a padding mask cannot be fused, one warning,
+    then math."""
     monkeypatch.setattr(attention_module, "FUSED_BACKENDS", [SDPBackend.FLASH_ATTENTION])
     monkeypatch.setattr(attention_module, "_warned_cases", set())
     q, k, v = make_qkv("sbhd", 2, 64, 64, 4, 4, 64, torch.bfloat16, "cuda")
     pad_mask = random_padding_mask(2, 64, "cuda")
-    dpa = DotProductAttention(4, 64, attn_mask_type="padding")
+    dpa = DotProductAttention(4, 64, attn_mask_type="padding", attention_backend="torch")
     with pytest.warns(UserWarning, match="unfused math attention.*Reasons: .*[Ff]lash"):
         out = dpa(q, k, v, attention_mask=pad_mask)
     ref = reference_attention(q, k, v, "padding", pad_mask, dpa.softmax_scale, "sbhd")

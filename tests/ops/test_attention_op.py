@@ -327,7 +327,11 @@ def test_cudnn_attention_refuses_masks_without_seqlens_form(monkeypatch, mask, w
 
 
 def test_attention_backend_choice(monkeypatch):
-    assert DotProductAttention(2, 8).attention_backend in ("torch", "cudnn")
+    monkeypatch.delenv("TFP8_ATTENTION_BACKEND", raising=False)
+    default = "cudnn" if attention_cudnn.cudnn_attention_built() else "torch"
+    assert DotProductAttention(2, 8).attention_backend == default
+    monkeypatch.setenv("TFP8_ATTENTION_BACKEND", "torch")
+    assert DotProductAttention(2, 8).attention_backend == "torch"
     assert DotProductAttention(2, 8, attention_backend="cudnn").attention_backend == "cudnn"
     monkeypatch.setenv("TFP8_ATTENTION_BACKEND", "cudnn")
     assert DotProductAttention(2, 8).attention_backend == "cudnn"

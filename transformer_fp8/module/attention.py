@@ -1,11 +1,11 @@
 """Attention modules with Transformer Engine's names and defaults.
 
-DotProductAttention runs PyTorch's fused SDPA kernels on CUDA, in the order cuDNN fused attention, FlashAttention,
-memory-efficient attention; with attention_backend="cudnn" (or TFP8_ATTENTION_BACKEND=cudnn) it runs this package's
-own cuDNN graph ops instead (attention_cudnn.py: strided q/k/v views in, one fused dq/dk/dv buffer out), falling back
-to the PyTorch path, with one warning per reason, for cases cuDNN cannot take. It never falls back to the unfused
-math path silently: when no fused kernel takes a case it warns once, with the reasons PyTorch gives, and only then
-runs math attention. On CPU it is the float32 math reference. MultiheadAttention = one fused QKV projection
+DotProductAttention runs, on CUDA, this package's own cuDNN graph ops (attention_backend="cudnn", the default when
+the build has them: attention_cudnn.py, strided q/k/v views in, one fused dq/dk/dv buffer out), falling back, with
+one warning per reason, to PyTorch's fused SDPA kernels for cases cuDNN cannot take; attention_backend="torch" runs
+PyTorch's kernels directly, in the order cuDNN fused attention, FlashAttention, memory-efficient attention. It never
+falls back to the unfused math path silently: when no fused kernel takes a case it warns once, with the reasons
+PyTorch gives, and only then runs math attention. On CPU it is the float32 math reference. MultiheadAttention = one fused QKV projection
 (Linear, or LayerNormLinear with input_layernorm), optional RoPE on q and k, DotProductAttention, output projection.
 """
 import math
@@ -154,7 +154,7 @@ class DotProductAttention(nn.Module):
 
     attention_backend: "torch" (PyTorch's fused SDPA kernels) or "cudnn" (transformer_fp8's cuDNN graph ops, for
     sbhd / bshd; a padding mask costs one host sync to check it is a key-padding prefix); None: the environment
-    variable TFP8_ATTENTION_BACKEND, else "torch".
+    variable TFP8_ATTENTION_BACKEND, else "cudnn" when this build has the attention family, else "torch".
 
     FP8 attention: inside fp8_autocast with a DelayedScaling(fp8_dpa=True) recipe, "no_mask" / "causal" attention
     without dropout (sbhd / bshd) runs in FP8 (attention_fp8.py: q, k, v, probabilities and output in FP8 with the

@@ -27,8 +27,10 @@ _shared_grad_layouts = {}  # (shape, stride, offset) of q, k, v -> whether one g
 
 
 def default_backend():
-    """The backend TFP8_ATTENTION_BACKEND names ("torch" when unset)."""
-    backend = os.environ.get(BACKEND_ENV, "torch")
+    """The backend TFP8_ATTENTION_BACKEND names; when unset "cudnn" if this build has the attention family (as fast
+    as PyTorch's own cuDNN SDPA on the same memory layout, and it writes a fused QKV's gradient in place), else
+    "torch"."""
+    backend = os.environ.get(BACKEND_ENV) or ("cudnn" if cudnn_attention_built() else "torch")
     if backend not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}: expected one of {BACKENDS}, got {backend!r}")
     return backend
