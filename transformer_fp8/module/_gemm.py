@@ -39,7 +39,7 @@ def cast_grad_output(dy, module, slot, with_dbias, rowwise, transpose):
     return q, qt, scale_inv, dbias
 
 
-def fused_forward_applies(module, weight, bias, out_dtype, is_first_microbatch):
+def fused_forward_applies(weight, bias, out_dtype, is_first_microbatch):
     """Whether a plain GEMM's forward can be the one op fp8_linear_fwd: a high-precision weight cast at this call (no
     FP8 weight cache, no Float8Tensor) and a bias the GEMM epilogue takes (see fp8_gemm_bias)."""
     return is_first_microbatch is None and not isinstance(weight, Float8Tensor) and (

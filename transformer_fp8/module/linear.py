@@ -31,7 +31,7 @@ class _FP8Linear(torch.autograd.Function):
         row_tp = module.tp if module.parallel_mode == "row" else None
         bias_here, residual_here = epilogue_terms(row_tp, bias, residual)
         gathers = gathers_input(module)
-        if not gathers and fused_forward_applies(module, weight, bias_here, inp.dtype, is_first_microbatch):
+        if not gathers and fused_forward_applies(weight, bias_here, inp.dtype, is_first_microbatch):
             # (casts and GEMM in one op call: the common case, where a small layer's host time counts)
             out, (xqt, xsinv), (wqt, wsinv) = fused_forward(
                 module, x, weight, bias_here, inp.dtype, need_wgrad,
