@@ -5,8 +5,9 @@ the build has them: attention_cudnn.py, strided q/k/v views in, one fused dq/dk/
 one warning per reason, to PyTorch's fused SDPA kernels for cases cuDNN cannot take; attention_backend="torch" runs
 PyTorch's kernels directly, in the order cuDNN fused attention, FlashAttention, memory-efficient attention. It never
 falls back to the unfused math path silently: when no fused kernel takes a case it warns once, with the reasons
-PyTorch gives, and only then runs math attention. On CPU it is the float32 math reference. MultiheadAttention = one fused QKV projection
-(Linear, or LayerNormLinear with input_layernorm), optional RoPE on q and k, DotProductAttention, output projection.
+PyTorch gives, and only then runs math attention. On CPU it is the float32 math reference.
+MultiheadAttention = one fused QKV projection (Linear, or LayerNormLinear with input_layernorm), optional RoPE on q
+and k, DotProductAttention, output projection.
 """
 import math
 import warnings

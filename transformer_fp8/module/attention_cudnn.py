@@ -27,9 +27,9 @@ _shared_grad_layouts = {}  # (shape, stride, offset) of q, k, v -> whether one g
 
 
 def default_backend():
-    """The backend TFP8_ATTENTION_BACKEND names; when unset "cudnn" if this build has the attention family (as fast
-    as PyTorch's own cuDNN SDPA on the same memory layout, and it writes a fused QKV's gradient in place), else
-    "torch"."""
+    """The backend TFP8_ATTENTION_BACKEND names; when unset "cudnn" if this build has the attention family (on the
+    sbhd / bshd views our modules pass, as fast as PyTorch's cuDNN SDPA, and it writes a fused QKV's gradient in
+    place), else "torch"."""
     backend = os.environ.get(BACKEND_ENV) or ("cudnn" if cudnn_attention_built() else "torch")
     if backend not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}: expected one of {BACKENDS}, got {backend!r}")
