@@ -27,7 +27,9 @@ c10::TypedOperatorHandle<Signature> library_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-at::Tensor empty_of(const at::Tensor& like, at::ScalarType dtype) { return at::empty({0}, like.options().dtype(dtype)); }
+at::Tensor empty_of(const at::Tensor& like, at::ScalarType dtype) {
+  return at::empty({0}, like.options().dtype(dtype));
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_fwd(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& x_scale, const at::Tensor& w_scale,
