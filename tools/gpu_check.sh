@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: build with all cores for sm_90a, run every test (GPU tests included), run the benchmarks.
 # Writes build.log, tests.log, bench.log and the benchmarks' JSON under $OUT (the device tool brings them back).
-# Usage: bash tools/gpu_check.sh [pytest args...]   (BENCH="gemm quantize modules" picks benchmarks; BENCH= skips them;
+# Usage: bash tools/gpu_check.sh [pytest args...]   (BENCH="gemm quantize modules" picks benchmarks, an entry
+# "name:args" passes args, commas for spaces: BENCH="transformer_layer:--no-compile modules:--skip,training";
+# BENCH= skips them;
 # TEST_TIMEOUT / BENCH_TIMEOUT bound each step in seconds)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,9 +20,11 @@ echo "build: $(( $(date +%s) - start )) s"
 timeout ${TEST_TIMEOUT:-400} python -m pytest -q -rs "${@:-tests}" > "$OUT/tests.log" 2>&1
 tests_rc=$?
 tail -25 "$OUT/tests.log"
-for b in ${BENCH-gemm quantize modules}; do
-  echo "== bench_$b ==" | tee -a "$OUT/bench.log"
-  timeout ${BENCH_TIMEOUT:-300} python "benchmarks/bench_$b.py" --json "$OUT/bench_$b.json" >> "$OUT/bench.log" 2>&1 ||
+for entry in ${BENCH-gemm quantize modules}; do
+  b=${entry%%:*}; args=$([[ $entry == *:* ]] && echo "${entry#*:}" | tr ',' ' ')
+  echo "== bench_$b $args ==" | tee -a "$OUT/bench.log"
+  # shellcheck disable=SC2086  (args split into words on purpose)
+  timeout ${BENCH_TIMEOUT:-300} python "benchmarks/bench_$b.py" $args --json "$OUT/bench_$b.json" >> "$OUT/bench.log" 2>&1 ||
     echo "bench_$b failed or timed out" >> "$OUT/bench.log"
 done
 cat "$OUT/bench.log"
