@@ -139,6 +139,12 @@ def fp8_output_args(state, i, fp8_dtype):
     return state.scales[i], fp8_dtype, state.amaxes[i], state.scale_invs[i]
 
 
+def keeps_weight_transpose(weight, is_first_microbatch):
+    """Whether the forward makes (and the backward reuses) the FP8 Wᵀ of `weight`: cached weights and those under
+    MIN_RECAST_WEIGHT_NUMEL elements; bigger uncached weights have Wᵀ cast again in the backward."""
+    return is_first_microbatch is not None or weight.numel() < MIN_RECAST_WEIGHT_NUMEL
+
+
 def check_dtype(params_dtype):
     if params_dtype is None:
         return torch.get_default_dtype()
@@ -288,8 +294,7 @@ class FP8ModuleBase(nn.Module):
                     cached = (cached[0], tfp8.fp8_transpose(cached[0]), cached[2])
                     self._weight_cache[name] = cached
                 return cached
-        need_transpose = need_transpose and (is_first_microbatch is not None or
-                                             weight.numel() < MIN_RECAST_WEIGHT_NUMEL)
+        need_transpose = need_transpose and keeps_weight_transpose(weight, is_first_microbatch)
         if isinstance(weight, Float8Tensor):
             q, scale_inv = weight._data, weight._scale_inv
             qt = tfp8.fp8_transpose(q) if need_transpose else None

@@ -35,7 +35,7 @@ class _FP8Linear(torch.autograd.Function):
             # (casts and GEMM in one op call: the common case, where a small layer's host time counts)
             out, (xqt, xsinv), (wqt, wsinv) = fused_forward(
                 module, x, weight, bias_here, inp.dtype, need_wgrad,
-                need_dgrad and weight.numel() < base.MIN_RECAST_WEIGHT_NUMEL, residual_rows(residual_here))
+                need_dgrad and base.keeps_weight_transpose(weight, is_first_microbatch), residual_rows(residual_here))
         else:
             if gathers:  # sequence parallel: x is this rank's block, cast and all-gathered in FP8
                 xq, xqt, xsinv = gather_cast(module, x, need_wgrad)
