@@ -4,6 +4,7 @@ import torch
 from . import cpu, ops  # noqa: F401  (registers the CPU reference kernels and the fake kernels)
 from . import distributed, recipe
 from .autocast import fp8_autocast, fp8_model_init, get_fp8_recipe, is_fp8_enabled
+from .checkpoint import checkpoint
 from .float8_tensor import Float8Tensor
 from .graphs import make_graphed_callables
 from .module import (DotProductAttention, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm,
@@ -11,7 +12,7 @@ from .module import (DotProductAttention, LayerNorm, LayerNormLinear, LayerNormM
 
 __all__ = ["DotProductAttention", "Float8Tensor", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear",
            "MultiheadAttention", "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer", "apply_rotary_pos_emb",
-           "cuda_kernels_available", "distributed", "fp8_autocast", "fp8_model_init", "get_fp8_recipe",
+           "checkpoint", "cuda_kernels_available", "distributed", "fp8_autocast", "fp8_model_init", "get_fp8_recipe",
            "is_fp8_enabled", "make_graphed_callables", "recipe"]
 
 __version__ = "0.1.0"

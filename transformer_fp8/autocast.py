@@ -28,6 +28,7 @@ class _FP8GlobalState:
         self.forward_states = []  # (ScalingState, recipe, group) used in the current outermost autocast
         self.backward_states = []  # the same for gradients, in the running backward
         self.backward_task = None  # id of the backward whose callback is queued
+        self.checkpoint = None  # the checkpoint region (checkpoint.py) whose forward or recompute is running
 
 
 STATE = _FP8GlobalState()

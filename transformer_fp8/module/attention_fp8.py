@@ -51,7 +51,8 @@ class AttentionScaling:
         self.fwd = self.bwd = None
 
     def begin(self, device):
-        """Adopt the active recipe and queue the forward state for the update; -> (recipe, group)."""
+        """Adopt the active recipe and queue the forward state for the update (inside a checkpoint region's forward:
+        have the region record it, see checkpoint.py); -> (recipe, group)."""
         recipe, group = autocast.STATE.recipe, autocast.STATE.group
         if self.fwd is None or self.fwd.history_len != recipe.amax_history_len:
             self.fwd = ScalingState(5, recipe.amax_history_len, device)
@@ -60,6 +61,9 @@ class AttentionScaling:
         self.bwd.to(device)
         if not self.fwd.pending:
             autocast.register_forward(self.fwd, recipe, group)
+        region = autocast.STATE.checkpoint
+        if region is not None and region.recording:
+            region.record(self, "fwd")
         return recipe, group
 
     def state_dict(self):

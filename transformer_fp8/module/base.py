@@ -219,6 +219,7 @@ class FP8ModuleBase(nn.Module):
         self.fp8_fwd = self.fp8_bwd = None
         self._fp8_recipe = None
         self._weight_cache = {}
+        self._last_forward_fp8 = False  # (see check_recompute_precision)
         self.register_load_state_dict_pre_hook(_allow_missing_extra_state)
 
     # --- parameters ---
@@ -247,10 +248,14 @@ class FP8ModuleBase(nn.Module):
         return inp.numel() * rows_factor * self._gemm_n >= threshold
 
     def _fp8_begin(self, state):
-        """Adopt the active recipe and queue the forward state for the update (delayed scaling)."""
+        """Adopt the active recipe and queue the forward state for the update (delayed scaling); inside a checkpoint
+        region's forward, have the region record the forward scales (see checkpoint.py)."""
         recipe = state.recipe
         if recipe is not self._fp8_recipe:
             self._adopt_recipe(recipe)
+        self._last_forward_fp8 = True
+        if state.checkpoint is not None and state.checkpoint.recording:
+            state.checkpoint.record(self, "fp8_fwd")
         if not self.fp8_current:
             if not self.fp8_fwd.pending:
                 autocast.register_forward(self.fp8_fwd, recipe, state.group)
@@ -260,6 +265,20 @@ class FP8ModuleBase(nn.Module):
             if torch.compiler.is_compiling():  # (for the compiled backward: see _compiled_backward.py)
                 file_backward_state(self.fp8_bwd, recipe, state.group)
         return recipe
+
+    def check_recompute_precision(self):
+        """Call on a forward's high-precision path when self._last_forward_fp8. Outside fp8_autocast, inside a
+        running backward, after an FP8 forward: an activation-checkpointing recompute (torch.utils.checkpoint) that
+        would give the backward a high-precision forward's tensors. Refused; transformer_fp8.checkpoint recomputes in
+        FP8."""
+        if autocast.STATE.enabled:
+            return
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(f"{type(self).__name__}: its forward ran in FP8 and is recomputed in the backward "
+                               "outside fp8_autocast (torch.utils.checkpoint?); checkpoint FP8 modules with "
+                               "transformer_fp8.checkpoint(function, *args), which recomputes them in FP8 with the "
+                               "forward's scales")
+        self._last_forward_fp8 = False
 
     def _adopt_recipe(self, recipe):
         self.fp8_current = isinstance(recipe, Float8CurrentScaling)

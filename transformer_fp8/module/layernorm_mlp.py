@@ -112,10 +112,16 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         out = sum_partials(module.tp, fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, bias_here, residual_here))
         ctx.has_residual, ctx.adds_input = residual is not None, adds_input
         if training:
-            ctx.save_for_backward(x, mean, rstd, ln_weight)
             # The big intermediates sit outside save_for_backward so that the backward can drop each one right
-            # after its last use (save_for_backward holds everything until the backward returns).
-            ctx.stash = dict(lnqt=lnqt, w1qt=w1qt, fc1_out=fc1_out, aqt=aqt, w2qt=w2qt)
+            # after its last use (save_for_backward holds everything until the backward returns); inside a
+            # checkpoint region they go through it, which the region frees until the recompute (see checkpoint.py).
+            stash = dict(lnqt=lnqt, w1qt=w1qt, fc1_out=fc1_out, aqt=aqt, w2qt=w2qt)
+            if autocast.STATE.checkpoint is None:
+                ctx.save_for_backward(x, mean, rstd, ln_weight)
+                ctx.stash = stash
+            else:
+                ctx.save_for_backward(x, mean, rstd, ln_weight, *stash.values())
+                ctx.stash = tuple(stash)  # (the keys)
             ctx.scale_invs = (lnsinv, w1sinv, asinv, w2sinv)  # snapshots: outside save_for_backward (see base.py)
             ctx.weights = (fc1_weight, fc2_weight)  # for main_grad, dtypes and the backward's Wᵀ casts
             ctx.module, ctx.fp8_state = module, (autocast.STATE.recipe, autocast.STATE.group)
@@ -129,10 +135,10 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         stashed tensor dropped after its last use, so that the peak (the activation backward: fc1_out, d_act and the
         FP8 d(fc1_out)) holds no other [tokens, ffn] tensor (the FP8 activation goes with the FC2 wgrad, the FP8
         d(fc1_out)ᵀ comes after the FC1 dgrad)."""
-        x, mean, rstd, ln_weight = ctx.saved_tensors
+        x, mean, rstd, ln_weight, *stashed = ctx.saved_tensors
         if ctx.stash is None:
             raise RuntimeError("LayerNormMLP: backward ran twice through one forward (retain_graph is not supported)")
-        stash, ctx.stash = ctx.stash, None
+        stash, ctx.stash = (dict(zip(ctx.stash, stashed)) if stashed else ctx.stash), None
         lnsinv, w1sinv, asinv, w2sinv = ctx.scale_invs
         fc1_weight, fc2_weight = ctx.weights
         module, needs, dtype = ctx.module, ctx.needs, x.dtype
@@ -256,6 +262,8 @@ class LayerNormMLP(FP8ModuleBase):
                                                  self.fc2_weight, fc2_bias, self, torch.is_grad_enabled(),
                                                  is_first_microbatch, None if adds_input else residual, adds_input)
             return (tp.row_output(out) if gathers else out), ln_out
+        if self._last_forward_fp8:
+            self.check_recompute_precision()
         inp = tp.column_input(inp) if tp is not None and not gathers else inp
         ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps, self.zero_centered_gamma)
         fc1_in = gather_from_sequence_parallel_region(ln_out, self.tp.group) if gathers else ln_out

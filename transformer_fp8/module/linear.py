@@ -130,6 +130,8 @@ class Linear(FP8ModuleBase):
         if self._plain and residual is None and isinstance(inp, torch.Tensor) and (
                 not autocast.STATE.enabled or inp.is_cuda and inp.numel() * self._gemm_n < (
                     base.FP8_MIN_GEMM_SIZE if self.fp8_min_gemm_size is None else self.fp8_min_gemm_size)):
+            if self._last_forward_fp8:
+                self.check_recompute_precision()
             try:
                 return F.linear(inp, self.weight, self.bias)
             except (RuntimeError, TypeError):
@@ -154,6 +156,8 @@ class Linear(FP8ModuleBase):
             self._fp8_begin(state)
             return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
                                     torch.is_grad_enabled(), is_first_microbatch, residual, relay)
+        if self._last_forward_fp8:
+            self.check_recompute_precision()
         if self.fuse_wgrad_accumulation:
             out = high_precision_linear(self, inp, self.weight, bias)
         else:

@@ -1,0 +1,138 @@
+"""Activation checkpointing (transformer_fp8.checkpoint): FP8 modules recomputed in the backward give the gradients
+and the FP8 scaling state of an uncheckpointed run bit for bit; the region keeps only its inputs; torch's own
+checkpoint of an FP8 module is refused with a clear error; bad arguments are clear errors."""
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import transformer_fp8 as te
+from tests.module.helpers import DEVICES, RECIPES, randomize_vectors
+from transformer_fp8 import recipe
+
+DT = torch.bfloat16
+
+
+def make(name, device, dropout=0.0):
+    if name == "TransformerLayer":
+        module = te.TransformerLayer(64, 128, 4, num_gqa_groups=2, hidden_dropout=dropout, attention_dropout=0.0,
+                                     params_dtype=DT, device=device)
+    else:
+        module = getattr(te, name)(64, 96, params_dtype=DT, device=device)
+    randomize_vectors(module)
+    return module
+
+
+def fp8_states(module):
+    """Every FP8 scaling tensor of the module and its submodules (amax histories, scales, scale_invs)."""
+    out = []
+    for sub in module.modules():
+        for holder, names in ((sub, ("fp8_fwd", "fp8_bwd")), (getattr(sub, "fp8_scaling", None), ("fwd", "bwd"))):
+            for name in names:
+                state = getattr(holder, name, None)
+                if state is not None:
+                    out += [state.amax_history, state.scale, state.scale_inv]
+    return out
+
+
+def train(module, x0, fp8_recipe, checkpointed, steps=3, seed=0):
+    """`steps` training steps (fp8_autocast, then the backward outside it); the last step's input and parameter
+    gradients, the FP8 states after the steps, and how many times the forward ran per step."""
+    calls = [0]
+
+    def forward(x):
+        calls[0] += 1
+        return module(x)
+
+    torch.manual_seed(seed)
+    for _ in range(steps):
+        x = x0.clone().requires_grad_()
+        module.zero_grad(set_to_none=True)
+        with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+            y = te.checkpoint(forward, x) if checkpointed else forward(x)
+        y.float().pow(2).sum().backward()
+    grads = [x.grad] + [p.grad for p in module.parameters()]
+    return grads, fp8_states(module), calls[0] / steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer"])
+@pytest.mark.parametrize("recipe_name", ["delayed-HYBRID", "current-E4M3", None])
+def test_checkpointed_steps_equal_uncheckpointed_ones(device, name, recipe_name):
+    module = make(name, device)
+    x0 = torch.randn(16, 2, 64, dtype=DT, device=device)
+    fp8_recipe = RECIPES[recipe_name] if recipe_name else None
+    ref_grads, ref_states, ref_calls = train(copy.deepcopy(module), x0, fp8_recipe, checkpointed=False)
+    grads, states, calls = train(module, x0, fp8_recipe, checkpointed=True)
+    assert (ref_calls, calls) == (1, 2)  # (the checkpointed forward is recomputed in the backward)
+    assert len(grads) == len(ref_grads) and len(states) == len(ref_states)
+    assert all(g is not None for g in grads)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads)), "gradients differ"
+    assert all(torch.equal(a, b) for a, b in zip(states, ref_states)), "FP8 scaling states differ"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_masks_and_fp8_attention_repeat_in_the_recompute(device):
+    fp8_dpa = recipe.DelayedScaling(amax_history_len=4, fp8_dpa=True)
+    if device == "cuda":  # (cuDNN's FP8 attention backward takes head dim 128 only)
+        module = te.TransformerLayer(256, 512, 2, hidden_dropout=0.1, attention_dropout=0.0, params_dtype=DT,
+                                     device=device)
+        x0 = torch.randn(128, 2, 256, dtype=DT, device=device)
+    else:
+        module, x0 = make("TransformerLayer", device, dropout=0.1), torch.randn(16, 2, 64, dtype=DT, device=device)
+    ref_grads, ref_states, _ = train(copy.deepcopy(module), x0, fp8_dpa, checkpointed=False)
+    grads, states, _ = train(module, x0, fp8_dpa, checkpointed=True)
+    assert module.self_attention.core_attention.fp8_scaling.fwd is not None  # (FP8 attention ran)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert all(torch.equal(a, b) for a, b in zip(states, ref_states))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer"])
+def test_torch_checkpoint_of_an_fp8_forward_is_refused(device, name):
+    module = make(name, device)
+    x = torch.randn(16, 2, 64, dtype=DT, device=device, requires_grad=True)
+    with te.fp8_autocast(fp8_recipe=RECIPES["delayed-HYBRID"]):
+        y = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
+    with pytest.raises(RuntimeError, match="transformer_fp8.checkpoint"):
+        y.float().sum().backward()
+    # without fp8_autocast, torch's checkpoint works as for any module
+    module.zero_grad(set_to_none=True)
+    torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False).float().sum().backward()
+    assert all(p.grad is not None for p in module.parameters())
+
+
+@pytest.mark.gpu
+def test_checkpoint_keeps_only_the_inputs():
+    """A stack of 4 LayerNormMLPs: between forward and backward the checkpointed run holds less than a tenth of the
+    uncheckpointed run's activations."""
+    stack = torch.nn.Sequential(*[te.LayerNormMLP(1024, 4096, params_dtype=DT, device="cuda") for _ in range(4)])
+    x = torch.randn(2048, 1024, dtype=DT, device="cuda", requires_grad=True)
+
+    def held(checkpointed):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with te.fp8_autocast():
+            y = te.checkpoint(stack, x) if checkpointed else stack(x)
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+        y.float().sum().backward()
+        return after - before
+
+    held(False), held(True)  # (calibration steps)
+    full, checkpointed = held(False), held(True)
+    assert checkpointed < 0.1 * full, (checkpointed, full)
+
+
+def test_bad_arguments_are_clear_errors():
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(TypeError, match="function: expected a callable"):
+        te.checkpoint(x, x)
+    with pytest.raises(ValueError, match="distribute_saved_activations"):
+        te.checkpoint(torch.sin, x, distribute_saved_activations=True)
+    with pytest.raises(ValueError, match="get_rng_state_tracker"):
+        te.checkpoint(torch.sin, x, get_rng_state_tracker=lambda: None)
+    with pytest.raises(TypeError, match="use_reentrant"):
+        te.checkpoint(torch.sin, x, use_reentrant="no")
+    assert torch.equal(te.checkpoint(torch.sin, x, use_reentrant=True), torch.sin(x))

@@ -1,0 +1,102 @@
+"""Activation checkpointing for FP8 modules: `checkpoint(function, *args, **kwargs)` (TE's `te.checkpoint`).
+
+torch.utils.checkpoint recomputes a region's forward inside the backward, outside the fp8_autocast that the forward
+ran in, and after the autocast exit has updated the delayed scales: our modules would recompute in high precision,
+or quantize with other scales than the forward's. (They refuse such a recompute with a clear error, see
+FP8ModuleBase.check_recompute_precision.) `checkpoint` wraps torch.utils.checkpoint (non-reentrant) with two
+contexts:
+- the forward records the FP8 settings (enabled, recipe, group) and, the first time each FP8 module of the region
+  runs, a copy of its forward scales and scale_invs and whether they were calibrated (one small copy per module);
+- the recompute restores those settings and gives each recorded module a replay scaling state: the recorded
+  scales, scratch amaxes and scale_inv snapshots, nothing queued for an update. So the recompute quantizes exactly as
+  the forward did (the gradients equal those without checkpointing, bit for bit) and leaves the modules' scaling
+  state (amax histories, scales, snapshots held by saved or cached tensors) untouched.
+Inside both contexts the modules pass everything their backward needs through save_for_backward (LayerNormMLP's
+stash included), so that the region keeps only its inputs between the forward and the backward.
+"""
+import contextlib
+
+import torch
+import torch.utils.checkpoint
+
+from . import autocast
+from .module.base import ScalingState
+
+
+class _Region:
+    """One checkpointed call: the autocast settings at its forward and the recorded scaling states."""
+
+    def __init__(self):
+        self.recording = True
+        self.settings = None
+        self.records = {}  # id(holder) -> (holder, attribute, copy of [scale, scale_inv], calibrated)
+
+    def record(self, holder, attribute):
+        """Called by an FP8 module (or FP8 attention scaling) at the start of its forward in this region: the
+        ScalingState at holder.<attribute> is copied once per region."""
+        if id(holder) not in self.records:
+            state = getattr(holder, attribute)
+            self.records[id(holder)] = (holder, attribute, torch.stack((state.scale, state.scale_inv)),
+                                        state.calibrated)
+
+    @contextlib.contextmanager
+    def forward(self):
+        state = autocast.STATE
+        self.settings = (state.enabled, state.recipe, state.group)
+        outer, state.checkpoint = state.checkpoint, self
+        try:
+            yield
+        finally:
+            state.checkpoint = outer
+            self.recording = False
+
+    @contextlib.contextmanager
+    def recompute(self):
+        state = autocast.STATE
+        saved = (state.enabled, state.recipe, state.group, state.checkpoint)
+        state.enabled, state.recipe, state.group = self.settings
+        state.checkpoint = self
+        state.depth += 1  # (an autocast inside the function does not update anything at its exit)
+        swapped = [(holder, attribute, getattr(holder, attribute)) for holder, attribute, _, _ in
+                   self.records.values()]
+        for holder, attribute, scales, calibrated in self.records.values():
+            setattr(holder, attribute, _replay_state(getattr(holder, attribute), scales, calibrated))
+        try:
+            yield
+        finally:
+            for holder, attribute, original in swapped:
+                setattr(holder, attribute, original)
+            state.depth -= 1
+            state.enabled, state.recipe, state.group, state.checkpoint = saved
+
+
+def _replay_state(original, scales, calibrated):
+    """A ScalingState like `original` (slots, history length) with the recorded scale and scale_inv (`scales`
+    [2, n]; FP8 attention reads its S slot's scale_inv), scratch amaxes and snapshots, never queued for an update."""
+    replay = ScalingState(scales.shape[1], original.history_len, scales.device)
+    replay.scale.copy_(scales[0])
+    replay.scale_inv.copy_(scales[1])
+    replay.pending, replay.calibrated = True, calibrated
+    replay.amax_group, replay.calibration_group = original.amax_group, original.calibration_group
+    return replay
+
+
+def checkpoint(function, *args, distribute_saved_activations=False, get_rng_state_tracker=None, tp_group=None,
+               use_reentrant=True, **kwargs):
+    """function(*args, **kwargs) with its activations recomputed in the backward instead of kept (TE's arguments).
+    FP8 modules inside recompute in FP8 with the forward's scales (see the module docstring); the random state is
+    restored for the recompute (dropout masks repeat). The recomputation is always torch.utils.checkpoint's
+    non-reentrant one, the mode PyTorch recommends; use_reentrant is accepted for TE compatibility.
+    Not supported: distribute_saved_activations=True and get_rng_state_tracker (Megatron's TP random states)."""
+    if not callable(function):
+        raise TypeError(f"function: expected a callable, got {type(function).__name__}")
+    if distribute_saved_activations:
+        raise ValueError("distribute_saved_activations: only False is supported (the inputs are kept whole on "
+                         "every rank)")
+    if get_rng_state_tracker is not None:
+        raise ValueError("get_rng_state_tracker: not supported (torch's CPU and CUDA random states are restored)")
+    if not isinstance(use_reentrant, bool):
+        raise TypeError(f"use_reentrant: expected a bool, got {use_reentrant!r}")
+    region = _Region()
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                             context_fn=lambda: (region.forward(), region.recompute()), **kwargs)
