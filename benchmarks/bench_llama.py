@@ -11,6 +11,8 @@ Variants:
   hf-compile            regional compilation: each decoder layer, the final norm and the loss function compiled
                         (torch.compile, default mode); the causal-mask builder stays eager, so SDPA gets is_causal=True
                         and native GQA, as in eager
+  ours-fp8-checkpointed / hf-eager-checkpointed  (not run by default) ours-fp8 and hf-eager with each decoder layer's
+                        activations recomputed in the backward (integrations.gradient_checkpointing_enable)
   hf-compile-model      torch.compile(model) (not run by default): with torch < 2.14 transformers then materialises the
                         [b, 1, s, s] causal mask while tracing (it cannot tell compiling from exporting), so SDPA runs
                         with an explicit mask (no flash/cuDNN causal kernel) and K/V repeated to all heads
@@ -31,14 +33,15 @@ import torch
 
 import transformer_fp8 as te
 from transformer_fp8 import recipe
-from transformer_fp8.integrations import causal_lm_loss, convert_llama
+from transformer_fp8.integrations import causal_lm_loss, convert_llama, gradient_checkpointing_enable
 from transformer_fp8.module.attention import DotProductAttention
 
 LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, rms_norm_eps=1e-5,
                 tie_word_embeddings=False)
 FP8_RECIPE = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-VARIANTS = ("ours-fp8", "ours-bf16", "hf-eager", "hf-compile", "hf-compile-model", "ours-fp8-torch-sdpa")
+VARIANTS = ("ours-fp8", "ours-bf16", "hf-eager", "hf-compile", "hf-compile-model", "ours-fp8-torch-sdpa",
+            "ours-fp8-checkpointed", "hf-eager-checkpointed")
 DEFAULT_VARIANTS = VARIANTS[:4]
 PROFILE_ROWS = 30
 PHASES = ("forward", "backward", "optimizer", "between")
@@ -53,6 +56,9 @@ def build(variant, seed):
         model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B, use_cache=False)).to(torch.bfloat16).train()
     if variant.startswith("ours"):
         convert_llama(model)
+    if variant.endswith("-checkpointed"):  # (ours recompute through te.checkpoint)
+        gradient_checkpointing_enable(model)
+    if variant.startswith("ours"):
         fp8 = variant.startswith("ours-fp8")
         if variant == "ours-fp8-torch-sdpa":  # attention on PyTorch's SDPA instead of our cuDNN graph ops
             for module in model.modules():

@@ -15,7 +15,8 @@ master copies of them (fused AdamW on CUDA). Both runs compute the loss with --l
 `causal_lm_loss(model, batch)`, the LM head and cross-entropy chunk by chunk, never holding the [tokens, vocab] logits;
 --loss model: `model(input_ids=batch, labels=batch).loss`. --grad-accum N passes is_first_microbatch to the FP8 layers (weights cast once per step);
 --fuse-wgrad makes those layers accumulate their weight gradients into FP32 `weight.main_grad`, which the optimizer
-reads. Prints loss, tokens/s and peak GPU memory of each run; writes loss.png and summary.json under --out.
+reads. --activation-checkpointing recomputes each decoder layer in the backward (both runs; transformer_fp8.checkpoint
+in the FP8 one). Prints loss, tokens/s and peak GPU memory of each run; writes loss.png and summary.json under --out.
 Needs transformers (and optionally tqdm, matplotlib).
 """
 import argparse
@@ -29,7 +30,8 @@ from pathlib import Path
 import torch
 
 import transformer_fp8 as te
-from transformer_fp8.integrations import causal_lm_loss, convert_linear_layers, convert_llama, microbatch
+from transformer_fp8.integrations import (causal_lm_loss, convert_linear_layers, convert_llama,
+                                          gradient_checkpointing_enable, microbatch)
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 PARAMS_DTYPE = torch.bfloat16
@@ -274,6 +276,8 @@ def train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, d
     model = build_model(args, model_config, tokenizer.vocab_size, device)
     if fp8:
         convert_to_fp8(model, args)
+    if args.activation_checkpointing:
+        gradient_checkpointing_enable(model)
     optimizer = MasterWeightAdamW(model.parameters(), lr=args.lr)
     batches = RandomWindows(train_tokens, args.batch_size, args.seq_len, args.seed)
     losses, start = [], 0
@@ -388,6 +392,9 @@ def parse_args(argv):
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--fuse-wgrad", action="store_true",
                    help="FP8 layers accumulate weight gradients into FP32 main_grad (fuse_wgrad_accumulation)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder layer's activations in the backward (transformers' activation "
+                        "checkpointing, through transformer_fp8.checkpoint: FP8 layers recompute in FP8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", help="folder for checkpoints (<precision>-step<N>.pt), written every --save-every "
                                   "steps and after the last")

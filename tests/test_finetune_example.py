@@ -55,6 +55,15 @@ def test_resume_continues_exactly_with_grad_accum_and_fused_wgrad(example, tmp_p
     assert resumed["runs"]["fp8"]["eval_loss"] == full["runs"]["fp8"]["eval_loss"]
 
 
+@pytest.mark.parametrize("fp8_layers", ["transformer", "linear"])
+def test_activation_checkpointing_gives_the_same_losses(example, tmp_path, fp8_layers):
+    args = TINY + ["--fp8-layers", fp8_layers, "--steps", "3"]
+    plain = example.main(args + ["--out", str(tmp_path / "a")])
+    checkpointed = example.main(args + ["--activation-checkpointing", "--out", str(tmp_path / "b")])
+    for precision in ("bf16", "fp8"):
+        assert checkpointed["runs"][precision]["losses"] == plain["runs"][precision]["losses"]
+
+
 def test_jsonl_documents_are_wrapped_in_bos_eos(example, tmp_path):
     data = tmp_path / "docs.jsonl"
     docs = ["first document " * 8, "second, longer document " * 8]

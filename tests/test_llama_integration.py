@@ -9,8 +9,9 @@ import torch
 
 import transformer_fp8 as te
 from tests.utils import FP8_RTOL, rel_error
-from transformer_fp8 import recipe
+from transformer_fp8 import integrations, recipe
 from transformer_fp8.integrations import LlamaTransformerLayer, causal_lm_loss, convert_llama, microbatch
+from transformer_fp8.integrations.gradient_checkpointing import hf_enable
 from transformer_fp8.module import base
 from transformer_fp8.module.norm import RMSNorm
 
@@ -146,6 +147,35 @@ def test_fp8_autocast_runs_the_layers_in_fp8():
         with te.fp8_autocast(enabled=True, fp8_recipe=FP8_RECIPE):
             out = converted(input_ids=ids).logits
     assert 0 < rel_error(out, ref) < FP8_RTOL[torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("conversion", ["convert_llama", "convert_linear_layers"])
+def test_gradient_checkpointing_recomputes_in_fp8_with_the_same_gradients(conversion):
+    """Gradient checkpointing of a converted model (transformers' own for convert_llama's layers; through
+    integrations.gradient_checkpointing_enable for convert_linear_layers): FP8 training steps give the gradients of
+    the same steps without checkpointing, bit for bit."""
+    converted = getattr(integrations, conversion)(random_llama(llama_config()))
+    checkpointed = copy.deepcopy(converted)
+    if conversion == "convert_llama":
+        hf_enable(checkpointed)
+    else:
+        integrations.gradient_checkpointing_enable(checkpointed)
+    assert all(layer.gradient_checkpointing for layer in checkpointed.model.layers)
+    ids = torch.randint(0, VOCAB, (2, 32))
+    calls = []
+    for model in (converted, checkpointed):
+        model.train()
+        layer = model.model.layers[0]
+        hooked = layer.layer if conversion == "convert_llama" else layer.mlp.down_proj
+        hooked.register_forward_pre_hook(lambda *_: calls.append(model))
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with te.fp8_autocast(enabled=True, fp8_recipe=FP8_RECIPE):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+    assert (calls.count(converted), calls.count(checkpointed)) == (2, 4)  # (two steps; recomputed in the backward)
+    for (name, p), q in zip(converted.named_parameters(), checkpointed.parameters()):
+        assert torch.equal(p.grad, q.grad), name
 
 
 def test_local_checkpoint_directory(tmp_path):

@@ -18,6 +18,7 @@ For training, `causal_lm_loss(model, input_ids)` gives the loss without the [tok
 import torch
 import torch.nn as nn
 
+from ..checkpoint import checkpoint
 from ..module.norm import RMSNorm
 from ..module.transformer import TransformerLayer
 
@@ -108,7 +109,11 @@ def _attention_args(attention_mask, batch, seq_len):
 class LlamaTransformerLayer(nn.Module):
     """Drop-in for a Hugging Face LlamaDecoderLayer: forward(hidden_states [b, s, hidden], attention_mask,
     position_ids, ...) -> hidden_states, through `self.layer`, a TransformerLayer. Not supported: KV caches
-    (generation with use_cache), and transformers' output_hidden_states / output_attentions (not recorded)."""
+    (generation with use_cache), and transformers' output_hidden_states / output_attentions (not recorded).
+    transformers' model.gradient_checkpointing_enable() sets `gradient_checkpointing`: in training the layer is then
+    checkpointed with transformer_fp8.checkpoint (FP8 recompute), whatever checkpoint function transformers passes."""
+
+    gradient_checkpointing = False
 
     def __init__(self, config, rope, params_dtype, device, fuse_wgrad_accumulation=False):
         super().__init__()
@@ -150,8 +155,11 @@ class LlamaTransformerLayer(nn.Module):
         batch, seq_len = hidden_states.shape[:2]
         mask, mask_type = _attention_args(attention_mask, batch, seq_len)
         freqs = self._rope(position_ids, seq_len, hidden_states.device)
-        return self.layer(hidden_states, attention_mask=mask, self_attn_mask_type=mask_type, rotary_pos_emb=freqs,
+        layer_args = dict(attention_mask=mask, self_attn_mask_type=mask_type, rotary_pos_emb=freqs,
                           is_first_microbatch=is_first_microbatch)
+        if self.gradient_checkpointing and self.training:
+            return checkpoint(self.layer, hidden_states, **layer_args)
+        return self.layer(hidden_states, **layer_args)
 
 
 def convert_llama(model, params_dtype=None, fuse_wgrad_accumulation=False):
