@@ -53,10 +53,9 @@ class TorchPreLNLayer(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
 
 
-def train_step(layer, x, dy, fp8=False, fp8_dpa=False, attention_backend=None, checkpointed=False):
+def train_step(layer, x, dy, fp8=False, fp8_dpa=False, attention_backend=None):
     """One training step's forward and backward, gradients starting from None (optimizer.zero_grad's default).
-    attention_backend: set on the layer's DotProductAttention for this step ("torch" / "cudnn"); None keeps it.
-    checkpointed: the layer under te.checkpoint (its activations recomputed in the backward)."""
+    attention_backend: set on the layer's DotProductAttention for this step ("torch" / "cudnn"); None keeps it."""
     attentions = [m for m in layer.modules() if isinstance(m, DotProductAttention)]
 
     def step():
@@ -65,7 +64,7 @@ def train_step(layer, x, dy, fp8=False, fp8_dpa=False, attention_backend=None, c
         layer.zero_grad(set_to_none=True)
         x.grad = None
         with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe.DelayedScaling(fp8_dpa=fp8_dpa)):
-            y = te.checkpoint(layer, x) if checkpointed else layer(x)
+            y = layer(x)
         y.backward(dy)
     return step
 
@@ -81,8 +80,6 @@ def layer_rows(name, c, compile_torch):
     if cudnn_attention_built():  # (else these would time the PyTorch fallback under their names)
         variants += [("ours FP8, PyTorch SDPA", train_step(ours, x, dy, fp8=True, attention_backend="torch")),
                      ("ours FP8, FP8 attention", train_step(ours, x, dy, fp8=True, fp8_dpa=True))]
-    variants.append(("ours FP8, te.checkpoint", train_step(ours, x, dy, fp8=True, attention_backend=OUR_DEFAULT,
-                                                           checkpointed=True)))
     variants += [("ours BF16", train_step(ours, x, dy, attention_backend=OUR_DEFAULT)),
                  ("torch BF16 eager", train_step(plain, x, dy))]
     if compile_torch:

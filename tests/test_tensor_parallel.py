@@ -312,8 +312,32 @@ def _reduce_from_tp_checks(rank):
     return out
 
 
+def _checkpoint_checks(rank):
+    """A sequence-parallel TransformerLayer under te.checkpoint (FP8, delayed scaling, 2 steps) against the same
+    steps without it: {"grads_equal": bool, "recomputed": bool} on this rank."""
+    torch.manual_seed(1)  # (the same full input on every rank)
+    x_full = torch.randn(S, B, H, device=DEVICE)
+    grads, calls = [], [0]
+
+    def forward(x):
+        calls[0] += 1
+        return module(x)
+
+    for checkpointed in (False, True):
+        torch.manual_seed(0)  # (the same weights in both layers)
+        module = _transformer_layer("column", tp_group=dist.group.WORLD, sequence_parallel=True)
+        for _ in range(2):
+            module.zero_grad(set_to_none=True)
+            x = tpd.scatter_to_sequence_parallel_region(x_full.clone().requires_grad_(), dist.group.WORLD)
+            with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=4)):
+                out = te.checkpoint(forward, x) if checkpointed else forward(x)
+            out.pow(2).sum().backward()
+        grads.append([p.grad for p in module.parameters()])
+    return {"grads_equal": all(torch.equal(a, b) for a, b in zip(*grads)), "recomputed": calls[0] == 6}
+
+
 def _worker(rank):
-    local = {"reduce_from_tp": _reduce_from_tp_checks(rank)}
+    local = {"reduce_from_tp": _reduce_from_tp_checks(rank), "checkpoint": _checkpoint_checks(rank)}
     for name in CASES:
         try:
             _compare_case(name, rank, local)
@@ -478,6 +502,11 @@ def test_model_parallel_rng_forks_only_when_active_and_added():
         assert torch.equal(forked, torch.rand(3))
     finally:
         tracker.set_states(saved)
+
+
+@pytest.mark.parametrize("check", ["grads_equal", "recomputed"])
+def test_checkpointed_sequence_parallel_layer_matches_uncheckpointed(tp_results, check):
+    assert tp_results["checkpoint"][check]
 
 
 @pytest.mark.parametrize("check", ["in_place", "sum", "grad", "view_untouched", "saved_raises"])
