@@ -89,6 +89,61 @@ def test_dropout_masks_and_fp8_attention_repeat_in_the_recompute(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["nested", "autocast_inside"])
+def test_nested_regions_and_autocast_inside_the_region(device, layout):
+    """Nested te.checkpoint regions, or fp8_autocast entered inside the checkpointed function: the same gradients
+    and FP8 states as without checkpointing."""
+    fp8_recipe = RECIPES["delayed-HYBRID"]
+    stack = torch.nn.Sequential(make("LayerNormMLP", device), make("LayerNormMLP", device))
+    x0 = torch.randn(16, 2, 64, dtype=DT, device=device)
+
+    def run(module, checkpointed):
+        for _ in range(3):
+            module.zero_grad(set_to_none=True)
+            x = x0.clone().requires_grad_()
+            if layout == "nested":
+                with te.fp8_autocast(fp8_recipe=fp8_recipe):
+                    inner = (lambda h: te.checkpoint(module[1], te.checkpoint(module[0], h))) if checkpointed \
+                        else module
+                    y = te.checkpoint(inner, x) if checkpointed else inner(x)
+            else:
+                def autocast_inside(h):
+                    with te.fp8_autocast(fp8_recipe=fp8_recipe):
+                        return module(h)
+                y = te.checkpoint(autocast_inside, x) if checkpointed else autocast_inside(x)
+            y.float().pow(2).sum().backward()
+        return [x.grad] + [p.grad for p in module.parameters()], fp8_states(module)
+
+    ref_grads, ref_states = run(copy.deepcopy(stack), False)
+    grads, states = run(stack, True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads)), "gradients differ"
+    assert all(torch.equal(a, b) for a, b in zip(states, ref_states)), "FP8 scaling states differ"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_caching_and_main_grad_fusion_under_checkpoint(device):
+    """Two micro-batches (is_first_microbatch True, then False) of a Linear with fuse_wgrad_accumulation, each under
+    te.checkpoint: main_grad and the input gradients equal the uncheckpointed micro-batches'."""
+    base = te.Linear(64, 96, params_dtype=DT, device=device, fuse_wgrad_accumulation=True)
+    x0 = torch.randn(2, 16, 64, dtype=DT, device=device)
+    results = []
+    for checkpointed in (False, True):
+        module = copy.deepcopy(base)
+        module.weight.main_grad = torch.zeros(96, 64, device=device)
+        grads = []
+        for micro in range(2):
+            x = x0[micro].clone().requires_grad_()
+            with te.fp8_autocast(fp8_recipe=RECIPES["delayed-HYBRID"]):
+                args = (module, x) if checkpointed else (x,)
+                y = (te.checkpoint if checkpointed else module)(*args, is_first_microbatch=micro == 0)
+            y.float().pow(2).sum().backward()
+            grads.append(x.grad)
+        assert module.weight.grad is None
+        results.append(grads + [module.weight.main_grad, module.bias.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer"])
 def test_torch_checkpoint_of_an_fp8_forward_is_refused(device, name):
     module = make(name, device)
@@ -136,3 +191,4 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(TypeError, match="use_reentrant"):
         te.checkpoint(torch.sin, x, use_reentrant="no")
     assert torch.equal(te.checkpoint(torch.sin, x, use_reentrant=True), torch.sin(x))
+    assert torch.equal(te.distributed.checkpoint(torch.sin, x), torch.sin(x))  # (TE's other name for it)

@@ -29,25 +29,30 @@ class _Region:
     def __init__(self):
         self.recording = True
         self.settings = None
+        self.outer = None  # the region this one's forward runs in (nested checkpoints), if any
         self.records = {}  # id(holder) -> (holder, attribute, copy of [scale, scale_inv], calibrated)
 
     def record(self, holder, attribute):
         """Called by an FP8 module (or FP8 attention scaling) at the start of its forward in this region: the
-        ScalingState at holder.<attribute> is copied once per region."""
-        if id(holder) not in self.records:
-            state = getattr(holder, attribute)
-            self.records[id(holder)] = (holder, attribute, torch.stack((state.scale, state.scale_inv)),
-                                        state.calibrated)
+        ScalingState at holder.<attribute> is copied once per region, for this region and the recording regions
+        around it (an outer region's recompute replays the inner regions' modules too)."""
+        region = self
+        while region is not None and region.recording:
+            if id(holder) not in region.records:
+                state = getattr(holder, attribute)
+                region.records[id(holder)] = (holder, attribute, torch.stack((state.scale, state.scale_inv)),
+                                              state.calibrated)
+            region = region.outer
 
     @contextlib.contextmanager
     def forward(self):
         state = autocast.STATE
         self.settings = (state.enabled, state.recipe, state.group)
-        outer, state.checkpoint = state.checkpoint, self
+        self.outer, state.checkpoint = state.checkpoint, self
         try:
             yield
         finally:
-            state.checkpoint = outer
+            state.checkpoint = self.outer
             self.recording = False
 
     @contextlib.contextmanager

@@ -192,6 +192,12 @@ def scatter_to_sequence_parallel_region(x, group=None):
     return _ScatterToSP.apply(x, group)
 
 
+def checkpoint(function, *args, **kwargs):
+    """TE's te.distributed.checkpoint: transformer_fp8.checkpoint (see checkpoint.py)."""
+    from .checkpoint import checkpoint as fp8_checkpoint  # (here: checkpoint.py imports the modules, which import us)
+    return fp8_checkpoint(function, *args, **kwargs)
+
+
 # --- a module's TP settings ---
 class TensorParallel:
     """The TP settings of one module: group, size, rank, parallel_mode, sequence_parallel; gathers_input: the module
