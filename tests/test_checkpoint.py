@@ -180,6 +180,23 @@ def test_checkpoint_keeps_only_the_inputs():
     assert checkpointed < 0.1 * full, (checkpointed, full)
 
 
+def test_a_compiled_caller_runs_the_region_eagerly():
+    """torch.compile cannot trace te.checkpoint (its recompute context): the region runs eagerly inside the compiled
+    function (a graph break), with the eager gradients."""
+    module = make("LayerNormLinear", "cpu")
+    x0 = torch.randn(16, 2, 64, dtype=DT)
+    compiled = torch.compile(lambda x: te.checkpoint(module, x).float().pow(2).sum(), backend="eager")
+    grads = []
+    for step in (lambda x: te.checkpoint(module, x).float().pow(2).sum(), compiled):
+        module.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):  # (current scaling: no state changes)
+            loss = step(x)
+        loss.backward()
+        grads.append([x.grad] + [p.grad for p in module.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_bad_arguments_are_clear_errors():
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(TypeError, match="function: expected a callable"):

@@ -86,13 +86,15 @@ def _replay_state(original, scales, calibrated):
     return replay
 
 
+@torch.compiler.disable  # (dynamo cannot trace a checkpoint with a context_fn: a compiled caller runs it eagerly)
 def checkpoint(function, *args, distribute_saved_activations=False, get_rng_state_tracker=None, tp_group=None,
                use_reentrant=True, **kwargs):
     """function(*args, **kwargs) with its activations recomputed in the backward instead of kept (TE's arguments).
     FP8 modules inside recompute in FP8 with the forward's scales (see the module docstring); the random state is
     restored for the recompute (dropout masks repeat). The recomputation is always torch.utils.checkpoint's
-    non-reentrant one, the mode PyTorch recommends; use_reentrant is accepted for TE compatibility.
-    Not supported: distribute_saved_activations=True and get_rng_state_tracker (Megatron's TP random states)."""
+    non-reentrant one, the mode PyTorch recommends; use_reentrant is accepted for TE compatibility. Under
+    torch.compile the region runs eagerly (a graph break). Not supported: distribute_saved_activations=True and
+    get_rng_state_tracker (Megatron's TP random states)."""
     if not callable(function):
         raise TypeError(f"function: expected a callable, got {type(function).__name__}")
     if distribute_saved_activations:
