@@ -1,6 +1,7 @@
 """Activation checkpointing (transformer_fp8.checkpoint): FP8 modules recomputed in the backward give the gradients
 and the FP8 scaling state of an uncheckpointed run bit for bit; the region keeps only its inputs; torch's own
 checkpoint of an FP8 module is refused with a clear error; bad arguments are clear errors."""
+import contextlib
 import copy
 
 import pytest
@@ -14,9 +15,9 @@ from transformer_fp8 import recipe
 DT = torch.bfloat16
 
 
-def make(name, device, dropout=0.0):
+def make(name, device):
     if name == "TransformerLayer":
-        module = te.TransformerLayer(64, 128, 4, num_gqa_groups=2, hidden_dropout=dropout, attention_dropout=0.0,
+        module = te.TransformerLayer(64, 128, 4, num_gqa_groups=2, hidden_dropout=0.0, attention_dropout=0.0,
                                      params_dtype=DT, device=device)
     else:
         module = getattr(te, name)(64, 96, params_dtype=DT, device=device)
@@ -72,18 +73,37 @@ def test_checkpointed_steps_equal_uncheckpointed_ones(device, name, recipe_name)
     assert all(torch.equal(a, b) for a, b in zip(states, ref_states)), "FP8 scaling states differ"
 
 
+@contextlib.contextmanager
+def deterministic():
+    """Deterministic kernels (cuDNN attention's backward accumulates dq with atomics otherwise)."""
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_dropout_masks_and_fp8_attention_repeat_in_the_recompute(device):
-    fp8_dpa = recipe.DelayedScaling(amax_history_len=4, fp8_dpa=True)
-    if device == "cuda":  # (cuDNN's FP8 attention backward takes head dim 128 only)
-        module = te.TransformerLayer(256, 512, 2, hidden_dropout=0.1, attention_dropout=0.0, params_dtype=DT,
-                                     device=device)
-        x0 = torch.randn(128, 2, 256, dtype=DT, device=device)
+@pytest.mark.parametrize("case", ["dropout", "fp8_attention"])
+def test_dropout_masks_and_fp8_attention_repeat_in_the_recompute(device, case):
+    """Hidden and attention dropout (torch's RNG state restored for the recompute), or FP8 attention (its scaling
+    state replayed): the same gradients and FP8 states as without checkpointing."""
+    if case == "dropout":
+        fp8_recipe, dropout, heads, x0 = RECIPES["delayed-HYBRID"], 0.1, 4, torch.randn(16, 2, 64)
+    elif device == "cuda":  # (cuDNN's FP8 attention backward takes head dim 128 only)
+        fp8_recipe, dropout, heads, x0 = recipe.DelayedScaling(fp8_dpa=True), 0.0, 2, torch.randn(128, 2, 256)
     else:
-        module, x0 = make("TransformerLayer", device, dropout=0.1), torch.randn(16, 2, 64, dtype=DT, device=device)
-    ref_grads, ref_states, _ = train(copy.deepcopy(module), x0, fp8_dpa, checkpointed=False)
-    grads, states, _ = train(module, x0, fp8_dpa, checkpointed=True)
-    assert module.self_attention.core_attention.fp8_scaling.fwd is not None  # (FP8 attention ran)
+        fp8_recipe, dropout, heads, x0 = recipe.DelayedScaling(fp8_dpa=True), 0.0, 4, torch.randn(16, 2, 64)
+    hidden = x0.shape[-1]
+    module = te.TransformerLayer(hidden, 2 * hidden, heads, hidden_dropout=dropout, attention_dropout=dropout,
+                                 params_dtype=DT, device=device)
+    x0 = x0.to(device, DT)
+    with deterministic():
+        ref_grads, ref_states, _ = train(copy.deepcopy(module), x0, fp8_recipe, checkpointed=False)
+        grads, states, _ = train(module, x0, fp8_recipe, checkpointed=True)
+    if case == "fp8_attention":
+        assert module.self_attention.core_attention.fp8_scaling.fwd is not None  # (FP8 attention ran)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     assert all(torch.equal(a, b) for a, b in zip(states, ref_states))
 
