@@ -21,6 +21,7 @@ class _FP8GlobalState:
 
     def __init__(self):
         self.enabled = False
+        self.calibrating = False  # (see fp8_autocast)
         self.recipe = DEFAULT_RECIPE
         self.group = None
         self.depth = 0
@@ -44,26 +45,33 @@ def get_fp8_recipe():
 
 class fp8_autocast(contextlib.ContextDecorator):
     """Run our modules in FP8 inside this context (TE's name and arguments). Nests: the innermost settings apply
-    inside it and the outer ones are restored on exit. fp8_recipe=None means DelayedScaling()."""
+    inside it and the outer ones are restored on exit. fp8_recipe=None means DelayedScaling().
+    calibrating=True: a module that runs its high-precision path here (enabled=False, or the small-shape path)
+    records the amaxes of the forward tensors its FP8 path would cast (GEMM inputs and weights) into its
+    delayed-scaling state, which the exit updates as after an FP8 forward: scales for FP8 (e.g. inference) from a
+    high-precision run. The outputs stay those of the high-precision path. (Current scaling and FP8 attention have
+    nothing to calibrate.)"""
 
-    def __init__(self, enabled=True, fp8_recipe=None, fp8_group=None):
+    def __init__(self, enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None):
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled: expected a bool, got {enabled!r}")
+        if not isinstance(calibrating, bool):
+            raise TypeError(f"calibrating: expected a bool, got {calibrating!r}")
         if fp8_recipe is None:
             fp8_recipe = DEFAULT_RECIPE
         if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
             raise TypeError(f"fp8_recipe: expected DelayedScaling or Float8CurrentScaling, got {fp8_recipe!r}")
-        self.settings = (enabled, fp8_recipe, fp8_group)
+        self.settings = (enabled, calibrating, fp8_recipe, fp8_group)
         self.saved = []
 
     def __enter__(self):
-        self.saved.append((STATE.enabled, STATE.recipe, STATE.group))
-        STATE.enabled, STATE.recipe, STATE.group = self.settings
+        self.saved.append((STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group))
+        STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group = self.settings
         STATE.depth += 1
         return self
 
     def __exit__(self, *exc):
-        STATE.enabled, STATE.recipe, STATE.group = self.saved.pop()
+        STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group = self.saved.pop()
         STATE.depth -= 1
         if STATE.depth == 0 and STATE.forward_states:
             entries, STATE.forward_states = STATE.forward_states, []

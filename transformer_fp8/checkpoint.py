@@ -58,9 +58,9 @@ class _Region:
     @contextlib.contextmanager
     def recompute(self):
         state = autocast.STATE
-        saved = (state.enabled, state.recipe, state.group, state.checkpoint)
+        saved = (state.enabled, state.calibrating, state.recipe, state.group, state.checkpoint)
         state.enabled, state.recipe, state.group = self.settings
-        state.checkpoint = self
+        state.calibrating, state.checkpoint = False, self  # (a recompute records no amaxes)
         state.depth += 1  # (an autocast inside the function does not update anything at its exit)
         swapped = [(holder, attribute, getattr(holder, attribute)) for holder, attribute, _, _ in
                    self.records.values()]
@@ -72,7 +72,7 @@ class _Region:
             for holder, attribute, original in swapped:
                 setattr(holder, attribute, original)
             state.depth -= 1
-            state.enabled, state.recipe, state.group, state.checkpoint = saved
+            state.enabled, state.calibrating, state.recipe, state.group, state.checkpoint = saved
 
 
 def _replay_state(original, scales, calibrated):

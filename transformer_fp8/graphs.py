@@ -57,7 +57,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
     callables, args_per, kwargs_per = _checked_arguments(
         modules, sample_args, num_warmup_iters, allow_unused_input, fp8_enabled, fp8_recipe, fp8_weight_caching,
         sample_kwargs)
-    settings = (fp8_enabled, autocast.DEFAULT_RECIPE if fp8_recipe is None else fp8_recipe, fp8_group)
+    settings = dict(enabled=fp8_enabled, fp8_recipe=fp8_recipe, fp8_group=fp8_group)  # (fp8_autocast's arguments)
     variants = (True, False) if fp8_weight_caching else (None,)
     captures = {first: [_Capture(func, args, kwargs, first) for func, args, kwargs in
                         zip(callables, args_per, kwargs_per)] for first in variants}
@@ -110,7 +110,7 @@ class _Capture:
     def run(self, settings):
         """The callable on the sample inputs, inside the fp8_autocast of `settings`."""
         kwargs = self.kwargs if self.first is None else dict(self.kwargs, is_first_microbatch=self.first)
-        with autocast.fp8_autocast(*settings):
+        with autocast.fp8_autocast(**settings):
             return self.func(*self.args, **kwargs)
 
     def grad_inputs(self):
@@ -251,7 +251,7 @@ class _GraphedForward:
         if self.reusing is not None:
             kwargs["is_first_microbatch"] = first
             self.eager_cache = self.eager_cache or first is True
-        with autocast.fp8_autocast(*self.settings):
+        with autocast.fp8_autocast(**self.settings):
             return self.original(*args, **kwargs)
 
 

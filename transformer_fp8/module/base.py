@@ -266,6 +266,21 @@ class FP8ModuleBase(nn.Module):
                 file_backward_state(self.fp8_bwd, recipe, state.group)
         return recipe
 
+    def _calibrate(self, *tensors):
+        """Inside fp8_autocast(calibrating=True), on the high-precision path: max-accumulate the amax of tensors[i]
+        (the tensor the FP8 path casts into forward slot i; None or a Float8Tensor: skipped) into slot i and queue
+        the forward state for the update at the autocast's exit (delayed scaling; current scaling: nothing)."""
+        state = autocast.STATE
+        if isinstance(state.recipe, Float8CurrentScaling):
+            return
+        if state.recipe is not self._fp8_recipe:
+            self._adopt_recipe(state.recipe)
+        if not self.fp8_fwd.pending:
+            autocast.register_forward(self.fp8_fwd, state.recipe, state.group)
+        for t, amax in zip(tensors, self.fp8_fwd.amaxes):
+            if t is not None and not isinstance(t, Float8Tensor):
+                tfp8.compute_amax(t.detach().contiguous(), amax)
+
     def check_recompute_precision(self):
         """Call on a forward's high-precision path when self._last_forward_fp8. Outside fp8_autocast, inside a
         running backward, after an FP8 forward: an activation-checkpointing recompute (torch.utils.checkpoint) that

@@ -130,6 +130,8 @@ class LayerNormLinear(FP8ModuleBase):
             ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps,
                                          self.zero_centered_gamma)
             gemm_in = gather_from_sequence_parallel_region(ln_out, tp.group) if gathers else ln_out
+            if state.calibrating:
+                self._calibrate(gemm_in, self.weight)
             out = high_precision_linear(self, gemm_in, self.weight, bias)
         return pack_outputs(self, out, self.bias, ln_out)
 

@@ -268,6 +268,8 @@ class LayerNormMLP(FP8ModuleBase):
         ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps, self.zero_centered_gamma)
         fc1_in = gather_from_sequence_parallel_region(ln_out, self.tp.group) if gathers else ln_out
         act = ACTIVATIONS[self.activation](high_precision_linear(self, fc1_in, self.fc1_weight, self.fc1_bias))
+        if state.calibrating:
+            self._calibrate(fc1_in, self.fc1_weight, act, self.fc2_weight)
         out = high_precision_linear(self, act, self.fc2_weight, fc2_bias if tp is None else None)
         if tp is not None:
             out = tp.row_output(out)

@@ -132,6 +132,8 @@ class Linear(FP8ModuleBase):
                     base.FP8_MIN_GEMM_SIZE if self.fp8_min_gemm_size is None else self.fp8_min_gemm_size)):
             if self._last_forward_fp8:
                 self.check_recompute_precision()
+            if autocast.STATE.calibrating:
+                self._calibrate(inp, self.weight)
             try:
                 return F.linear(inp, self.weight, self.bias)
             except (RuntimeError, TypeError):
@@ -158,6 +160,8 @@ class Linear(FP8ModuleBase):
                                     torch.is_grad_enabled(), is_first_microbatch, residual, relay)
         if self._last_forward_fp8:
             self.check_recompute_precision()
+        if state.calibrating:
+            self._calibrate(inp, self.weight)
         if self.fuse_wgrad_accumulation:
             out = high_precision_linear(self, inp, self.weight, bias)
         else:
