@@ -26,6 +26,7 @@ class _FP8GlobalState:
         self.group = None
         self.depth = 0
         self.model_init = False
+        self.preserve_init_val = False  # (see fp8_model_init)
         self.forward_states = []  # (ScalingState, recipe, group) used in the current outermost autocast
         self.backward_states = []  # the same for gradients, in the running backward
         self.backward_task = None  # id of the backward whose callback is queued
@@ -80,16 +81,24 @@ class fp8_autocast(contextlib.ContextDecorator):
 
 
 @contextlib.contextmanager
-def fp8_model_init(enabled=True):
-    """Weights of our modules created inside are Float8Tensor parameters (E4M3 data + scale_inv); biases and norm
-    weights stay in high precision."""
+def fp8_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
+    """Weights of our modules created inside are Float8Tensor parameters (E4M3 data + scale_inv from the weight's
+    own amax, whatever the recipe: `recipe` is accepted as TE's argument); biases and norm weights stay in high
+    precision. preserve_high_precision_init_val=True keeps each weight's high-precision initial values on the CPU,
+    for `param.get_high_precision_init_val()` (e.g. to start FP32 master weights from them) until
+    `param.clear_high_precision_init_val()`."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected a bool, got {enabled!r}")
-    saved, STATE.model_init = STATE.model_init, enabled
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(f"recipe: expected None, DelayedScaling or Float8CurrentScaling, got {recipe!r}")
+    if not isinstance(preserve_high_precision_init_val, bool):
+        raise TypeError(f"preserve_high_precision_init_val: expected a bool, got {preserve_high_precision_init_val!r}")
+    saved = STATE.model_init, STATE.preserve_init_val
+    STATE.model_init, STATE.preserve_init_val = enabled, enabled and preserve_high_precision_init_val
     try:
         yield
     finally:
-        STATE.model_init = saved
+        STATE.model_init, STATE.preserve_init_val = saved
 
 
 def register_forward(scaling_state, recipe, group):

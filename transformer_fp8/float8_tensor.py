@@ -46,6 +46,14 @@ class Float8Tensor(torch.Tensor):
         out.quantize_(tensor)
         return out
 
+    def get_high_precision_init_val(self):
+        """The high-precision values this weight was created from (a CPU tensor), kept by
+        fp8_model_init(preserve_high_precision_init_val=True) until clear_high_precision_init_val(); else None."""
+        return getattr(self, "_high_precision_init_val", None)
+
+    def clear_high_precision_init_val(self):
+        self._high_precision_init_val = None
+
     def dequantize(self, dtype=None):
         return tfp8.dequantize(self._data, self._scale_inv, dtype or self.dtype)
 

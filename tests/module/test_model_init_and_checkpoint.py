@@ -32,6 +32,22 @@ def test_fp8_model_init_weights_are_float8_tensors(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_fp8_model_init_preserves_the_high_precision_init_values(device):
+    torch.manual_seed(0)
+    plain = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
+    torch.manual_seed(0)
+    with te.fp8_model_init(recipe=te.recipe.DelayedScaling(), preserve_high_precision_init_val=True):
+        m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
+    init = m.weight.get_high_precision_init_val()
+    assert init.device.type == "cpu" and torch.equal(init, plain.weight.detach().cpu())
+    assert rel_error(m.weight.dequantize().cpu(), init) < 0.06  # (E4M3)
+    m.weight.clear_high_precision_init_val()
+    assert m.weight.get_high_precision_init_val() is None
+    with te.fp8_model_init():
+        assert te.Linear(64, 32, device=device).weight.get_high_precision_init_val() is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fp8_model_init_trains_with_an_optimizer(device):
     with te.fp8_model_init():
         m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
@@ -132,6 +148,9 @@ def test_nested_autocast_inner_settings_win_and_outer_ones_return():
     (lambda: te.LayerNorm(8, device="cpu")(torch.randn(3, 6)), ValueError, "inp"),
     (lambda: te.fp8_autocast(fp8_recipe="delayed"), TypeError, "fp8_recipe"),
     (lambda: te.fp8_autocast(enabled=1), TypeError, "enabled"),
+    (lambda: te.fp8_model_init(recipe="delayed").__enter__(), TypeError, "recipe"),
+    (lambda: te.fp8_model_init(preserve_high_precision_init_val=1).__enter__(), TypeError,
+     "preserve_high_precision_init_val"),
 ])
 def test_bad_arguments(make, error, match):
     with pytest.raises(error, match=match):

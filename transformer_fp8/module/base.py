@@ -230,9 +230,12 @@ class FP8ModuleBase(nn.Module):
         (init_method or default_init)(weight)
         if tp is not None:
             weight = tp.shard(weight, shard_dim, shard_blocks)
-        if autocast.STATE.model_init:
-            weight = Float8Tensor.from_hp(weight)
-        return nn.Parameter(weight)
+        if not autocast.STATE.model_init:
+            return nn.Parameter(weight)
+        param = nn.Parameter(Float8Tensor.from_hp(weight))
+        if autocast.STATE.preserve_init_val:
+            param._high_precision_init_val = weight.cpu()
+        return param
 
     def _vector_param(self, size, value):
         return nn.Parameter(torch.full((size,), float(value), dtype=self.params_dtype, device=self._device))
