@@ -148,8 +148,11 @@ class _UpdatePlan:
 _plans = {True: None, False: None}  # the last plan of forward and of backward updates
 
 
+_DISTRIBUTED_BUILT = torch.distributed.is_available()  # (a property of the torch build: asked once)
+
+
 def distributed_initialized():
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    return _DISTRIBUTED_BUILT and torch.distributed.is_initialized()
 
 
 def forget_update_plans():
