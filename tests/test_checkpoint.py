@@ -200,6 +200,39 @@ def test_checkpoint_keeps_only_the_inputs():
     assert checkpointed < 0.1 * full, (checkpointed, full)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("which", ["default", "given"])
+def test_rng_tracker_states_are_replayed(device, which):
+    """Dropout drawn from a named state of the RNG tracker (as tensor-parallel attention dropout is) repeats its
+    masks in the recompute: the tracker's states are restored for it (the package's tracker, or the one that
+    get_rng_state_tracker returns)."""
+    tracker = te.distributed.get_rng_state_tracker() if which == "default" else te.distributed.RNGStatesTracker()
+    saved = tracker.get_states()
+    tracker.add("checkpoint-test", 1234)
+    initial = tracker.get_states()
+    module = make("LayerNormLinear", device)
+    x0 = torch.randn(16, 2, 64, dtype=DT, device=device)
+
+    def forward(x):
+        with tracker.fork("checkpoint-test"):
+            return torch.nn.functional.dropout(module(x), 0.5)
+
+    grads = []
+    try:
+        for checkpointed in (False, True):
+            tracker.set_states(initial)  # (both runs draw the same masks)
+            module.zero_grad(set_to_none=True)
+            x = x0.clone().requires_grad_()
+            with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+                y = te.checkpoint(forward, x, get_rng_state_tracker=None if which == "default" else lambda: tracker) \
+                    if checkpointed else forward(x)
+            y.float().pow(2).sum().backward()
+            grads.append([x.grad] + [p.grad for p in module.parameters()])
+    finally:
+        tracker.set_states(saved)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_a_compiled_caller_runs_the_region_eagerly():
     """torch.compile cannot trace te.checkpoint (its recompute context): the region runs eagerly inside the compiled
     function (a graph break), with the eager gradients."""
@@ -223,8 +256,10 @@ def test_bad_arguments_are_clear_errors():
         te.checkpoint(x, x)
     with pytest.raises(ValueError, match="distribute_saved_activations"):
         te.checkpoint(torch.sin, x, distribute_saved_activations=True)
-    with pytest.raises(ValueError, match="get_rng_state_tracker"):
+    with pytest.raises(TypeError, match="get_rng_state_tracker"):
         te.checkpoint(torch.sin, x, get_rng_state_tracker=lambda: None)
+    with pytest.raises(TypeError, match="get_rng_state_tracker"):
+        te.checkpoint(torch.sin, x, get_rng_state_tracker=te.distributed.get_rng_state_tracker())
     with pytest.raises(TypeError, match="use_reentrant"):
         te.checkpoint(torch.sin, x, use_reentrant="no")
     assert torch.equal(te.checkpoint(torch.sin, x, use_reentrant=True), torch.sin(x))

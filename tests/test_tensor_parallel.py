@@ -313,19 +313,26 @@ def _reduce_from_tp_checks(rank):
 
 
 def _checkpoint_checks(rank):
-    """A sequence-parallel TransformerLayer under te.checkpoint (FP8, delayed scaling, 2 steps) against the same
-    steps without it: {"grads_equal": bool, "recomputed": bool} on this rank."""
+    """A sequence-parallel TransformerLayer with hidden and attention dropout (the latter from the RNG tracker's
+    per-rank state) under te.checkpoint (FP8, delayed scaling, 2 steps) against the same steps without it:
+    {"grads_equal": bool, "recomputed": bool} on this rank."""
     torch.manual_seed(1)  # (the same full input on every rank)
     x_full = torch.randn(S, B, H, device=DEVICE)
     grads, calls = [], [0]
+    tracker = tpd.get_rng_state_tracker()
+    saved = tracker.get_states()
 
     def forward(x):
         calls[0] += 1
         return module(x)
 
     for checkpointed in (False, True):
-        torch.manual_seed(0)  # (the same weights in both layers)
-        module = _transformer_layer("column", tp_group=dist.group.WORLD, sequence_parallel=True)
+        tracker.reset()
+        tracker.add(tpd.MODEL_PARALLEL_RNG, 100 + rank)
+        torch.manual_seed(0)  # (the same weights, and the same default random state, in both runs)
+        module = te.TransformerLayer(H, FFN, 4, hidden_dropout=0.1, attention_dropout=0.1, params_dtype=torch.float32,
+                                     device=DEVICE, set_parallel_mode=True, tp_group=dist.group.WORLD,
+                                     sequence_parallel=True)
         for _ in range(2):
             module.zero_grad(set_to_none=True)
             x = tpd.scatter_to_sequence_parallel_region(x_full.clone().requires_grad_(), dist.group.WORLD)
@@ -333,6 +340,7 @@ def _checkpoint_checks(rank):
                 out = te.checkpoint(forward, x) if checkpointed else forward(x)
             out.pow(2).sum().backward()
         grads.append([p.grad for p in module.parameters()])
+    tracker.set_states(saved)
     return {"grads_equal": all(torch.equal(a, b) for a, b in zip(*grads)), "recomputed": calls[0] == 6}
 
 
