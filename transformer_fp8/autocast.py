@@ -50,8 +50,8 @@ class fp8_autocast(contextlib.ContextDecorator):
     calibrating=True: a module that runs its high-precision path here (enabled=False, or the small-shape path)
     records the amaxes of the forward tensors its FP8 path would cast (GEMM inputs and weights) into its
     delayed-scaling state, which the exit updates as after an FP8 forward: scales for FP8 (e.g. inference) from a
-    high-precision run. The outputs stay those of the high-precision path. (Current scaling and FP8 attention have
-    nothing to calibrate.)"""
+    high-precision run. The outputs stay those of the high-precision path. (Not for current scaling, which keeps
+    no scales, nor for FP8 attention's slots.)"""
 
     def __init__(self, enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None):
         if not isinstance(enabled, bool):

@@ -3,7 +3,7 @@
 torch.utils.checkpoint recomputes a region's forward inside the backward, outside the fp8_autocast that the forward
 ran in, and after the autocast exit has updated the delayed scales: our modules would recompute in high precision,
 or quantize with other scales than the forward's. (They refuse such a recompute with a clear error, see
-FP8ModuleBase.check_recompute_precision.) `checkpoint` wraps torch.utils.checkpoint (non-reentrant) with two
+FP8ModuleBase._check_recompute_precision.) `checkpoint` wraps torch.utils.checkpoint (non-reentrant) with two
 contexts:
 - the forward records the FP8 settings (enabled, recipe, group), the RNG tracker's named states (the dropout of
   tensor-parallel attention draws from them; torch.utils.checkpoint restores only the default random states) and,

@@ -219,7 +219,7 @@ class FP8ModuleBase(nn.Module):
         self.fp8_fwd = self.fp8_bwd = None
         self._fp8_recipe = None
         self._weight_cache = {}
-        self._last_forward_fp8 = False  # (see check_recompute_precision)
+        self._last_forward_fp8 = False  # (see _check_recompute_precision)
         self.register_load_state_dict_pre_hook(_allow_missing_extra_state)
 
     # --- parameters ---
@@ -284,7 +284,7 @@ class FP8ModuleBase(nn.Module):
             if t is not None and not isinstance(t, Float8Tensor):
                 tfp8.compute_amax(t.detach().contiguous(), amax)
 
-    def check_recompute_precision(self):
+    def _check_recompute_precision(self):
         """Call on a forward's high-precision path when self._last_forward_fp8. Outside fp8_autocast, inside a
         running backward, after an FP8 forward: an activation-checkpointing recompute (torch.utils.checkpoint) that
         would give the backward a high-precision forward's tensors. Refused; transformer_fp8.checkpoint recomputes in

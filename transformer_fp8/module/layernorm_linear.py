@@ -125,7 +125,7 @@ class LayerNormLinear(FP8ModuleBase):
                                                     torch.is_grad_enabled(), is_first_microbatch, residual_grad_relay)
         else:
             if self._last_forward_fp8:
-                self.check_recompute_precision()
+                self._check_recompute_precision()
             inp = tp.column_input(inp) if tp is not None and not gathers else inp
             ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps,
                                          self.zero_centered_gamma)

@@ -263,7 +263,7 @@ class LayerNormMLP(FP8ModuleBase):
                                                  is_first_microbatch, None if adds_input else residual, adds_input)
             return (tp.row_output(out) if gathers else out), ln_out
         if self._last_forward_fp8:
-            self.check_recompute_precision()
+            self._check_recompute_precision()
         inp = tp.column_input(inp) if tp is not None and not gathers else inp
         ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps, self.zero_centered_gamma)
         fc1_in = gather_from_sequence_parallel_region(ln_out, self.tp.group) if gathers else ln_out

@@ -131,7 +131,7 @@ class Linear(FP8ModuleBase):
                 not autocast.STATE.enabled or inp.is_cuda and inp.numel() * self._gemm_n < (
                     base.FP8_MIN_GEMM_SIZE if self.fp8_min_gemm_size is None else self.fp8_min_gemm_size)):
             if self._last_forward_fp8:
-                self.check_recompute_precision()
+                self._check_recompute_precision()
             if autocast.STATE.calibrating:
                 self._calibrate(inp, self.weight)
             try:
@@ -159,7 +159,7 @@ class Linear(FP8ModuleBase):
             return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
                                     torch.is_grad_enabled(), is_first_microbatch, residual, relay)
         if self._last_forward_fp8:
-            self.check_recompute_precision()
+            self._check_recompute_precision()
         if state.calibrating:
             self._calibrate(inp, self.weight)
         if self.fuse_wgrad_accumulation:
