@@ -178,6 +178,19 @@ def test_gradient_checkpointing_recomputes_in_fp8_with_the_same_gradients(conver
         assert torch.equal(p.grad, q.grad), name
 
 
+def test_transformers_own_checkpointing_of_fp8_linear_layers_is_refused_clearly():
+    """transformers' activation checkpointing (torch.utils.checkpoint) of convert_linear_layers' FP8 layers: the
+    recompute is refused, naming the integration that checkpoints them in FP8."""
+    model = integrations.convert_linear_layers(random_llama(llama_config()))
+    hf_enable(model)
+    model.train()
+    ids = torch.randint(0, VOCAB, (2, 32))
+    with te.fp8_autocast(enabled=True, fp8_recipe=FP8_RECIPE):
+        loss = model(input_ids=ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match="integrations.gradient_checkpointing_enable"):
+        loss.backward()
+
+
 def test_local_checkpoint_directory(tmp_path):
     model = random_llama(llama_config())
     model.save_pretrained(tmp_path / "ckpt")

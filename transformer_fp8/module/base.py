@@ -295,7 +295,8 @@ class FP8ModuleBase(nn.Module):
             raise RuntimeError(f"{type(self).__name__}: its forward ran in FP8 and is recomputed in the backward "
                                "outside fp8_autocast (torch.utils.checkpoint?); checkpoint FP8 modules with "
                                "transformer_fp8.checkpoint(function, *args), which recomputes them in FP8 with the "
-                               "forward's scales")
+                               "forward's scales (Hugging Face models: "
+                               "transformer_fp8.integrations.gradient_checkpointing_enable(model))")
         self._last_forward_fp8 = False
 
     def _adopt_recipe(self, recipe):
