@@ -219,6 +219,42 @@ def test_hidden_dropout_statistics(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_drop_path_drops_whole_samples_of_each_branch(device, fmt):
+    """drop_path_rate: in training each branch output is kept per sample (batch element) with probability 1 - p and
+    scaled by 1 / (1 - p), with masks drawn in order from torch's random state (replayed here on the layer's own
+    branches); in eval mode the layer is the plain one. Gradients flow through the kept samples."""
+    p, cfg, batch = 0.5, CONFIGS["gpt"], 16
+    torch.manual_seed(0)
+    layer = TransformerLayer(cfg["hidden"], cfg["ffn"], cfg["heads"], hidden_dropout=0.0, attention_dropout=0.0,
+                             drop_path_rate=p, params_dtype=torch.float32, device=device, attn_input_format=fmt)
+    torch.manual_seed(0)
+    plain = TransformerLayer(cfg["hidden"], cfg["ffn"], cfg["heads"], hidden_dropout=0.0, attention_dropout=0.0,
+                             params_dtype=torch.float32, device=device, attn_input_format=fmt)
+    batch_dim = 1 if fmt == "sbhd" else 0
+    x = torch.randn(*((12, batch) if fmt == "sbhd" else (batch, 12)), cfg["hidden"], device=device)
+    assert torch.equal(layer.eval()(x), plain.eval()(x))
+    layer.train()
+    torch.manual_seed(1)
+    out = layer(x.requires_grad_())
+
+    def mask():
+        shape = [1, 1, 1]
+        shape[batch_dim] = batch
+        return torch.empty(shape, device=device).bernoulli_(1 - p) / (1 - p)
+
+    torch.manual_seed(1)
+    with torch.no_grad():
+        hidden = x + layer.self_attention(x) * mask()
+        ref = hidden + layer.layernorm_mlp(hidden) * mask()
+    assert torch.equal(out, ref)
+    kept = (out - hidden).abs().amax(dim=[d for d in range(3) if d != batch_dim]) > 0
+    assert 0 < int(kept.sum()) < batch  # (some samples drop the MLP branch, some keep it)
+    out.sum().backward()
+    assert x.grad is not None and layer.layernorm_mlp.fc1_weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_multihead_attention_without_norm(device, interleaved):
     """input_layernorm=False, bshd, return_bias: out + bias equals plain qkv -> attention -> proj."""
@@ -248,6 +284,9 @@ def test_bad_arguments():
         TransformerLayer(64, 128, 4, tp_size=2, device="cpu")
     with pytest.raises(NotImplementedError, match="output_layernorm"):
         TransformerLayer(64, 128, 4, output_layernorm=True, device="cpu")
+    for bad in (1.0, -0.1, "0.1"):
+        with pytest.raises(ValueError, match="drop_path_rate"):
+            TransformerLayer(64, 128, 4, drop_path_rate=bad, device="cpu")
     with pytest.raises(ValueError, match="num_gqa_groups"):
         TransformerLayer(64, 128, 4, num_gqa_groups=3, device="cpu")
     with pytest.raises(NotImplementedError, match="attention_type"):

@@ -1,13 +1,17 @@
 """TransformerLayer: a pre-LN encoder block with Transformer Engine's arguments.
 
-    a = x + dropout(MultiheadAttention(norm1(x)))        (residual = norm1(x) with
-    y = a + dropout(LayerNormMLP(norm2(a)))               apply_residual_connection_post_layernorm)
+    a = x + drop_path(dropout(MultiheadAttention(norm1(x))))      (residual = norm1(x) with
+    y = a + drop_path(dropout(LayerNormMLP(norm2(a))))             apply_residual_connection_post_layernorm)
 
 hidden_states [s, b, hidden] ("sbhd") or [b, s, hidden] ("bshd") -> same shape and dtype. Under fp8_autocast every
 GEMM runs in FP8; attention runs in BF16/FP16 through fused kernels (FP32 activations are cast around it). Without
-hidden dropout (or in eval mode), sequence parallelism or the post-LN residual, the two residual adds ride in the
-epilogues of the projection and FC2 GEMMs (with tensor parallelism: rank 0's, before the sum over the ranks).
+hidden dropout and drop path (or in eval mode), sequence parallelism or the post-LN residual, the two residual adds
+ride in the epilogues of the projection and FC2 GEMMs (with tensor parallelism: rank 0's, before the sum over the
+ranks). drop_path (stochastic depth, drop_path_rate > 0, training only): each sample's (batch element's) whole branch
+output is dropped with probability drop_path_rate and the kept ones are scaled by 1 / (1 - drop_path_rate); its
+masks draw from torch's default random state (the same on the TP ranks, which hold the same samples).
 """
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -17,7 +21,7 @@ from .layernorm_mlp import LayerNormMLP
 
 
 class TransformerLayer(nn.Module):
-    """Self-attention + MLP block. Not supported yet: output_layernorm, layer_type="decoder", drop_path_rate > 0.
+    """Self-attention + MLP block. Not supported yet: output_layernorm, layer_type="decoder".
 
     Tensor parallelism: tp_group (size tp) with set_parallel_mode=True splits the attention heads and the MLP's ffn
     across ranks (see MultiheadAttention and LayerNormMLP); with sequence_parallel the input and output are this
@@ -34,9 +38,13 @@ class TransformerLayer(nn.Module):
                  fuse_wgrad_accumulation=False, zero_centered_gamma=False, qkv_weight_interleaved=True, bias=True,
                  activation="gelu", normalization="LayerNorm", device="cuda", attn_input_format="sbhd"):
         super().__init__()
-        if output_layernorm or layer_type != "encoder" or drop_path_rate:
-            raise NotImplementedError("output_layernorm, layer_type='decoder' and drop_path_rate are not supported")
-        self.hidden_dropout = hidden_dropout
+        if output_layernorm or layer_type != "encoder":
+            raise NotImplementedError("output_layernorm and layer_type='decoder' are not supported")
+        if isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float)) or \
+                not 0 <= drop_path_rate < 1:
+            raise ValueError(f"drop_path_rate: expected a number in [0, 1), got {drop_path_rate!r}")
+        self.hidden_dropout, self.drop_path_rate = hidden_dropout, float(drop_path_rate)
+        self.batch_dim = 1 if attn_input_format == "sbhd" else 0
         self.post_ln_residual = apply_residual_connection_post_layernorm
         common = dict(params_dtype=params_dtype, device=device, bias=bias, normalization=normalization,
                       zero_centered_gamma=zero_centered_gamma, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
@@ -57,7 +65,16 @@ class TransformerLayer(nn.Module):
 
     def _adds_residuals_in_gemms(self):
         return (not self.post_ln_residual and not self.split_sequence and
-                (self.hidden_dropout == 0 or not self.training))
+                (self.hidden_dropout == 0 and self.drop_path_rate == 0 or not self.training))
+
+    def _drop_path(self, branch):
+        """Stochastic depth on a branch output (see the module docstring); identity outside training."""
+        if not self.training or self.drop_path_rate == 0:
+            return branch
+        shape = [1] * branch.dim()
+        shape[self.batch_dim] = branch.shape[self.batch_dim]
+        keep = torch.empty(shape, dtype=branch.dtype, device=branch.device).bernoulli_(1 - self.drop_path_rate)
+        return branch * (keep / (1 - self.drop_path_rate))
 
     def forward(self, hidden_states, attention_mask=None, self_attn_mask_type=None, rotary_pos_emb=None,
                 is_first_microbatch=None):
@@ -70,8 +87,10 @@ class TransformerLayer(nn.Module):
                                    is_first_microbatch=is_first_microbatch, rotary_pos_emb=rotary_pos_emb)
         attn_out, residual = attn if self.post_ln_residual else (attn, hidden_states)
         with model_parallel_rng(self.split_sequence):
-            hidden = residual + F.dropout(attn_out, self.hidden_dropout, self.training)
+            attn_out = F.dropout(attn_out, self.hidden_dropout, self.training)
+        hidden = residual + self._drop_path(attn_out)
         mlp = self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch)
         mlp_out, residual = mlp if self.post_ln_residual else (mlp, hidden)
         with model_parallel_rng(self.split_sequence):
-            return residual + F.dropout(mlp_out, self.hidden_dropout, self.training)
+            mlp_out = F.dropout(mlp_out, self.hidden_dropout, self.training)
+        return residual + self._drop_path(mlp_out)
