@@ -233,6 +233,31 @@ def test_rng_tracker_states_are_replayed(device, which):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe_name", ["delayed-HYBRID", None])
+def test_checkpoint_core_attention(device, recipe_name):
+    """TransformerLayer.forward(checkpoint_core_attention=True) (TE's argument): the attention core is recomputed
+    in the backward, with the gradients of the plain steps."""
+    layer = make("TransformerLayer", device)
+    x0 = torch.randn(16, 2, 64, dtype=DT, device=device)
+    fp8_recipe = RECIPES[recipe_name] if recipe_name else None
+    results = []
+    for checkpointed in (False, True):
+        module = copy.deepcopy(layer)
+        calls = []
+        module.self_attention.core_attention.register_forward_pre_hook(lambda *_: calls.append(1))
+        for _ in range(2):
+            module.zero_grad(set_to_none=True)
+            x = x0.clone().requires_grad_()
+            with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+                y = module(x, checkpoint_core_attention=checkpointed)
+            y.float().pow(2).sum().backward()
+        results.append(([x.grad] + [p.grad for p in module.parameters()], len(calls)))
+    (ref, ref_calls), (grads, calls) = results
+    assert (ref_calls, calls) == (2, 4)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+
+
 def test_a_compiled_caller_runs_the_region_eagerly():
     """torch.compile cannot trace te.checkpoint (its recompute context): the region runs eagerly inside the compiled
     function (a graph break), with the eager gradients."""

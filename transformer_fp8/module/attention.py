@@ -335,10 +335,11 @@ class MultiheadAttention(nn.Module):
         return split_qkv(qkv, self.heads, self.groups, self.head_dim, self.qkv_weight_interleaved)
 
     def forward(self, hidden_states, attention_mask=None, attn_mask_type=None, is_first_microbatch=None,
-                rotary_pos_emb=None, residual=None):
+                rotary_pos_emb=None, residual=None, checkpoint_core_attention=False):
         """rotary_pos_emb: freqs [s, 1, 1, rot_dim] from RotaryPositionEmbedding, or a (q_freqs, k_freqs) pair.
         residual: added to the output in the projection GEMM's epilogue (see Linear; not with sequence
-        parallelism)."""
+        parallelism). checkpoint_core_attention: the attention core under transformer_fp8.checkpoint (recomputed in
+        the backward; it then keeps q, k, v but not its output and softmax statistics)."""
         layernorm_output = None
         relay = None  # (the residual's gradient joins the QKV norm backward's dx: see _residual_relay.py)
         if residual is hidden_states and self.input_layernorm and torch.is_grad_enabled() and \
@@ -358,7 +359,12 @@ class MultiheadAttention(nn.Module):
             k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format)
             v = v.contiguous()  # q and k are new tensors now: a view v alone would keep the whole QKV output alive
         with model_parallel_rng(self.tp is not None):  # dropout on this rank's heads
-            context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
+            if checkpoint_core_attention and torch.is_grad_enabled():
+                from ..checkpoint import checkpoint  # (here: checkpoint.py imports the modules)
+                context = checkpoint(self.core_attention, q, k, v, attention_mask=attention_mask,
+                                     attn_mask_type=attn_mask_type)
+            else:
+                context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
         out = self.proj(context, is_first_microbatch=is_first_microbatch, residual=residual,
                         residual_grad_relay=relay)
         outputs = (*out,) if self.return_bias else (out,)

@@ -77,14 +77,15 @@ class TransformerLayer(nn.Module):
         return branch * (keep / (1 - self.drop_path_rate))
 
     def forward(self, hidden_states, attention_mask=None, self_attn_mask_type=None, rotary_pos_emb=None,
-                is_first_microbatch=None):
+                is_first_microbatch=None, checkpoint_core_attention=False):
+        """checkpoint_core_attention: see MultiheadAttention.forward."""
+        attention_args = dict(attention_mask=attention_mask, attn_mask_type=self_attn_mask_type,
+                              is_first_microbatch=is_first_microbatch, rotary_pos_emb=rotary_pos_emb,
+                              checkpoint_core_attention=checkpoint_core_attention)
         if self._adds_residuals_in_gemms():
-            hidden = self.self_attention(hidden_states, attention_mask=attention_mask,
-                                         attn_mask_type=self_attn_mask_type, is_first_microbatch=is_first_microbatch,
-                                         rotary_pos_emb=rotary_pos_emb, residual=hidden_states)
+            hidden = self.self_attention(hidden_states, residual=hidden_states, **attention_args)
             return self.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch, residual=hidden)
-        attn = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type,
-                                   is_first_microbatch=is_first_microbatch, rotary_pos_emb=rotary_pos_emb)
+        attn = self.self_attention(hidden_states, **attention_args)
         attn_out, residual = attn if self.post_ln_residual else (attn, hidden_states)
         with model_parallel_rng(self.split_sequence):
             attn_out = F.dropout(attn_out, self.hidden_dropout, self.training)
