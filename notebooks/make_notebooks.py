@@ -110,6 +110,23 @@ print(f"weight bytes: FP8 {w._data.nbytes:,} vs BF16 {bf16_weights.weight.nbytes
 with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
     out = fp8_weights(x)
 print("output", tuple(out.shape), out.dtype, "finite:", bool(out.isfinite().all()))'''),
+    new_markdown_cell("""## 5. Calibrating FP8 scales from a high-precision run
+
+`te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=...)` (TE's argument) runs the modules in high
+precision, unchanged, while they record the amaxes of the tensors their FP8 path would cast; at the exit those become
+delayed scales. A model trained in BF16 can so be prepared for FP8 inference: its first FP8 call already quantizes
+with scales from real data."""),
+    new_code_cell('''layer = te.Linear(hidden, ffn, params_dtype=DTYPE, device=DEVICE)
+calibration = recipe.DelayedScaling(fp8_format=recipe.Format.E4M3, amax_history_len=16)
+with torch.no_grad():
+    exact = layer(x)
+    for batch in range(4):  # calibration batches, run in high precision
+        with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=calibration):
+            assert torch.equal(layer(x), exact)
+    print("calibrated input / weight scales:", [round(s, 2) for s in layer.fp8_fwd.scale.tolist()])
+    with te.fp8_autocast(enabled=True, fp8_recipe=calibration):
+        out = layer(x)
+print(f"first FP8 call, relative error vs high precision {rel_error(out, exact):.4f}")'''),
 ]
 
 PERFORMANCE = [
