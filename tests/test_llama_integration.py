@@ -95,6 +95,26 @@ def test_same_logits_and_gradients_as_hugging_face_in_fp32(name):
         assert rel_error(mine, theirs) < 1e-4
 
 
+def test_mistral_is_converted_and_its_sliding_window_refused():
+    """A MistralForCausalLM (Llama's layer) converts, with the Hugging Face model's logits and gradients; a sliding
+    window (Mistral 7B v0.1) is refused."""
+    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, head_dim=16)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**settings, sliding_window=None))
+    converted = converted_copy(model)
+    assert all(isinstance(layer, LlamaTransformerLayer) for layer in converted.model.layers)
+    assert isinstance(converted.model.norm, RMSNorm)
+    ids = torch.randint(0, VOCAB, (2, 17))
+    ref, out = model(input_ids=ids, labels=ids), converted(input_ids=ids, labels=ids)
+    assert rel_error(out.logits, ref.logits) < 1e-5
+    ref.loss.backward()
+    out.loss.backward()
+    assert rel_error(converted.model.embed_tokens.weight.grad, model.model.embed_tokens.weight.grad) < 1e-4
+    windowed = transformers.MistralForCausalLM(transformers.MistralConfig(**settings, sliding_window=32))
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        convert_llama(windowed)
+
+
 def test_bf16_logits_as_close_to_float64_as_hugging_face_bf16():
     model = random_llama(llama_config())
     ids = torch.randint(0, VOCAB, (2, 24))

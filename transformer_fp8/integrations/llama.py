@@ -1,6 +1,7 @@
-"""Run a Hugging Face Llama model (LlamaForCausalLM, LlamaModel) on transformer_fp8.TransformerLayer.
+"""Run a Hugging Face Llama model (LlamaForCausalLM, LlamaModel; Mistral too) on transformer_fp8.TransformerLayer.
 
-`convert_llama(model)` replaces every `LlamaDecoderLayer` inside `model` by a `LlamaTransformerLayer`: the same call
+`convert_llama(model)` replaces every `LlamaDecoderLayer` (or `MistralDecoderLayer`: the same layer, without a
+sliding window) inside `model` by a `LlamaTransformerLayer`: the same call
 and return as the Hugging Face layer, computed by our TransformerLayer (RMSNorm, SwiGLU, GQA, RoPE, no bias, bshd),
 with the weights mapped from the Hugging Face layer:
     input_layernorm.weight            -> self_attention.layernorm_qkv.layer_norm_weight
@@ -22,8 +23,8 @@ from ..checkpoint import checkpoint
 from ..module.norm import RMSNorm
 from ..module.transformer import TransformerLayer
 
-HF_LAYER_CLASS = "LlamaDecoderLayer"
-HF_NORM_CLASS = "LlamaRMSNorm"
+HF_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer")
+HF_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm")
 
 
 def _skip_init(weight):
@@ -50,7 +51,8 @@ def _check_config(config):
     unsupported = {"hidden_act": (getattr(config, "hidden_act", "silu"), "silu"),
                    "attention_bias": (getattr(config, "attention_bias", False), False),
                    "mlp_bias": (getattr(config, "mlp_bias", False), False),
-                   "pretraining_tp": (getattr(config, "pretraining_tp", 1) or 1, 1)}
+                   "pretraining_tp": (getattr(config, "pretraining_tp", 1) or 1, 1),
+                   "sliding_window": (getattr(config, "sliding_window", None), None)}  # (Mistral's)
     for name, (got, expected) in unsupported.items():
         if got != expected:
             raise NotImplementedError(f"config.{name}: convert_llama supports {expected!r} only, got {got!r}")
@@ -163,18 +165,19 @@ class LlamaTransformerLayer(nn.Module):
 
 
 def convert_llama(model, params_dtype=None, fuse_wgrad_accumulation=False):
-    """Replace every Hugging Face LlamaDecoderLayer inside `model` by a LlamaTransformerLayer with its weights, and
-    the LlamaRMSNorm left outside them (the final norm) by our RMSNorm; in place, returns `model`.
+    """Replace every Hugging Face LlamaDecoderLayer (or MistralDecoderLayer) inside `model` by a
+    LlamaTransformerLayer with its weights, and the RMSNorm left outside them (the final norm) by ours; in place,
+    returns `model`.
 
     params_dtype: dtype of the new parameters (default: each layer's own weight dtype); they go on the layer's device.
     fuse_wgrad_accumulation: the GEMM weights' gradients accumulate into `weight.main_grad` (FP32, to be attached).
-    The config is checked (SiLU, no biases, RoPE "default" or "linear"). `config.use_cache` is set to False (no KV
+    The config is checked (SiLU, no biases, RoPE "default" or "linear", no sliding window). `config.use_cache` is set to False (no KV
     cache) and the mask builder to "sdpa" (which passes no mask for causal attention without padding).
     Checkpoints: save and load the converted model's state_dict (load it into a converted model of the same config).
     """
-    layers = [(name, m) for name, m in model.named_modules() if type(m).__name__ == HF_LAYER_CLASS]
+    layers = [(name, m) for name, m in model.named_modules() if type(m).__name__ in HF_LAYER_CLASSES]
     if not layers:
-        raise ValueError(f"model: no {HF_LAYER_CLASS} found in {type(model).__name__}")
+        raise ValueError(f"model: no {' or '.join(HF_LAYER_CLASSES)} found in {type(model).__name__}")
     config = layers[0][1].self_attn.config
     _check_config(config)
     rope = _RopeAngles(config)
@@ -186,7 +189,7 @@ def convert_llama(model, params_dtype=None, fuse_wgrad_accumulation=False):
         new.train(hf_layer.training)
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, new)
-    for name, hf_norm in [(name, m) for name, m in model.named_modules() if type(m).__name__ == HF_NORM_CLASS]:
+    for name, hf_norm in [(name, m) for name, m in model.named_modules() if type(m).__name__ in HF_NORM_CLASSES]:
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, _converted_norm(hf_norm, config, params_dtype))
     config.use_cache = False
