@@ -2,7 +2,8 @@
 # One device call: build with all cores for sm_90a, run every test (GPU tests included), run the benchmarks.
 # Writes build.log, tests.log, bench.log and the benchmarks' JSON under $OUT (the device tool brings them back).
 # Usage: bash tools/gpu_check.sh [pytest args...]   (BENCH="gemm quantize modules" picks benchmarks, an entry
-# "name:args" passes args, commas for spaces: BENCH="transformer_layer:--no-compile modules:--skip,training";
+# "name:args" passes args, + for spaces: BENCH="transformer_layer:--no-compile modules:--skip+training
+# llama:--variants+ours-fp8,hf-eager";
 # BENCH= skips them;
 # TEST_TIMEOUT / BENCH_TIMEOUT bound each step in seconds)
 set -uo pipefail
@@ -21,7 +22,7 @@ timeout ${TEST_TIMEOUT:-400} python -m pytest -q -rs "${@:-tests}" > "$OUT/tests
 tests_rc=$?
 tail -25 "$OUT/tests.log"
 for entry in ${BENCH-gemm quantize modules}; do
-  b=${entry%%:*}; args=$([[ $entry == *:* ]] && echo "${entry#*:}" | tr ',' ' ')
+  b=${entry%%:*}; args=$([[ $entry == *:* ]] && echo "${entry#*:}" | tr '+' ' ')
   echo "== bench_$b $args ==" | tee -a "$OUT/bench.log"
   # shellcheck disable=SC2086  (args split into words on purpose)
   timeout ${BENCH_TIMEOUT:-300} python "benchmarks/bench_$b.py" $args --json "$OUT/bench_$b.json" >> "$OUT/bench.log" 2>&1 ||
