@@ -84,12 +84,12 @@ class _Region:
 
 
 def _replay_state(original, scales, calibrated):
-    """A ScalingState like `original` (slots, history length) with the recorded scale and scale_inv (`scales`
-    [2, n]; FP8 attention reads its S slot's scale_inv), scratch amaxes and snapshots, never queued for an update."""
-    replay = ScalingState(scales.shape[1], original.history_len, scales.device)
-    replay.scale.copy_(scales[0])
-    replay.scale_inv.copy_(scales[1])
-    replay.pending, replay.calibrated = True, calibrated
+    """A ScalingState like `original` (slots, history length) over the recorded scale and scale_inv (`scales`
+    [2, n], the region's own copy; FP8 attention reads its S slot's scale_inv), with scratch amaxes and snapshots,
+    never queued for an update."""
+    amax_history = torch.zeros(original.history_len, scales.shape[1], dtype=torch.float32, device=scales.device)
+    replay = ScalingState.over(amax_history, scales[0], scales[1], calibrated)
+    replay.pending = True
     replay.amax_group, replay.calibration_group = original.amax_group, original.calibration_group
     return replay
 

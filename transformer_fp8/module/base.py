@@ -78,15 +78,18 @@ class ScalingState:
         return {"amax_history": self.amax_history, "scale": self.scale, "scale_inv": self.scale_inv}
 
     @classmethod
-    def from_state_dict(cls, state, device):
+    def over(cls, amax_history, scale, scale_inv, calibrated):
+        """A state over these float32 tensors ([H, n], [n], [n]; used as they are, not copied)."""
         self = cls.__new__(cls)
-        self.amax_history, self.scale, self.scale_inv = (
-            state[k].detach().to(device=device, dtype=torch.float32, copy=True)
-            for k in ("amax_history", "scale", "scale_inv"))
-        self.pending = False
-        self.calibrated = True
+        self.amax_history, self.scale, self.scale_inv = amax_history, scale, scale_inv
+        self.pending, self.calibrated = False, calibrated
         self._make_views()
         return self
+
+    @classmethod
+    def from_state_dict(cls, state, device):
+        return cls.over(*(state[k].detach().to(device=device, dtype=torch.float32, copy=True)
+                          for k in ("amax_history", "scale", "scale_inv")), calibrated=True)
 
     def set_current_scale(self, x, i, fp8_max):
         """Current scaling: slot i's scale from amax(x), MAX-reduced over amax_group if set (the update re-zeroes the
