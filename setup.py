@@ -78,7 +78,7 @@ def link_without_symbolic_functions():
 def extension():
     if os.environ.get("TFP8_FORCE_CPU") == "1" or CUDA_HOME is None:
         print("transformer_fp8: no CUDA toolkit found (or TFP8_FORCE_CPU=1): building the CPU-only extension")
-        return CppExtension("transformer_fp8._C", ["csrc/ops.cpp", "csrc/composite.cpp"],
+        return CppExtension("transformer_fp8._C", ["csrc/ops.cpp", "csrc/composite.cpp", "csrc/linear_autograd.cpp"],
                             extra_compile_args={"cxx": ["-O2"]})
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     link_without_symbolic_functions()
@@ -93,7 +93,7 @@ def extension():
         link_args = [f"-Wl,-rpath,{d}" for d in rpaths] + ["-l:libcudnn.so.9", "-lnvrtc"]
     return CUDAExtension(
         "transformer_fp8._C",
-        ["csrc/ops.cpp", "csrc/composite.cpp"] + cuda_sources(families),
+        ["csrc/ops.cpp", "csrc/composite.cpp", "csrc/linear_autograd.cpp"] + cuda_sources(families),
         include_dirs=include_dirs,
         library_dirs=cudnn_lib,
         libraries=["cublasLt"],

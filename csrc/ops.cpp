@@ -9,7 +9,6 @@
 //   - An `amax` argument is max-accumulated: amax = max(amax, max|x|) (NaN wins). The scaling update zeroes it.
 //   - A `scale_inv` output argument, when given, receives 1 / scale (so a cast can refresh a tensor's scale_inv).
 //   - GEMMs are "TN": a [M, K] and b [N, K], both K-contiguous; out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T.
-#include <Python.h>
 #include <torch/library.h>
 
 TORCH_LIBRARY(transformer_fp8, m) {
@@ -149,6 +148,4 @@ TORCH_LIBRARY(transformer_fp8, m) {
         "bool causal=False) -> (Tensor, Tensor, Tensor)");
 }
 
-// A Python module with no functions: importing transformer_fp8._C loads this library and runs the registrations.
-static PyModuleDef tfp8_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-extern "C" PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&tfp8_module); }
+// (The Python module transformer_fp8._C, whose import loads this library, is defined in csrc/linear_autograd.cpp.)

@@ -259,7 +259,8 @@ class FP8ModuleBase(nn.Module):
         recipe = state.recipe
         if recipe is not self._fp8_recipe:
             self._adopt_recipe(recipe)
-        self._last_forward_fp8 = True
+        if not self._last_forward_fp8:  # (nn.Module.__setattr__ costs microseconds: set only on a change)
+            self._last_forward_fp8 = True
         if state.checkpoint is not None and state.checkpoint.recording:
             state.checkpoint.record(self, "fp8_fwd")
         if not self.fp8_current:

@@ -6,7 +6,7 @@ FP8 forward slots: 0 input, 1 weight; backward slot: 0 grad_output.
 import torch
 import torch.nn.functional as F
 
-from .. import autocast
+from .. import _C, autocast
 from ..distributed import TensorParallel
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_cast, gathered_shape, gathers_input,
                                output_grads)
@@ -14,6 +14,12 @@ from ._gemm import fp8_gemm_bias, fused_forward, fused_forward_applies, high_pre
 from ._row_parallel import epilogue_terms, sum_partials
 from . import base
 from .base import FP8ModuleBase, cast_transpose, check_input, check_positive, check_residual, residual_rows
+
+# A plain FP8 Linear (see Linear._native_node_applies) runs through the C++ autograd node of csrc/linear_autograd.cpp:
+# one Python call per step instead of a Python autograd.Function's forward, backward and engine round trips (the host
+# time of small layers). Results are the Function's bit for bit. Read at each call; False: always the Function.
+NATIVE_NODE = True
+_C.set_backward_registrar(autocast.register_backward)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -155,9 +161,17 @@ class Linear(FP8ModuleBase):
         precision."""
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp):
-            self._fp8_begin(state)
-            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
-                                    torch.is_grad_enabled(), is_first_microbatch, residual, relay)
+            recipe = self._fp8_begin(state)
+            inp = inp if inp.is_contiguous() else inp.contiguous()
+            if self._native_node_applies(inp, bias, is_first_microbatch, residual, state):
+                fwd, bwd = self.fp8_fwd, self.fp8_bwd
+                return _C.fp8_linear(inp, self.weight, bias, (bwd, recipe, state.group), fwd.scales[0],
+                                     fwd.amaxes[0], fwd.scale_invs[0], fwd.scales[1], fwd.amaxes[1],
+                                     fwd.scale_invs[1], self.fwd_dtype,
+                                     base.keeps_weight_transpose(self.weight, is_first_microbatch), bwd.scales[0],
+                                     bwd.amaxes[0], bwd.scale_invs[0], self.bwd_dtype)
+            return _FP8Linear.apply(inp, self.weight, bias, self, torch.is_grad_enabled(), is_first_microbatch,
+                                    residual, relay)
         if self._last_forward_fp8:
             self._check_recompute_precision()
         if state.calibrating:
@@ -167,6 +181,16 @@ class Linear(FP8ModuleBase):
         else:
             out = F.linear(inp, self.weight, bias)  # (the small-shape path's host time matters: F.linear directly)
         return out if residual is None else out + residual
+
+    def _native_node_applies(self, inp, bias, is_first_microbatch, residual, state):
+        """Whether this FP8 call takes the C++ node (NATIVE_NODE): a plain Linear (no TP, no return_bias, no wgrad
+        fusion, high-precision weight) with no residual and no weight cache, delayed scaling past the first update of
+        both its states (the first step calibrates them in Python), a bias in the input's 16-bit dtype, outside
+        checkpoint regions and torch.compile (which trace the Function)."""
+        return (NATIVE_NODE and self._plain and residual is None and is_first_microbatch is None and
+                not self.fp8_current and self.fp8_fwd.calibrated and self.fp8_bwd.calibrated and
+                state.checkpoint is None and (bias is None or bias.dtype == inp.dtype != torch.float32) and
+                not torch.compiler.is_compiling())
 
     def _parallel_forward(self, inp, is_first_microbatch, residual, relay):
         tp = self.tp

@@ -1,0 +1,175 @@
+// The FP8 Linear's autograd node in C++, for the common case of transformer_fp8/module/linear.py (its Python
+// autograd.Function `_FP8Linear` takes every other case), and the Python module transformer_fp8._C.
+//
+// Why: a small model's training step is host-bound, and a Python autograd.Function costs a Python call per direction
+// plus the engine's Python node machinery (on the H100 host, ~1/4 of an FP8 Linear's fwd+bwd host time). Here the
+// forward is one call from Python (fp8_linear below) and the backward runs without Python, except for one call that
+// queues the module's gradient scaling state for the update after the backward (the `registration` argument, passed
+// to autocast.register_backward, exactly as the Python Function's backward does).
+//
+// Contract of fp8_linear: inp [..., K] contiguous, weight [N, K], bias [N] or None (inp's dtype) -> out [..., N] in
+// inp's dtype = fp8_linear_fwd's GEMM (delayed scaling: each cast into the given scale / amax / scale_inv slot). The
+// backward: dy cast into the gradient slot (dy_scale, dy_amax, dy_scale_inv) and fp8_linear_bwd from the saved FP8
+// xᵀ and Wᵀ (Wᵀ kept from the forward when keep_w_t, else cast again from the weight with the forward's scale).
+// Gradients: dx (inp's dtype), dW (weight's dtype), dbias (dy's dtype), each only where needed. Not twice
+// differentiable.
+#include <torch/extension.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <memory>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace tfp8 {
+namespace {
+
+namespace autograd = torch::autograd;
+using OptTensor = std::optional<at::Tensor>;
+using Triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using LinearFwd = Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::ScalarType,
+                         const OptTensor&, const at::Tensor&, const OptTensor&, const at::Tensor&, bool, bool,
+                         at::ScalarType, const OptTensor&, const OptTensor&);
+using LinearBwd = Triple(const at::Tensor&, const at::Tensor&, at::ScalarType, const OptTensor&, const at::Tensor&,
+                         bool, const OptTensor&, const at::Tensor&, at::ScalarType, const OptTensor&,
+                         const at::Tensor&, at::ScalarType, const OptTensor&);
+using CastTranspose = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, at::ScalarType, bool,
+                                                         bool, const OptTensor&, const OptTensor&);
+
+template <class Signature>
+c10::TypedOperatorHandle<Signature> library_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// A strong reference to a Python object, droppable on any thread (autograd nodes die on the engine's threads too).
+class PyReference {
+ public:
+  explicit PyReference(PyObject* object) : object_(object) { Py_XINCREF(object_); }  // (called with the GIL)
+  PyReference(const PyReference&) = delete;
+  PyReference& operator=(const PyReference&) = delete;
+  ~PyReference() {
+    if (object_ == nullptr || !Py_IsInitialized()) return;
+    const PyGILState_STATE gil = PyGILState_Ensure();
+    Py_DECREF(object_);
+    PyGILState_Release(gil);
+  }
+  PyObject* get() const { return object_; }
+
+ private:
+  PyObject* object_;
+};
+
+// autocast.register_backward, set once by transformer_fp8.module.linear at import.
+std::unique_ptr<PyReference>& registrar() {
+  static std::unique_ptr<PyReference> callable;
+  return callable;
+}
+
+// registrar()(*registration), with the GIL; a Python exception becomes a C++ one with its message.
+void register_backward(const PyReference& registration) {
+  pybind11::gil_scoped_acquire gil;
+  PyObject* result = PyObject_Call(registrar()->get(), registration.get(), nullptr);
+  if (result == nullptr) throw pybind11::error_already_set();
+  Py_DECREF(result);
+}
+
+struct FP8LinearBackward : public autograd::Node {
+  // Saved by the forward: FP8 xᵀ [K, M] (when dW is needed), FP8 Wᵀ [K, N] (when kept), the weight (for the Wᵀ
+  // recast), the scale_inv snapshots the forward's casts wrote, and the gradient slot.
+  at::Tensor x_t, w_t, weight, x_scale_inv, w_scale_inv, dy_scale, dy_amax, dy_scale_inv;
+  at::ScalarType fwd_dtype, bwd_dtype, dx_dtype, dw_dtype;
+  std::vector<int64_t> input_sizes;
+  bool has_bias = false, released = false;
+  std::unique_ptr<PyReference> registration;
+
+  std::string name() const override { return "FP8LinearBackward"; }
+
+  void release_variables() override {
+    x_t.reset(), w_t.reset(), weight.reset();
+    released = true;
+  }
+
+  autograd::variable_list apply(autograd::variable_list&& grads) override {
+    static const auto linear_bwd = library_op<LinearBwd>("transformer_fp8::fp8_linear_bwd");
+    static const auto cast = library_op<CastTranspose>("transformer_fp8::cast_transpose");
+    TORCH_CHECK(!released, autograd::ERR_BACKWARD_TWICE);
+    const bool need_dx = should_compute_output(0), need_dw = should_compute_output(1),
+               need_dbias = has_bias && should_compute_output(2);
+    const at::Tensor& grad = grads[0];
+    if (!grad.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor dy = grad.dim() == 2 && grad.is_contiguous() ? grad : grad.reshape({-1, grad.size(-1)}).contiguous();
+    at::Tensor w_t_now;
+    if (need_dx) {  // (the forward's Wᵀ, or the weight cast again with the forward's scale, no amax)
+      w_t_now = w_t.defined() ? w_t
+                              : std::get<1>(cast.call(weight, at::reciprocal(w_scale_inv), fwd_dtype, false, true,
+                                                      std::nullopt, std::nullopt));
+    }
+    auto [dx, dw, dbias] =
+        linear_bwd.call(dy, dy_scale, bwd_dtype, dy_amax, dy_scale_inv, need_dbias,
+                        need_dx ? OptTensor(w_t_now) : std::nullopt, need_dx ? w_scale_inv : dy_scale_inv, dx_dtype,
+                        need_dw ? OptTensor(x_t) : std::nullopt, need_dw ? x_scale_inv : dy_scale_inv, dw_dtype,
+                        std::nullopt);
+    register_backward(*registration);
+    return {need_dx ? dx.view(input_sizes) : at::Tensor(), need_dw ? dw : at::Tensor(),
+            need_dbias ? dbias : at::Tensor()};
+  }
+};
+
+at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const OptTensor& bias,
+                      pybind11::object registration, const at::Tensor& x_scale, const at::Tensor& x_amax,
+                      const at::Tensor& x_scale_inv, const at::Tensor& w_scale, const at::Tensor& w_amax,
+                      const at::Tensor& w_scale_inv, at::ScalarType fwd_dtype, bool keep_w_t,
+                      const at::Tensor& dy_scale, const at::Tensor& dy_amax, const at::Tensor& dy_scale_inv,
+                      at::ScalarType bwd_dtype) {
+  static const auto linear_fwd = library_op<LinearFwd>("transformer_fp8::fp8_linear_fwd");
+  TORCH_CHECK(inp.dim() >= 1 && inp.is_contiguous(), "inp: expected a contiguous tensor with at least one dim");
+  TORCH_CHECK(PyTuple_Check(registration.ptr()), "registration: expected a tuple of register_backward's arguments");
+  TORCH_CHECK(registrar() != nullptr, "fp8_linear: set_backward_registrar was not called");
+  const bool grad_mode = at::GradMode::is_enabled();
+  const bool need_dx = grad_mode && inp.requires_grad(), need_dw = grad_mode && weight.requires_grad();
+  const bool need_any = need_dx || need_dw || (grad_mode && bias.has_value() && bias->requires_grad());
+  at::Tensor out, x_t, w_t;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const at::Tensor x = inp.dim() == 2 ? inp : inp.reshape({-1, inp.size(-1)});
+    std::tie(out, x_t, w_t) = linear_fwd.call(x, weight, x_scale, w_scale, fwd_dtype, x_amax, x_scale_inv, w_amax,
+                                              w_scale_inv, need_dw, need_dx && keep_w_t, inp.scalar_type(), bias,
+                                              std::nullopt);
+    if (inp.dim() != 2) {
+      std::vector<int64_t> sizes = inp.sizes().vec();
+      sizes.back() = out.size(1);
+      out = out.view(sizes);
+    }
+  }
+  if (!need_any) return out;
+  auto node = std::shared_ptr<FP8LinearBackward>(new FP8LinearBackward(), autograd::deleteNode);
+  node->set_next_edges(autograd::collect_next_edges(inp, weight, bias));
+  if (need_dw) node->x_t = x_t;
+  if (need_dx && keep_w_t) node->w_t = w_t;
+  node->weight = weight.detach();
+  node->x_scale_inv = x_scale_inv, node->w_scale_inv = w_scale_inv;
+  node->dy_scale = dy_scale, node->dy_amax = dy_amax, node->dy_scale_inv = dy_scale_inv;
+  node->fwd_dtype = fwd_dtype, node->bwd_dtype = bwd_dtype;
+  node->dx_dtype = inp.scalar_type(), node->dw_dtype = weight.scalar_type();
+  node->input_sizes = inp.sizes().vec();
+  node->has_bias = bias.has_value();
+  node->registration = std::make_unique<PyReference>(registration.ptr());
+  autograd::set_history(out, node);
+  return out;
+}
+
+void set_backward_registrar(pybind11::object callable) {
+  registrar() = std::make_unique<PyReference>(callable.ptr());
+}
+
+}  // namespace
+}  // namespace tfp8
+
+// transformer_fp8._C: importing it loads this library, which runs the op registrations (csrc/ops.cpp and the
+// kernels' files), and gives the two functions above.
+PYBIND11_MODULE(_C, m) {
+  m.def("fp8_linear", &tfp8::fp8_linear, "The FP8 Linear with its C++ autograd node (see csrc/linear_autograd.cpp)");
+  m.def("set_backward_registrar", &tfp8::set_backward_registrar,
+        "The callable fp8_linear's backward calls with its registration tuple");
+}
