@@ -15,6 +15,9 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# Built in every configuration: the schemas, the composite ops, the C++ autograd nodes and the Python module.
+BASE_SOURCES = ["csrc/ops.cpp", "csrc/composite.cpp", "csrc/autograd_linear.cpp", "csrc/autograd_attention.cpp",
+                "csrc/python_module.cpp"]
 FAMILIES = ("quantize", "gemm", "norm", "activation", "scaling", "rope", "attention")
 
 
@@ -78,8 +81,7 @@ def link_without_symbolic_functions():
 def extension():
     if os.environ.get("TFP8_FORCE_CPU") == "1" or CUDA_HOME is None:
         print("transformer_fp8: no CUDA toolkit found (or TFP8_FORCE_CPU=1): building the CPU-only extension")
-        return CppExtension("transformer_fp8._C", ["csrc/ops.cpp", "csrc/composite.cpp", "csrc/linear_autograd.cpp"],
-                            extra_compile_args={"cxx": ["-O2"]})
+        return CppExtension("transformer_fp8._C", BASE_SOURCES, extra_compile_args={"cxx": ["-O2"]})
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     link_without_symbolic_functions()
     cudnn_include, cudnn_lib = cudnn_dirs()
@@ -93,7 +95,7 @@ def extension():
         link_args = [f"-Wl,-rpath,{d}" for d in rpaths] + ["-l:libcudnn.so.9", "-lnvrtc"]
     return CUDAExtension(
         "transformer_fp8._C",
-        ["csrc/ops.cpp", "csrc/composite.cpp", "csrc/linear_autograd.cpp"] + cuda_sources(families),
+        BASE_SOURCES + cuda_sources(families),
         include_dirs=include_dirs,
         library_dirs=cudnn_lib,
         libraries=["cublasLt"],

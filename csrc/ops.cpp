@@ -148,4 +148,4 @@ TORCH_LIBRARY(transformer_fp8, m) {
         "bool causal=False) -> (Tensor, Tensor, Tensor)");
 }
 
-// (The Python module transformer_fp8._C, whose import loads this library, is defined in csrc/linear_autograd.cpp.)
+// (The Python module transformer_fp8._C, whose import loads this library, is defined in csrc/python_module.cpp.)

@@ -1,4 +1,4 @@
-"""Linear's C++ autograd node (module/linear.py NATIVE_NODE, csrc/linear_autograd.cpp) against its Python
+"""Linear's C++ autograd node (module/linear.py NATIVE_NODE, csrc/autograd_linear.cpp) against its Python
 autograd.Function: the same outputs, gradients and FP8 scaling states bit for bit, and the cases that stay in Python."""
 import pytest
 import torch

@@ -17,13 +17,17 @@ import warnings
 
 import torch
 
-from .. import ops
+from .. import _C, ops
 
 BACKENDS = ("torch", "cudnn")
 BACKEND_ENV = "TFP8_ATTENTION_BACKEND"
 _unsupported_cases = {}  # _case_key -> cuDNN's reason, so a refused case costs one dict lookup afterwards
 _warned_reasons = set()
 _shared_grad_layouts = {}  # (shape, stride, offset) of q, k, v -> whether one gradient buffer can hold them
+# Calls without dropout and padding mask run through the C++ autograd node of csrc/autograd_attention.cpp (the host
+# path of a Python autograd.Function made attention alone slower than PyTorch's SDPA, step by step); its results are
+# _FusedAttention's bit for bit. Read at each call; False: always the Function.
+NATIVE_NODE = True
 
 
 def default_backend():
@@ -146,16 +150,27 @@ class _FusedAttention(torch.autograd.Function):
             ops.tfp8.fused_attn_bwd(grad_out, q, k, v, out, stats, dq, dk, dv, scale, causal, dropout_p, seqlens_q,
                                     seqlens_kv, rng_state)
         except NotImplementedError as err:
-            # (the next forward of this case runs PyTorch's SDPA)
-            _unsupported_cases[_case_key(*(t.permute(inverse) for t in (q, k, v)), qkv_format, causal,
-                                         seqlens_q is not None, dropout_p, scale)] = str(err)
-            if dropout_p > 0:
-                raise RuntimeError(f"DotProductAttention(attention_backend='cudnn'): the forward ran with dropout on "
-                                   f"cuDNN, whose backward refuses the case, and no other kernel replays its dropout "
-                                   f"mask: {err}") from err
-            _warn_once(f"backward: {err}")
-            dq, dk, dv = _torch_sdpa_grads(grad_out, q, k, v, scale, causal, seqlens_kv)
+            dq, dk, dv = _refused_backward(str(err), grad_out, q, k, v, scale, causal, qkv_format, seqlens_q,
+                                           seqlens_kv, dropout_p)
         return (*(t.permute(inverse) for t in (dq, dk, dv)), None, None, None, None, None, None)
+
+
+def _refused_backward(message, grad_out, q, k, v, scale, causal, qkv_format, seqlens_q=None, seqlens_kv=None,
+                      dropout_p=0.0):
+    """A backward cuDNN refuses (q, k, v, grad_out as [b, h, s, d] views): the case runs PyTorch's SDPA from its next
+    forward on (one warning), and this backward's (dq, dk, dv) come from PyTorch's SDPA; with dropout nothing can
+    replay the forward's mask: an error. (Also the C++ node's fallback: see csrc/autograd_attention.cpp.)"""
+    inverse = _TO_BHSD[qkv_format][1]
+    _unsupported_cases[_case_key(*(t.permute(inverse) for t in (q, k, v)), qkv_format, causal, seqlens_q is not None,
+                                 dropout_p, scale)] = message
+    if dropout_p > 0:
+        raise RuntimeError(f"DotProductAttention(attention_backend='cudnn'): the forward ran with dropout on cuDNN, "
+                           f"whose backward refuses the case, and no other kernel replays its dropout mask: {message}")
+    _warn_once(f"backward: {message}")
+    return _torch_sdpa_grads(grad_out, q, k, v, scale, causal, seqlens_kv)
+
+
+_C.set_attention_fallback(_refused_backward)
 
 
 def _padding_seqlens(attention_mask, b, sq, skv, device):
@@ -202,7 +217,10 @@ def cudnn_attention(q, k, v, attention_mask, attn_mask_type, dropout_p, scale, q
                                         scale) in _unsupported_cases:
         return None
     try:
-        out = _FusedAttention.apply(q, k, v, qkv_format, scale, causal, dropout_p, seqlens_q, seqlens_kv)
+        if NATIVE_NODE and dropout_p == 0.0 and seqlens_q is None:
+            out = _C.fused_attention(q, k, v, qkv_format, scale, causal)
+        else:
+            out = _FusedAttention.apply(q, k, v, qkv_format, scale, causal, dropout_p, seqlens_q, seqlens_kv)
     except NotImplementedError as err:
         _unsupported_cases[_case_key(q, k, v, qkv_format, causal, seqlens_q is not None, dropout_p, scale)] = str(err)
         _warn_once(str(err))

@@ -15,7 +15,7 @@ from ._row_parallel import epilogue_terms, sum_partials
 from . import base
 from .base import FP8ModuleBase, cast_transpose, check_input, check_positive, check_residual, residual_rows
 
-# A plain FP8 Linear (see Linear._native_node_applies) runs through the C++ autograd node of csrc/linear_autograd.cpp:
+# A plain FP8 Linear (see Linear._native_node_applies) runs through the C++ autograd node of csrc/autograd_linear.cpp:
 # one Python call per step instead of a Python autograd.Function's forward, backward and engine round trips (the host
 # time of small layers). Results are the Function's bit for bit. Read at each call; False: always the Function.
 NATIVE_NODE = True

@@ -1,5 +1,5 @@
 // The FP8 Linear's autograd node in C++, for the common case of transformer_fp8/module/linear.py (its Python
-// autograd.Function `_FP8Linear` takes every other case), and the Python module transformer_fp8._C.
+// autograd.Function `_FP8Linear` takes every other case).
 //
 // Why: a small model's training step is host-bound, and a Python autograd.Function costs a Python call per direction
 // plus the engine's Python node machinery (on the H100 host, ~1/4 of an FP8 Linear's fwd+bwd host time). Here the
@@ -13,7 +13,6 @@
 // xᵀ and Wᵀ (Wᵀ kept from the forward when keep_w_t, else cast again from the weight with the forward's scale).
 // Gradients: dx (inp's dtype), dW (weight's dtype), dbias (dy's dtype), each only where needed. Not twice
 // differentiable.
-#include <torch/extension.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
@@ -21,6 +20,8 @@
 #include <optional>
 #include <tuple>
 #include <vector>
+
+#include "autograd_nodes.h"
 
 namespace tfp8 {
 namespace {
@@ -36,29 +37,6 @@ using LinearBwd = Triple(const at::Tensor&, const at::Tensor&, at::ScalarType, c
                          const at::Tensor&, at::ScalarType, const OptTensor&);
 using CastTranspose = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, at::ScalarType, bool,
                                                          bool, const OptTensor&, const OptTensor&);
-
-template <class Signature>
-c10::TypedOperatorHandle<Signature> library_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-// A strong reference to a Python object, droppable on any thread (autograd nodes die on the engine's threads too).
-class PyReference {
- public:
-  explicit PyReference(PyObject* object) : object_(object) { Py_XINCREF(object_); }  // (called with the GIL)
-  PyReference(const PyReference&) = delete;
-  PyReference& operator=(const PyReference&) = delete;
-  ~PyReference() {
-    if (object_ == nullptr || !Py_IsInitialized()) return;
-    const PyGILState_STATE gil = PyGILState_Ensure();
-    Py_DECREF(object_);
-    PyGILState_Release(gil);
-  }
-  PyObject* get() const { return object_; }
-
- private:
-  PyObject* object_;
-};
 
 // autocast.register_backward, set once by transformer_fp8.module.linear at import.
 std::unique_ptr<PyReference>& registrar() {
@@ -98,7 +76,8 @@ struct FP8LinearBackward : public autograd::Node {
                need_dbias = has_bias && should_compute_output(2);
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
-    const at::Tensor dy = grad.dim() == 2 && grad.is_contiguous() ? grad : grad.reshape({-1, grad.size(-1)}).contiguous();
+    const at::Tensor dy =
+        grad.dim() == 2 && grad.is_contiguous() ? grad : grad.reshape({-1, grad.size(-1)}).contiguous();
     at::Tensor w_t_now;
     if (need_dx) {  // (the forward's Wᵀ, or the weight cast again with the forward's scale, no amax)
       w_t_now = w_t.defined() ? w_t
@@ -115,6 +94,8 @@ struct FP8LinearBackward : public autograd::Node {
             need_dbias ? dbias : at::Tensor()};
   }
 };
+
+}  // namespace
 
 at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const OptTensor& bias,
                       pybind11::object registration, const at::Tensor& x_scale, const at::Tensor& x_amax,
@@ -163,13 +144,4 @@ void set_backward_registrar(pybind11::object callable) {
   registrar() = std::make_unique<PyReference>(callable.ptr());
 }
 
-}  // namespace
 }  // namespace tfp8
-
-// transformer_fp8._C: importing it loads this library, which runs the op registrations (csrc/ops.cpp and the
-// kernels' files), and gives the two functions above.
-PYBIND11_MODULE(_C, m) {
-  m.def("fp8_linear", &tfp8::fp8_linear, "The FP8 Linear with its C++ autograd node (see csrc/linear_autograd.cpp)");
-  m.def("set_backward_registrar", &tfp8::set_backward_registrar,
-        "The callable fp8_linear's backward calls with its registration tuple");
-}

@@ -1,0 +1,31 @@
+// transformer_fp8._C: importing it loads this library, which runs the op registrations (csrc/ops.cpp and the kernels'
+// files), and gives the C++ autograd nodes' entry points (csrc/autograd_nodes.h). Errors reach Python as torch's
+// do (c10::NotImplementedError as NotImplementedError, TORCH_CHECK as RuntimeError, ...).
+#include <torch/csrc/Exceptions.h>
+
+#include "autograd_nodes.h"
+
+namespace {
+
+// fn as a callable whose C++ exceptions become torch's Python exceptions.
+template <typename R, typename... Args>
+auto translated(R (*fn)(Args...)) {
+  return [fn](Args... args) -> R {
+    HANDLE_TH_ERRORS
+    return fn(std::forward<Args>(args)...);
+    END_HANDLE_TH_ERRORS_PYBIND
+  };
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.def("fp8_linear", translated(&tfp8::fp8_linear),
+        "The plain FP8 Linear with its C++ autograd node (csrc/autograd_linear.cpp)");
+  m.def("set_backward_registrar", &tfp8::set_backward_registrar,
+        "The callable fp8_linear's backward calls with its registration tuple");
+  m.def("fused_attention", translated(&tfp8::fused_attention),
+        "cuDNN attention with its C++ autograd node (csrc/autograd_attention.cpp)");
+  m.def("set_attention_fallback", &tfp8::set_attention_fallback,
+        "The callable fused_attention's backward calls when cuDNN refuses the case");
+}
