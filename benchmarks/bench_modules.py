@@ -7,7 +7,8 @@
    K, N in {1280, 5120, 10240, 20480}, vs BF16 nn.Linear: the FP8 path forced (fp8_min_gemm_size=0) and the default
    (small-shape automatic path: high precision below base.FP8_MIN_GEMM_SIZE). Time per call of 100 back-to-back calls
    inside one no_grad + fp8_autocast context, as in a model's forward; the three timed in turn over 7 rounds, the
-   median time of each and the median of the per-round ratios reported.
+   median time of each and the median of the per-round ratios reported. A second nn.Linear of the same shape is timed
+   with them as a control: its ratio to the first is the measurement's noise at that point (host-bound calls).
 3. Host (CPU) time of one Linear forward+backward at a tiny shape vs nn.Linear, the FP8 path forced.
 Prints tables and writes JSON (--json).
 """
@@ -108,6 +109,7 @@ def bench_inference_grid():
             forced = te.Linear(k, n, params_dtype=DT, device=DEV, fp8_min_gemm_size=0)
             auto = te.Linear(k, n, params_dtype=DT, device=DEV)
             ref = nn.Linear(k, n, device=DEV, dtype=DT)
+            twin = nn.Linear(k, n, device=DEV, dtype=DT)  # (an A/A control: how far two identical layers' ratio moves)
             for m in (128, 256, 512):
                 x = torch.randn(m, k, device=DEV, dtype=DT)
 
@@ -121,17 +123,20 @@ def bench_inference_grid():
                 # ignores it). The three are timed in turn, round after round: the host speed drifts, and at the
                 # host-bound points a drift between two separate measurements would read as a ratio.
                 with torch.no_grad(), te.fp8_autocast():
-                    t_fp8, t_auto, t_bf16 = interleaved_loop_times([fwd(forced), fwd(auto), lambda: ref(x)])
+                    t_fp8, t_auto, t_bf16, t_twin = interleaved_loop_times(
+                        [fwd(forced), fwd(auto), lambda: ref(x), lambda: twin(x)])
                 rows.append({"M": m, "K": k, "N": n, "MKN": m * k * n, "fp8_ms": statistics.median(t_fp8),
                              "auto_ms": statistics.median(t_auto), "bf16_ms": statistics.median(t_bf16),
-                             "ratio": median_ratio(t_fp8, t_bf16), "auto_ratio": median_ratio(t_auto, t_bf16)})
-            del forced, auto, ref
+                             "ratio": median_ratio(t_fp8, t_bf16), "auto_ratio": median_ratio(t_auto, t_bf16),
+                             "control_ratio": median_ratio(t_twin, t_bf16)})
+            del forced, auto, ref, twin
     print(f"{'M':>5} {'K':>6} {'N':>6} {'M*K*N':>9} {'fp8 ms':>8} {'auto ms':>8} {'bf16 ms':>8} {'fp8/bf16':>8} "
-          f"{'auto/bf16':>9}")
+          f"{'auto/bf16':>9} {'twin/bf16':>9}")
     for r in sorted(rows, key=lambda r: r["MKN"]):
         print(f"{r['M']:5d} {r['K']:6d} {r['N']:6d} {r['MKN']:9.2e} {r['fp8_ms']:8.4f} {r['auto_ms']:8.4f} "
-              f"{r['bf16_ms']:8.4f} {r['ratio']:8.2f} {r['auto_ratio']:9.2f}")
-    for key, what in (("ratio", "FP8 forced"), ("auto_ratio", f"default (threshold {base.FP8_MIN_GEMM_SIZE:.2e})")):
+              f"{r['bf16_ms']:8.4f} {r['ratio']:8.2f} {r['auto_ratio']:9.2f} {r['control_ratio']:9.2f}")
+    for key, what in (("ratio", "FP8 forced"), ("auto_ratio", f"default (threshold {base.FP8_MIN_GEMM_SIZE:.2e})"),
+                      ("control_ratio", "control (a second nn.Linear)")):
         worst = max(rows, key=lambda r: r[key])
         print(f"worst {what} / bf16 time ratio: {worst[key]:.2f} at M={worst['M']} K={worst['K']} N={worst['N']}")
     return rows

@@ -108,8 +108,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fallback_grads(const std::string&
 }
 
 struct FusedAttentionBackward : public autograd::Node {
-  autograd::SavedVariable q, k, v, out;  // the inputs in qkv_format, the output (as returned)
-  at::Tensor stats;
+  autograd::SavedVariable q, k, v, out, stats;  // the inputs in qkv_format, the output (as returned), the softmax stats
   std::string qkv_format;
   Dims to_bhsd, from_bhsd;
   double scale = 1.0;
@@ -118,8 +117,7 @@ struct FusedAttentionBackward : public autograd::Node {
   std::string name() const override { return "FusedAttentionBackward"; }
 
   void release_variables() override {
-    q.reset_data(), k.reset_data(), v.reset_data(), out.reset_data();
-    stats.reset();
+    q.reset_data(), k.reset_data(), v.reset_data(), out.reset_data(), stats.reset_data();
   }
 
   autograd::variable_list apply(autograd::variable_list&& grads) override {
@@ -138,7 +136,7 @@ struct FusedAttentionBackward : public autograd::Node {
     if (g.stride(3) != 1) g = g.contiguous();
     auto [dq, dk, dv] = grad_buffers(qb, kb, vb);
     try {
-      attn_bwd.call(g, qb, kb, vb, o, stats, dq, dk, dv, scale, causal, 0.0, std::nullopt, std::nullopt,
+      attn_bwd.call(g, qb, kb, vb, o, stats.unpack(), dq, dk, dv, scale, causal, 0.0, std::nullopt, std::nullopt,
                     std::nullopt);
     } catch (const c10::NotImplementedError& err) {
       std::tie(dq, dk, dv) = fallback_grads(err.what_without_backtrace(), g, qb, kb, vb, scale, causal, qkv_format);
@@ -171,7 +169,7 @@ at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   node->q = autograd::SavedVariable(q, false);
   node->k = autograd::SavedVariable(k, false);
   node->v = autograd::SavedVariable(v, false);
-  node->stats = stats;
+  node->stats = autograd::SavedVariable(stats, false);
   node->qkv_format = qkv_format, node->to_bhsd = to_bhsd, node->from_bhsd = from_bhsd;
   node->scale = scale, node->causal = causal;
   autograd::set_history(out, node);

@@ -6,6 +6,8 @@
 #include <optional>
 #include <string>
 
+#include "library_op.h"
+
 namespace tfp8 {
 
 // A strong reference to a Python object, droppable on any thread (autograd nodes die on the engine's threads too).
@@ -25,12 +27,6 @@ class PyReference {
  private:
   PyObject* object_;
 };
-
-// The typed handle of one of our ops, e.g. library_op<Signature>("transformer_fp8::fp8_linear_fwd").
-template <class Signature>
-c10::TypedOperatorHandle<Signature> library_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 // csrc/autograd_linear.cpp
 at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

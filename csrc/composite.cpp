@@ -4,8 +4,9 @@
 // Registered as CompositeImplicitAutograd: every backend (the CUDA kernels, the CPU reference, fake tensors under
 // torch.compile) runs the same sequence of the underlying ops, so the results are theirs bit for bit.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include "library_op.h"
 
 namespace tfp8 {
 namespace {
@@ -21,11 +22,6 @@ using Gemm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Ten
                                                 const OptTensor&, const OptTensor&, bool, const OptTensor&);
 using GemmAccumulate = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, bool);
-
-template <class Signature>
-c10::TypedOperatorHandle<Signature> library_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 at::Tensor empty_of(const at::Tensor& like, at::ScalarType dtype) {
   return at::empty({0}, like.options().dtype(dtype));
