@@ -53,9 +53,11 @@ void register_backward(const PyReference& registration) {
 }
 
 struct FP8LinearBackward : public autograd::Node {
-  // Saved by the forward: FP8 xᵀ [K, M] (when dW is needed), FP8 Wᵀ [K, N] (when kept), the weight (for the Wᵀ
-  // recast), the scale_inv snapshots the forward's casts wrote, and the gradient slot.
-  at::Tensor x_t, w_t, weight, x_scale_inv, w_scale_inv, dy_scale, dy_amax, dy_scale_inv;
+  // Saved by the forward: FP8 xᵀ [K, M] (when dW is needed) and Wᵀ [K, N] (when kept), as saved variables like the
+  // Function's save_for_backward (saved-tensor hooks see them); the weight (for the Wᵀ recast), the scale_inv
+  // snapshots the forward's casts wrote, and the gradient slot.
+  autograd::SavedVariable x_t, w_t;
+  at::Tensor weight, x_scale_inv, w_scale_inv, dy_scale, dy_amax, dy_scale_inv;
   at::ScalarType fwd_dtype, bwd_dtype, dx_dtype, dw_dtype;
   std::vector<int64_t> input_sizes;
   bool has_bias = false, released = false;
@@ -64,7 +66,7 @@ struct FP8LinearBackward : public autograd::Node {
   std::string name() const override { return "FP8LinearBackward"; }
 
   void release_variables() override {
-    x_t.reset(), w_t.reset(), weight.reset();
+    x_t.reset_data(), w_t.reset_data(), weight.reset();
     released = true;
   }
 
@@ -78,17 +80,16 @@ struct FP8LinearBackward : public autograd::Node {
     if (!grad.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
     const at::Tensor dy =
         grad.dim() == 2 && grad.is_contiguous() ? grad : grad.reshape({-1, grad.size(-1)}).contiguous();
-    at::Tensor w_t_now;
-    if (need_dx) {  // (the forward's Wᵀ, or the weight cast again with the forward's scale, no amax)
-      w_t_now = w_t.defined() ? w_t
-                              : std::get<1>(cast.call(weight, at::reciprocal(w_scale_inv), fwd_dtype, false, true,
-                                                      std::nullopt, std::nullopt));
+    at::Tensor w_t_now = need_dx ? w_t.unpack() : at::Tensor();
+    if (need_dx && !w_t_now.defined()) {  // (no Wᵀ from the forward: the weight cast with the forward's scale)
+      w_t_now = std::get<1>(cast.call(weight, at::reciprocal(w_scale_inv), fwd_dtype, false, true, std::nullopt,
+                                      std::nullopt));
     }
     auto [dx, dw, dbias] =
         linear_bwd.call(dy, dy_scale, bwd_dtype, dy_amax, dy_scale_inv, need_dbias,
                         need_dx ? OptTensor(w_t_now) : std::nullopt, need_dx ? w_scale_inv : dy_scale_inv, dx_dtype,
-                        need_dw ? OptTensor(x_t) : std::nullopt, need_dw ? x_scale_inv : dy_scale_inv, dw_dtype,
-                        std::nullopt);
+                        need_dw ? OptTensor(x_t.unpack()) : std::nullopt, need_dw ? x_scale_inv : dy_scale_inv,
+                        dw_dtype, std::nullopt);
     register_backward(*registration);
     return {need_dx ? dx.view(input_sizes) : at::Tensor(), need_dw ? dw : at::Tensor(),
             need_dbias ? dbias : at::Tensor()};
@@ -126,8 +127,8 @@ at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const Opt
   if (!need_any) return out;
   auto node = std::shared_ptr<FP8LinearBackward>(new FP8LinearBackward(), autograd::deleteNode);
   node->set_next_edges(autograd::collect_next_edges(inp, weight, bias));
-  if (need_dw) node->x_t = x_t;
-  if (need_dx && keep_w_t) node->w_t = w_t;
+  if (need_dw) node->x_t = autograd::SavedVariable(x_t, false);
+  if (need_dx && keep_w_t) node->w_t = autograd::SavedVariable(w_t, false);
   node->weight = weight.detach();
   node->x_scale_inv = x_scale_inv, node->w_scale_inv = w_scale_inv;
   node->dy_scale = dy_scale, node->dy_amax = dy_amax, node->dy_scale_inv = dy_scale_inv;

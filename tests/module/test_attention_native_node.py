@@ -88,3 +88,26 @@ def test_dot_product_attention_takes_the_node_without_dropout(dropout, native):
     _, q, k, v = make_inputs("cuda", "sbhd", 4, 4, fused=True)
     out = module(q, k, v)
     assert out.grad_fn.name() == ("FusedAttentionBackward" if native else "_FusedAttentionBackward")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_native_node_saves_through_saved_tensor_hooks(device):
+    """Saved-tensor hooks see what the node saves: the tensors the Function saves (q, k, v, out, softmax stats)."""
+    packs = {}
+    for path in ("native", "function"):
+        leaves, q, k, v = make_inputs(device, "sbhd", 4, 2, fused=True)
+        packed = []
+
+        def pack(t):
+            packed.append((t.numel(), str(t.dtype)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if path == "native":
+                out = _C.fused_attention(q, k, v, "sbhd", 0.125, False)
+            else:
+                out = attention_cudnn._FusedAttention.apply(q, k, v, "sbhd", 0.125, False, 0.0, None, None)
+        out.sum().backward()
+        packs[path] = sorted(packed)
+    # (the Function saves [b, h, s, d] views of q, k, v and out, the node them as given: compared by size and dtype)
+    assert len(packs["native"]) == 5 and packs["native"] == packs["function"]

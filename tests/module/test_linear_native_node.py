@@ -128,3 +128,33 @@ def test_native_node_no_grad(monkeypatch, device):
             outs.append(m(x))
         assert outs[-1].grad_fn is None and not outs[-1].requires_grad
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def saved_tensor_packs(monkeypatch, native, device, weight_numel_limit):
+    """Per forward of a calibrated Linear under saved-tensor hooks: the dtypes packed, and whether the backward ran."""
+    monkeypatch.setattr("transformer_fp8.module.base.MIN_RECAST_WEIGHT_NUMEL", weight_numel_limit)
+    torch.manual_seed(5)
+    m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
+    grad_fn_name_at_step_two(monkeypatch, m, device, native=native)
+    packed = []
+
+    def pack(t):
+        packed.append(t.dtype)
+        return t
+
+    x = torch.randn(16, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), te.fp8_autocast():
+        y = m(x)
+    y.sum().backward()
+    return sorted(map(str, packed)), x.grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weight_numel_limit", [2 ** 22, 1])  # Wᵀ kept from the forward / cast in the backward
+def test_native_node_saves_through_saved_tensor_hooks(monkeypatch, device, weight_numel_limit):
+    """Saved-tensor hooks (activation offloading, checkpointing) see what the node saves: the same FP8 tensors as the
+    Function's save_for_backward."""
+    native, native_grad = saved_tensor_packs(monkeypatch, True, device, weight_numel_limit)
+    function, function_grad = saved_tensor_packs(monkeypatch, False, device, weight_numel_limit)
+    assert native == function and native and all("float8" in d for d in native)
+    torch.testing.assert_close(native_grad, function_grad, rtol=0, atol=0)
