@@ -15,6 +15,7 @@
 // differentiable.
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
 #include <memory>
 #include <optional>
@@ -44,7 +45,7 @@ std::unique_ptr<PyReference>& registrar() {
   return callable;
 }
 
-// registrar()(*registration), with the GIL; a Python exception becomes a C++ one with its message.
+// registrar()(*registration), with the GIL; a Python exception reaches backward()'s caller as itself.
 void register_backward(const PyReference& registration) {
   pybind11::gil_scoped_acquire gil;
   PyObject* result = PyObject_Call(registrar()->get(), registration.get(), nullptr);

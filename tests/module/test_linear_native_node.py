@@ -158,3 +158,25 @@ def test_native_node_saves_through_saved_tensor_hooks(monkeypatch, device, weigh
     function, function_grad = saved_tensor_packs(monkeypatch, False, device, weight_numel_limit)
     assert native == function and native and all("float8" in d for d in native)
     torch.testing.assert_close(native_grad, function_grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_native_node_backward_error_reaches_the_caller(monkeypatch, device):
+    """A Python exception in the backward's registration call surfaces from backward() as itself."""
+    from transformer_fp8 import _C, autocast
+
+    m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
+    grad_fn_name_at_step_two(monkeypatch, m, device)
+
+    def failing_registrar(*args):
+        raise ValueError("registrar failed on purpose")
+
+    x = torch.randn(16, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
+    with te.fp8_autocast():
+        y = m(x)
+    _C.set_backward_registrar(failing_registrar)
+    try:
+        with pytest.raises(ValueError, match="registrar failed on purpose"):
+            y.sum().backward()
+    finally:
+        _C.set_backward_registrar(autocast.register_backward)
