@@ -193,6 +193,18 @@ class DotProductAttention(nn.Module):
         self.fp8_scaling.load_state_dict(state)
 
     def _check_qkv(self, q, k, v, fmt):
+        """q, k, v: 4-D fmt tensors with this module's heads and channels, one dtype and device, k and v of one batch
+        and length, q of their batch. One expression on the good path (attention alone is timed step by step, where
+        the host's time to the first kernel counts); _explain_bad_qkv names the argument and what was expected."""
+        qs, ks, vs = q.shape, k.shape, v.shape
+        batch_dim = 1 if fmt == "sbhd" else 0
+        if not (len(qs) == len(ks) == len(vs) == 4 and qs[2] == self.num_attention_heads and
+                ks[2] == vs[2] == self.num_gqa_groups and qs[3] == ks[3] == vs[3] == self.kv_channels and
+                ks[0] == vs[0] and ks[1] == vs[1] and ks[batch_dim] == qs[batch_dim] and
+                q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+            self._explain_bad_qkv(q, k, v, fmt)
+
+    def _explain_bad_qkv(self, q, k, v, fmt):
         for name, t, heads in (("query_layer", q, self.num_attention_heads), ("key_layer", k, self.num_gqa_groups),
                                ("value_layer", v, self.num_gqa_groups)):
             if t.dim() != 4 or t.shape[2] != heads or t.shape[3] != self.kv_channels:
