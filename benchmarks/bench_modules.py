@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import transformer_fp8 as te
-from timing import gpu_time_ms, host_time_us, loop_time_ms, peak_gib
+from timing import gpu_time_ms, host_time_us, interleaved, loop_time_ms, peak_gib
 from transformer_fp8 import recipe
 from transformer_fp8.module import base
 
@@ -86,16 +86,6 @@ def bench_training(tokens=8192):
     return rows
 
 
-def interleaved_loop_times(fns, rounds=7):
-    """Per fn, its time per call (ms) in each of `rounds` rounds; a round times each fn in turn (100 back-to-back
-    calls between two CUDA events, after a short warm-up)."""
-    times = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, out in zip(fns, times):
-            out.append(loop_time_ms(fn, warmup=5, iters=100, repeats=1))
-    return times
-
-
 def median_ratio(times, ref_times):
     """Median over the rounds of the per-round time ratio."""
     return statistics.median(t / r for t, r in zip(times, ref_times))
@@ -128,9 +118,10 @@ def bench_inference_grid():
                 # ignores it). The four are timed in turn, round after round: the host speed drifts, and at the
                 # host-bound points a drift between two separate measurements would read as a ratio.
                 with torch.no_grad(), te.fp8_autocast():
-                    t_fp8, t_auto, t_bf16, t_twin = interleaved_loop_times(
+                    t_fp8, t_auto, t_bf16, t_twin = interleaved(
+                        lambda fn: loop_time_ms(fn, warmup=5, iters=100, repeats=1),
                         [fwd(forced, is_first_microbatch=False), fwd(auto, is_first_microbatch=False), fwd(ref),
-                         fwd(twin)], rounds=GRID_ROUNDS)
+                         fwd(twin)], GRID_ROUNDS)
                 rows.append({"M": m, "K": k, "N": n, "MKN": m * k * n, "fp8_ms": statistics.median(t_fp8),
                              "auto_ms": statistics.median(t_auto), "bf16_ms": statistics.median(t_bf16),
                              "ratio": median_ratio(t_fp8, t_bf16), "auto_ratio": median_ratio(t_auto, t_bf16),
@@ -146,16 +137,6 @@ def bench_inference_grid():
         worst = max(rows, key=lambda r: r[key])
         print(f"worst {what} / bf16 time ratio: {worst[key]:.2f} at M={worst['M']} K={worst['K']} N={worst['N']}")
     return rows
-
-
-def interleaved_host_times(steps, rounds=7, iters=200):
-    """Per step function, its host time per call (µs) in each of `rounds` rounds; a round times each in turn (the
-    device host's speed drifts by 10-20% over seconds: separate measurements would read that drift as a ratio)."""
-    times = [[] for _ in steps]
-    for _ in range(rounds):
-        for step, out in zip(steps, times):
-            out.append(host_time_us(step, iters=iters))
-    return times
 
 
 def bench_host_overhead(tokens=16, hidden=64, layers=(1, 8)):
@@ -178,8 +159,10 @@ def bench_host_overhead(tokens=16, hidden=64, layers=(1, 8)):
         # (each variant its own input leaf: a leaf's gradient accumulator made while the graphs were captured runs on
         # the capture's stream, and other variants' backwards into it would synchronise on every step)
         x_ours, x_ref = (x.detach().clone().requires_grad_() for _ in range(2))
-        t_fp8, t_bf16, t_graphed = interleaved_host_times(
-            [train_step(ours, x_ours, dy, True), train_step(ref, x_ref, dy, False), train_step(graphed, x, dy, False)])
+        t_fp8, t_bf16, t_graphed = interleaved(
+            lambda step: host_time_us(step, iters=200),
+            [train_step(ours, x_ours, dy, True), train_step(ref, x_ref, dy, False), train_step(graphed, x, dy, False)],
+            7)
         row = {"tokens": tokens, "hidden": hidden, "layers": n, "fp8_us": statistics.median(t_fp8) / n,
                "bf16_us": statistics.median(t_bf16) / n, "fp8_graphed_us": statistics.median(t_graphed) / n,
                "ratio": median_ratio(t_fp8, t_bf16), "graphed_ratio": median_ratio(t_graphed, t_bf16),

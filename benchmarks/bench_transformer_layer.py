@@ -12,6 +12,7 @@ gqa = the same with 8 GQA groups, kv_channels 128, seq 1024, batch 32, bias.
 """
 import argparse
 import json
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_fp8 as te
-from timing import gpu_time_ms, loop_time_ms, peak_gib
+from timing import gpu_time_ms, interleaved, loop_time_ms, peak_gib
 from transformer_fp8 import recipe
 from transformer_fp8.module.attention import DotProductAttention
 from transformer_fp8.module.attention_cudnn import cudnn_attention_built
@@ -31,6 +32,7 @@ CONFIGS = {
     "guide": dict(hidden=4096, ffn=16384, heads=32, groups=32, d=128, seq=2048, batch=4),
     "gqa": dict(hidden=4096, ffn=16384, heads=32, groups=8, d=128, seq=1024, batch=32),
 }
+ATTENTION_ROUNDS = 5  # per round and variant: 5 steps alone, 20 back to back
 
 
 class TorchPreLNLayer(nn.Module):
@@ -151,15 +153,25 @@ def attention_rows(name, c):
                  (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
     variants.append(("torch SDPA CUDNN_ATTENTION, sbhd", torch_cudnn_sbhd))
     flops = 4 * b * h * s * s * d * 3.5  # fwd 2 GEMMs, bwd 5: 3.5x the forward's 4*b*h*s*s*d
-    rows = []
+    rows, runnable = {}, []
     for variant, step in variants:
         try:
-            ms, ms_b2b = gpu_time_ms(step), loop_time_ms(step, iters=20)
-            rows.append(dict(config=name, variant=variant, ms=round(ms, 3), ms_b2b=round(ms_b2b, 3),
-                             tflops=round(flops / ms_b2b / 1e9, 1)))
+            step()
+            runnable.append((variant, step))
         except Exception as err:
-            rows.append(dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300]))
-        print(rows[-1], flush=True)
+            rows[variant] = dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300])
+    # (the variants within a few % of each other: timed in turn over rounds, so that the GPU clock's drift under its
+    # power cap lands on all of them alike)
+    times = interleaved(lambda step: (gpu_time_ms(step, warmup=2, iters=5), loop_time_ms(step, 2, 20, 1)),
+                        [step for _, step in runnable], ATTENTION_ROUNDS)
+    for (variant, _), per_round in zip(runnable, times):
+        ms = statistics.median(t for t, _ in per_round)
+        ms_b2b = statistics.median(t for _, t in per_round)
+        rows[variant] = dict(config=name, variant=variant, ms=round(ms, 3), ms_b2b=round(ms_b2b, 3),
+                             tflops=round(flops / ms_b2b / 1e9, 1))
+    rows = [rows[variant] for variant, _ in variants]
+    for row in rows:
+        print(row, flush=True)
     return rows
 
 

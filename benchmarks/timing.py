@@ -38,6 +38,17 @@ def loop_time_ms(fn, warmup=10, iters=100, repeats=5):
     return statistics.median(per_call)
 
 
+def interleaved(measure, fns, rounds):
+    """Per fn, measure(fn) in each of `rounds` rounds; a round measures each fn in turn. (The GPU's clock under its
+    power cap and the host's speed drift over seconds: measured one after the other, the drift would read as a
+    difference between the fns.)"""
+    results = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, out in zip(fns, results):
+            out.append(measure(fn))
+    return results
+
+
 def peak_gib(fn):
     """Peak memory of fn() above what was allocated before it, in GiB."""
     fn()

@@ -51,3 +51,33 @@ def test_qkv_freed_only_when_no_output_is_a_view(grad, interleaved, heads, group
     del qkv
     assert (alive() is None) == (interleaved and heads != groups)
     assert q.shape == (5, 3, heads, 8) and k.shape == v.shape == (5, 3, groups, 8)
+
+
+@pytest.mark.parametrize("heads,groups", [(8, 2), (4, 1), (6, 3)])
+@pytest.mark.parametrize("used", ["qkv", "k", "qv"])
+def test_folded_split_is_views_and_matches_autograd_slicing(heads, groups, used):
+    """fold=True: q [s, b*g, h/g, d], k, v [s, b*g, 1, d], views of qkv; unfolded they equal the plain split, and the
+    qkv gradient (copied from separate dq, dk, dv) equals autograd's own."""
+    s, b, d = 5, 3, 16
+    qkv = torch.randn(s, b, (heads + 2 * groups) * d, dtype=torch.float64, requires_grad=True)
+    ref_in = qkv.detach().clone().requires_grad_()
+    ours, ref = split_qkv(qkv, heads, groups, d, True, fold=True), reference_split(ref_in, heads, groups, d, True)
+    assert [tuple(t.shape) for t in ours] == [(s, b * groups, heads // groups, d), (s, b * groups, 1, d),
+                                              (s, b * groups, 1, d)]
+    assert all(t._base is qkv for t in ours)
+    unfolded = [t.reshape(s, b, -1, d) for t in ours]
+    for a, r in zip(unfolded, ref):
+        assert torch.equal(a, r)
+    weights = [torch.randn_like(t) for t in ref]
+    pick = ["qkv".index(c) for c in used]
+    sum((unfolded[i] * weights[i]).sum() for i in pick).backward()
+    sum((ref[i] * weights[i]).sum() for i in pick).backward()
+    assert torch.equal(qkv.grad, ref_in.grad)
+
+
+def test_folded_split_bad_arguments():
+    qkv = torch.randn(2, 3, 4, 8 * 8)
+    with pytest.raises(ValueError, match="fold"):
+        split_qkv(qkv, 4, 2, 8, True, fold=True)  # (4-D: no [s, b] lead)
+    with pytest.raises(ValueError, match="fold"):
+        split_qkv(qkv[0], 4, 2, 8, False, fold=True)  # (not the interleaved layout)

@@ -9,7 +9,7 @@ from tests.module.test_attention import random_padding_mask, reference_attention
 from tests.utils import rel_error
 from transformer_fp8 import recipe
 from transformer_fp8.autocast import fp8_autocast
-from transformer_fp8.module.attention import MultiheadAttention
+from transformer_fp8.module.attention import DotProductAttention, MultiheadAttention
 from transformer_fp8.module.rope import RotaryPositionEmbedding
 from transformer_fp8.module.transformer import TransformerLayer
 
@@ -277,6 +277,38 @@ def test_multihead_attention_without_norm(device, interleaved):
     out, bias = mha(x, rotary_pos_emb=freqs)
     ref = plain.attention(x.double().transpose(0, 1), "causal", None, freqs.double()).transpose(0, 1)
     assert rel_error(out + bias, ref) <= (1e-5 if device == "cpu" else 3e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask_type", ["causal", "no_mask"])
+def test_multihead_attention_folds_interleaved_gqa_groups(device, mask_type, monkeypatch):
+    """Interleaved GQA, sbhd, no mask tensor, no RoPE: q, k, v reach the attention as views of the QKV output with
+    the groups folded into the batch; the output and the QKV weight's gradient equal the plain layer's."""
+    calls = []
+    real = DotProductAttention.forward
+    monkeypatch.setattr(DotProductAttention, "forward", lambda self, q, *a, **kw: calls.append(
+        (q._base is not None, kw["gqa_groups_folded"])) or real(self, q, *a, **kw))
+    cfg = CONFIGS["llama"]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    mha = MultiheadAttention(cfg["hidden"], cfg["heads"], kv_channels=cfg["d"], num_gqa_groups=cfg["groups"],
+                             attention_dropout=0.0, attn_mask_type=mask_type, params_dtype=dtype, device=device)
+    plain = PlainPreLNLayer(cfg["hidden"], cfg["ffn"], cfg["heads"], cfg["groups"], cfg["d"], "LayerNorm", "gelu",
+                            1e-5, True).double().to(device)
+    layout = lambda t: deinterleave_qkv(t, cfg["heads"], cfg["groups"], cfg["d"])  # noqa: E731
+    with torch.no_grad():
+        for mine, theirs, fn in ((mha.qkv.weight, plain.qkv.weight, layout), (mha.qkv.bias, plain.qkv.bias, layout),
+                                 (mha.proj.weight, plain.proj.weight, None), (mha.proj.bias, plain.proj.bias, None)):
+            theirs.copy_(fn(mine.double()) if fn else mine.double())
+    x = torch.randn(24, 3, cfg["hidden"], device=device).to(dtype)
+    out = mha(x)
+    ref = plain.attention(x.double(), mask_type, None, None)
+    assert calls == [(True, True)]
+    grad = torch.randn_like(ref)
+    out.backward(grad.to(dtype))
+    ref.backward(grad)
+    tol = 1e-5 if device == "cpu" else 3e-2
+    assert rel_error(out, ref) <= tol
+    assert rel_error(layout(mha.qkv.weight.grad.double()), plain.qkv.weight.grad) <= tol
 
 
 def test_bad_arguments():

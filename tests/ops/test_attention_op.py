@@ -250,24 +250,27 @@ def test_grad_buffers_share_one_buffer_for_fused_qkv_views():
 
 
 @cudnn_built
-@pytest.mark.parametrize("interleaved,heads,groups", ((False, 4, 2), (True, 4, 4), (True, 4, 2)))
-def test_fused_qkv_gradient_without_copies(monkeypatch, interleaved, heads, groups):
+@pytest.mark.parametrize("interleaved,heads,groups,fold", ((False, 4, 2, False), (True, 4, 4, False),
+                                                          (True, 4, 2, False), (True, 4, 2, True)))
+def test_fused_qkv_gradient_without_copies(monkeypatch, interleaved, heads, groups, fold):
     """cudnn_attention (on the CPU op) on split_qkv's views: the qkv gradient is the buffer the attention backward
-    wrote (no copies) where q is a view, and equals the float64 gradient."""
+    wrote (no copies) where q is a view (interleaved GQA: with the groups folded into the batch), and equals the
+    float64 gradient."""
     returned = []
     real = qkv_split._fused_gradient
     monkeypatch.setattr(qkv_split, "_fused_gradient", lambda *a: returned.append(real(*a)) or returned[-1])
     s, b, d = 6, 2, 8
     qkv = torch.randn(s, b, (heads + 2 * groups) * d, dtype=torch.bfloat16, requires_grad=True)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in qkv_split.split_qkv(qkv, heads, groups, d, interleaved))
-    out = cudnn_attention(q, k, v, None, "causal", 0.0, d ** -0.5)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    assert (returned[0] is not None) == (not interleaved or heads == groups)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in qkv_split.split_qkv(qkv, heads, groups, d, interleaved, fold))
+    out = cudnn_attention(q, k, v, None, "causal", 0.0, d ** -0.5)  # (folded: [b * g, h/g, s, d])
+    grad_out = torch.randn(b, heads, s, d, dtype=torch.bfloat16)
+    out.backward(grad_out.view(b * groups, heads // groups, s, d) if fold else grad_out)
+    assert (returned[0] is not None) == (not interleaved or heads == groups or fold)
     leaf = qkv.detach().double().requires_grad_()
     ref_q, ref_k, ref_v = (t.permute(1, 2, 0, 3) for t in qkv_split.split_qkv(leaf, heads, groups, d, interleaved))
     ref_out, _ = ref_attention(ref_q, ref_k, ref_v, d ** -0.5, causal=True)
     ref_out.backward(grad_out.double())
+    assert_close_rel(out.reshape(b, heads, s, d), ref_out, 2 * CPU_RTOL[torch.bfloat16], "out")
     assert_close_rel(qkv.grad, leaf.grad, 2 * CPU_RTOL[torch.bfloat16], "d(qkv)")
 
 
@@ -462,7 +465,9 @@ def test_cuda_dot_product_attention_cudnn_matches_torch_backend(fmt, mask_type, 
 
 @pytest.mark.gpu
 @cudnn_built
-def test_cuda_multihead_attention_cudnn_backend_writes_the_qkv_gradient_in_place(monkeypatch):
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cuda_multihead_attention_cudnn_backend_writes_the_qkv_gradient_in_place(monkeypatch, interleaved):
+    """Interleaved GQA too: its q, k, v go to the attention with the groups folded into the batch (views)."""
     returned = []
     real = qkv_split._fused_gradient
     monkeypatch.setattr(qkv_split, "_fused_gradient", lambda *a: returned.append(real(*a)) or returned[-1])
@@ -471,8 +476,8 @@ def test_cuda_multihead_attention_cudnn_backend_writes_the_qkv_gradient_in_place
     for backend in ("torch", "cudnn"):
         monkeypatch.setenv("TFP8_ATTENTION_BACKEND", backend)
         torch.manual_seed(0)
-        mha = MultiheadAttention(512, 8, num_gqa_groups=2, attention_dropout=0.0, qkv_weight_interleaved=False,
-                                 params_dtype=torch.bfloat16)
+        mha = MultiheadAttention(512, 8, num_gqa_groups=2, attention_dropout=0.0,
+                                 qkv_weight_interleaved=interleaved, params_dtype=torch.bfloat16)
         inp = x.clone().requires_grad_()
         out = mha(inp)
         out.float().square().mean().backward()

@@ -152,6 +152,10 @@ class DotProductAttention(nn.Module):
     host syncs: attention_varlen.py.
     With "sbhd"/"bshd" and a padding mask type, cu_seqlens_kv (or cu_seqlens_q for self-attention) may describe
     each sequence's length instead of attention_mask: key positions past the length are masked.
+    gqa_groups_folded=True (sbhd, "no_mask" / "causal", no attention_mask): q [s, b * g, h/g, d], k and v
+    [s, b * g, 1, d], the GQA groups folded into the batch (each group's h/g query heads over its one kv head), as
+    MultiheadAttention passes views of an interleaved fused QKV without copying them (qkv_split.py); output
+    [s, b, h * d], the same as for the unfolded q [s, b, h, d], k, v [s, b, g, d].
 
     attention_backend: "torch" (PyTorch's fused SDPA kernels) or "cudnn" (transformer_fp8's cuDNN graph ops, for
     sbhd / bshd; a padding mask costs one host sync to check it is a key-padding prefix); None: the environment
@@ -219,12 +223,20 @@ class DotProductAttention(nn.Module):
                              f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
 
     def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None, cu_seqlens_q=None,
-                cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None):
+                cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None,
+                gqa_groups_folded=False):
         fmt = qkv_format or self.qkv_format
         mask_type = attn_mask_type or self.attn_mask_type
         _check_choice(fmt, QKV_FORMATS, "qkv_format")
         _check_choice(mask_type, ATTN_MASK_TYPES, "attn_mask_type")
         dropout_p = self.attention_dropout if self.training else 0.0
+        if gqa_groups_folded:
+            if fmt != "sbhd" or attention_mask is not None or mask_type not in ("no_mask", "causal") or \
+                    cu_seqlens_q is not None or cu_seqlens_kv is not None:
+                raise ValueError(f"gqa_groups_folded: takes sbhd q, k, v with a 'no_mask' or 'causal' mask type and "
+                                 f"no attention_mask or cu_seqlens, got qkv_format {fmt!r}, attn_mask_type "
+                                 f"{mask_type!r}")
+            return self._folded_groups_attention(query_layer, key_layer, value_layer, mask_type, dropout_p)
         if fmt == "thd":
             if fp8_dpa_enabled() and not torch.compiler.is_compiling():
                 warn_not_fp8("qkv_format 'thd'")
@@ -239,12 +251,31 @@ class DotProductAttention(nn.Module):
         if max_seqlen_q is not None or max_seqlen_kv is not None:
             raise ValueError(f"max_seqlen_q/max_seqlen_kv: only taken with qkv_format='thd', got {fmt!r}")
         self._check_qkv(query_layer, key_layer, value_layer, fmt)
-        seq_dim, batch_dim = (0, 1) if fmt == "sbhd" else (1, 0)
-        b, sq, skv = query_layer.shape[batch_dim], query_layer.shape[seq_dim], key_layer.shape[seq_dim]
-        device = query_layer.device
         if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+            seq_dim, batch_dim = (0, 1) if fmt == "sbhd" else (1, 0)
             attention_mask = _padding_mask_from_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, attention_mask, mask_type,
-                                                           b, skv, device)
+                                                           query_layer.shape[batch_dim], key_layer.shape[seq_dim],
+                                                           query_layer.device)
+        return self._attend(query_layer, key_layer, value_layer, attention_mask, mask_type, fmt, dropout_p)
+
+    def _folded_groups_attention(self, query_layer, key_layer, value_layer, mask_type, dropout_p):
+        """gqa_groups_folded: q [s, b * g, h/g, d], k and v [s, b * g, 1, d] -> [s, b, h * d] (see the class
+        docstring)."""
+        g, qs = self.num_gqa_groups, query_layer.shape
+        expected_kv = (qs[0], qs[1], 1, self.kv_channels) if len(qs) == 4 else None
+        if not (len(qs) == 4 and qs[1] % g == 0 and qs[2:] == (self.num_attention_heads // g, self.kv_channels) and
+                key_layer.shape == value_layer.shape == expected_kv):
+            raise ValueError(f"query_layer/key_layer/value_layer: with gqa_groups_folded expected q [s, b * {g}, "
+                             f"{self.num_attention_heads // g}, {self.kv_channels}] and k, v [s, b * {g}, 1, "
+                             f"{self.kv_channels}], got {tuple(qs)}, {tuple(key_layer.shape)}, "
+                             f"{tuple(value_layer.shape)}")
+        out = self._attend(query_layer, key_layer, value_layer, None, mask_type, "sbhd", dropout_p)
+        return out.view(qs[0], qs[1] // g, -1)
+
+    def _attend(self, query_layer, key_layer, value_layer, attention_mask, mask_type, fmt, dropout_p):
+        """Checked sbhd / bshd q, k, v -> [s, b, hq * d] / [b, s, hq * d]: FP8, cuDNN or PyTorch's SDPA."""
+        seq_dim = 0 if fmt == "sbhd" else 1
+        sq, skv, device = query_layer.shape[seq_dim], key_layer.shape[seq_dim], query_layer.device
         attn_mask, is_causal = _sdpa_mask(attention_mask, mask_type, sq, skv, device)
         to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if fmt == "sbhd" else (lambda t: t.transpose(1, 2))
         out = None
@@ -342,9 +373,18 @@ class MultiheadAttention(nn.Module):
         self.proj = Linear(num_attention_heads * kv_channels, hidden_size, init_method=output_layer_init_method,
                            return_bias=return_bias, **row, **common)
 
-    def _split_qkv(self, qkv):
-        """[*lead, (h + 2g) * d] -> q [*lead, h, d], k and v [*lead, g, d]."""
-        return split_qkv(qkv, self.heads, self.groups, self.head_dim, self.qkv_weight_interleaved)
+    def _split_qkv(self, qkv, fold=False):
+        """[*lead, (h + 2g) * d] -> q [*lead, h, d], k and v [*lead, g, d]; fold: the groups folded into the batch
+        (see qkv_split.py)."""
+        return split_qkv(qkv, self.heads, self.groups, self.head_dim, self.qkv_weight_interleaved, fold)
+
+    def _folds_groups(self, attention_mask, attn_mask_type, rotary_pos_emb):
+        """Whether q, k, v go to the attention as views of the QKV output with the GQA groups folded into the batch
+        (DotProductAttention's gqa_groups_folded): interleaved GQA in sbhd without a mask tensor or RoPE. Else
+        interleaved GQA copies q, k and v (its q heads are not evenly spaced)."""
+        return (self.qkv_weight_interleaved and self.groups != self.heads and self.qkv_format == "sbhd" and
+                attention_mask is None and rotary_pos_emb is None and
+                (attn_mask_type or self.core_attention.attn_mask_type) in ("no_mask", "causal"))
 
     def forward(self, hidden_states, attention_mask=None, attn_mask_type=None, is_first_microbatch=None,
                 rotary_pos_emb=None, residual=None, checkpoint_core_attention=False):
@@ -364,7 +404,8 @@ class MultiheadAttention(nn.Module):
                 qkv, layernorm_output = qkv
         else:
             qkv = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
-        q, k, v = self._split_qkv(qkv)
+        fold = self._folds_groups(attention_mask, attn_mask_type, rotary_pos_emb)
+        q, k, v = self._split_qkv(qkv, fold)
         if rotary_pos_emb is not None:
             q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format)
@@ -374,9 +415,10 @@ class MultiheadAttention(nn.Module):
             if checkpoint_core_attention and torch.is_grad_enabled():
                 from ..checkpoint import checkpoint  # (here: checkpoint.py imports the modules)
                 context = checkpoint(self.core_attention, q, k, v, attention_mask=attention_mask,
-                                     attn_mask_type=attn_mask_type)
+                                     attn_mask_type=attn_mask_type, gqa_groups_folded=fold)
             else:
-                context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type)
+                context = self.core_attention(q, k, v, attention_mask=attention_mask, attn_mask_type=attn_mask_type,
+                                              gqa_groups_folded=fold)
         out = self.proj(context, is_first_microbatch=is_first_microbatch, residual=residual,
                         residual_grad_relay=relay)
         outputs = (*out,) if self.return_bias else (out,)
