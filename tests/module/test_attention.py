@@ -198,6 +198,80 @@ def test_bad_inputs():
         DotProductAttention(4, 16, num_gqa_groups=3)
     with pytest.raises(ValueError, match="kv_channels"):
         DotProductAttention(4, 512)
+    with pytest.raises(NotImplementedError, match="tp_size"):
+        DotProductAttention(4, 16, tp_size=2)
+
+
+# --- RoPE ---
+
+def rope_formula(t, positions, rot_dim, base, fmt):
+    """Float64, pair by pair: channels (i, i + rot_dim/2) at position p rotate by p * base**(-2i/rot_dim)."""
+    t = t.double()
+    out = t.clone()
+    half = rot_dim // 2
+    for i in range(half):
+        theta = positions.double() * base ** (-2 * i / rot_dim)
+        theta = theta.view(-1, 1, 1) if fmt == "sbhd" else theta.view(1, -1, 1)
+        cos, sin = theta.cos(), theta.sin()
+        x1, x2 = t[..., i], t[..., i + half]
+        out[..., i], out[..., i + half] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("rotary_percent", [1.0, 0.5])
+@pytest.mark.parametrize("interpolation", [None, 4.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_formula(device, fmt, rotary_percent, interpolation, dtype):
+    s, b, h, d = 13, 3, 2, 32
+    t = torch.randn((s, b, h, d) if fmt == "sbhd" else (b, s, h, d), device=device).to(dtype)
+    rope = RotaryPositionEmbedding(d, rotary_percent=rotary_percent, seq_len_interpolation_factor=interpolation,
+                                   device=device)
+    freqs = rope(s + 5)  # longer than needed: apply uses the first s positions
+    assert freqs.shape == (s + 5, 1, 1, int(d * rotary_percent))
+    out = apply_rotary_pos_emb(t, freqs, fmt)
+    positions = torch.arange(s, device=device) / (interpolation or 1.0)
+    ref = rope_formula(t, positions, int(d * rotary_percent), 10000.0, fmt)
+    assert out.dtype == dtype
+    assert rel_error(out, ref) <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_rope_offset_and_bad_inputs():
+    rope = RotaryPositionEmbedding(16)
+    assert torch.allclose(rope(4, offset=3), rope(7)[3:])
+    with pytest.raises(ValueError, match="dim"):
+        RotaryPositionEmbedding(15)
+    t = torch.randn(8, 1, 1, 16)
+    with pytest.raises(ValueError, match="freqs"):
+        apply_rotary_pos_emb(t, rope(4))
+    with pytest.raises(ValueError, match="tensor_format"):
+        apply_rotary_pos_emb(t, rope(8), "thd")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask_type", ["padding", "padding_causal"])
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_padding_from_cu_seqlens_equals_the_mask(device, mask_type, fmt):
+    """TE's cu_seqlens for padded sbhd/bshd batches: the same result as the equivalent bool attention_mask."""
+    b, s, heads, d = 3, 12, 4, 16
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = make_qkv(fmt, b, s, s, heads, heads, d, dtype, device)
+    lengths = torch.tensor([12, 5, 1], dtype=torch.int32, device=device)
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
+    mask = (torch.arange(s, device=device) >= lengths[:, None]).view(b, 1, 1, s)
+    dpa = DotProductAttention(heads, d, attn_mask_type=mask_type, qkv_format=fmt)
+    with torch.no_grad():
+        assert torch.equal(dpa(q, k, v, cu_seqlens_q=cu), dpa(q, k, v, attention_mask=mask))
+        assert torch.equal(dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu), dpa(q, k, v, attention_mask=mask))
+        with pytest.raises(ValueError, match="attention_mask"):
+            dpa(q, k, v, attention_mask=mask, cu_seqlens_q=cu)
+        with pytest.raises(ValueError, match="cu_seqlens_kv"):
+            dpa(q, k, v, cu_seqlens_kv=cu.long())
+        with pytest.raises(ValueError, match="cu_seqlens_q"):
+            dpa(q, k, v, cu_seqlens_q=cu[:-1])
+        with pytest.raises(ValueError, match="max_seqlen_q"):
+            dpa(q, k, v, cu_seqlens_q=cu, max_seqlen_q=12)
 
 
 @pytest.mark.parametrize("mask_type", ["causal", "no_mask"])
