@@ -32,7 +32,7 @@ CONFIGS = {
     "guide": dict(hidden=4096, ffn=16384, heads=32, groups=32, d=128, seq=2048, batch=4),
     "gqa": dict(hidden=4096, ffn=16384, heads=32, groups=8, d=128, seq=1024, batch=32),
 }
-ATTENTION_ROUNDS = 5  # per round and variant: 5 steps alone, 20 back to back
+ATTENTION_ROUNDS = 9  # per round and variant: 5 steps alone, 20 back to back
 
 
 class TorchPreLNLayer(nn.Module):

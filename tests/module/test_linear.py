@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import transformer_fp8 as te
 from tests.module.helpers import DEVICES, RECIPES, check_against_reference, randomize_vectors
@@ -38,6 +39,27 @@ def test_outside_autocast_is_nn_linear(device):
     m(x).sum().backward()
     ref(x).sum().backward()
     torch.testing.assert_close(m.weight.grad, ref.weight.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_high_precision_path_follows_replaced_and_parametrized_weights(device, bias):
+    """The high-precision path reads the parameters from _parameters: a weight or bias replaced by assignment, and a
+    weight moved out by torch.nn.utils.parametrize, are what it uses."""
+    m = te.Linear(64, 48, bias=bias, params_dtype=torch.float32, device=device)
+    x = torch.randn(5, 64, device=device)
+    m.weight = nn.Parameter(torch.randn(48, 64, device=device))
+    if bias:
+        m.bias = nn.Parameter(torch.randn(48, device=device))
+    torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), rtol=0, atol=0)
+    torch.nn.utils.parametrize.register_parametrization(m, "weight", _Doubled())
+    assert "weight" not in m._parameters
+    torch.testing.assert_close(m(x), F.linear(x, 2 * m.parametrizations.weight.original, m.bias), rtol=0, atol=0)
+
+
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
 
 
 @pytest.mark.parametrize("device", DEVICES)
