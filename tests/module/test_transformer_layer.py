@@ -311,6 +311,21 @@ def test_multihead_attention_folds_interleaved_gqa_groups(device, mask_type, mon
     assert rel_error(layout(mha.qkv.weight.grad.double()), plain.qkv.weight.grad) <= tol
 
 
+def test_multihead_attention_does_not_fold_groups_under_fp8_attention(monkeypatch):
+    """FP8 attention (fp8_dpa) keeps the copied q, k, v of interleaved GQA; the same module folds outside it."""
+    calls = []
+    real = DotProductAttention.forward
+    monkeypatch.setattr(DotProductAttention, "forward", lambda self, q, *a, **kw: calls.append(
+        kw["gqa_groups_folded"]) or real(self, q, *a, **kw))
+    mha = MultiheadAttention(64, 4, kv_channels=16, num_gqa_groups=2, attention_dropout=0.0, attn_mask_type="causal",
+                             params_dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(16, 2, 64, dtype=torch.bfloat16)
+    with fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
+        mha(x)
+    mha(x)
+    assert calls == [False, True]
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="tp_group"):
         TransformerLayer(64, 128, 4, tp_size=2, device="cpu")

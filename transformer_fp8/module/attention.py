@@ -380,10 +380,11 @@ class MultiheadAttention(nn.Module):
 
     def _folds_groups(self, attention_mask, attn_mask_type, rotary_pos_emb):
         """Whether q, k, v go to the attention as views of the QKV output with the GQA groups folded into the batch
-        (DotProductAttention's gqa_groups_folded): interleaved GQA in sbhd without a mask tensor or RoPE. Else
-        interleaved GQA copies q, k and v (its q heads are not evenly spaced)."""
+        (DotProductAttention's gqa_groups_folded): interleaved GQA in sbhd without a mask tensor or RoPE, outside FP8
+        attention (whose cuDNN graphs have not run on folded q, k, v on a GPU yet). Else interleaved GQA copies q, k
+        and v (its q heads are not evenly spaced)."""
         return (self.qkv_weight_interleaved and self.groups != self.heads and self.qkv_format == "sbhd" and
-                attention_mask is None and rotary_pos_emb is None and
+                attention_mask is None and rotary_pos_emb is None and not fp8_dpa_enabled() and
                 (attn_mask_type or self.core_attention.attn_mask_type) in ("no_mask", "causal"))
 
     def forward(self, hidden_states, attention_mask=None, attn_mask_type=None, is_first_microbatch=None,
