@@ -11,6 +11,7 @@ from tests.utils import assert_close_rel, rel_error
 from transformer_fp8 import DotProductAttention, MultiheadAttention, fp8_autocast
 from transformer_fp8.recipe import DelayedScaling, Float8CurrentScaling
 from transformer_fp8.module import attention_cudnn, attention_fp8
+from transformer_fp8.module.qkv_split import split_qkv
 
 ops = torch.ops.transformer_fp8
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -274,6 +275,30 @@ def check_module_scaling_over_steps(device, d=64, s=32):
 
 def test_module_scaling_over_steps_cpu():
     check_module_scaling_over_steps("cpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_module_fp8_attention_on_folded_gqa_groups_matches_float64(device):
+    """gqa_groups_folded=True under fp8_dpa: q [s, b*g, h/g, d], k, v [s, b*g, 1, d], views of one interleaved fused
+    QKV (MultiheadAttention folds them so outside FP8 attention), run in FP8 and give float64's output and QKV
+    gradient within FP8 tolerance. The second of two identical steps is checked: its scales come from the first's
+    amaxes."""
+    s, b, h, g, d = 128, 2, 8, 2, 128
+    qkv = torch.randn(s, b, (h + 2 * g) * d, dtype=torch.bfloat16, device=device, requires_grad=True)
+    grad = torch.randn(s, b, h * d, dtype=torch.bfloat16, device=device)
+    attn = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="causal")
+    for _ in range(2):
+        qkv.grad = None
+        with fp8_autocast(fp8_recipe=DelayedScaling(fp8_dpa=True)):
+            out = attn(*split_qkv(qkv, h, g, d, True, fold=True), gqa_groups_folded=True)
+        out.backward(grad)
+    assert attn.fp8_scaling.fwd is not None and attn.fp8_scaling.fwd.amax_history[1, 0] > 0  # (it ran in FP8)
+    leaf = qkv.detach().double().requires_grad_()
+    ref, _ = ref_attention(*(t.permute(1, 2, 0, 3) for t in split_qkv(leaf, h, g, d, True)), d ** -0.5, causal=True)
+    ref = ref.permute(2, 0, 1, 3).reshape(s, b, h * d)
+    ref.backward(grad.double())
+    assert_close_rel(out, ref, OUT_RTOL)
+    assert_close_rel(qkv.grad, leaf.grad, GRAD_RTOL[E5M2], "d(qkv)")
 
 
 def test_module_without_fp8_dpa_makes_no_fp8_state():
