@@ -6,7 +6,8 @@ tables and writes JSON (--json).
 Each step starts with the gradients set to None, as after optimizer.zero_grad() (no accumulation adds).
 Two times per layer step: "ms", each step alone (synchronised before it: the host's launch latency at the start of
 the step counts), and "ms b2b", steps back to back (10 between two CUDA events, as a training loop issues them: the
-host runs ahead while the GPU works). The attention table has both too (b2b: 20 steps), and TFLOP/s from b2b.
+host runs ahead while the GPU works). The attention table has both too (b2b: 20 steps), and TFLOP/s from b2b; its
+variants are timed in turn over ATTENTION_ROUNDS rounds, in a new order each round (medians over the rounds).
 Configs (no mask, no dropout, sbhd): guide = hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4;
 gqa = the same with 8 GQA groups, kv_channels 128, seq 1024, batch 32, bias.
 """
@@ -160,10 +161,10 @@ def attention_rows(name, c):
             runnable.append((variant, step))
         except Exception as err:
             rows[variant] = dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300])
-    # (the variants within a few % of each other: timed in turn over rounds, so that the GPU clock's drift under its
-    # power cap lands on all of them alike)
+    # (the variants within a few % of each other: timed in turn over rounds, in a new order each round, so that the
+    # GPU clock's drift under its power cap lands on all of them alike)
     times = interleaved(lambda step: (gpu_time_ms(step, warmup=2, iters=5), loop_time_ms(step, 2, 20, 1)),
-                        [step for _, step in runnable], ATTENTION_ROUNDS)
+                        [step for _, step in runnable], ATTENTION_ROUNDS, shuffle=True)
     for (variant, _), per_round in zip(runnable, times):
         ms = statistics.median(t for t, _ in per_round)
         ms_b2b = statistics.median(t for _, t in per_round)

@@ -1,4 +1,5 @@
 """Timing helpers shared by the benchmarks (CUDA events, peak memory, host time)."""
+import random
 import statistics
 import time
 
@@ -38,14 +39,18 @@ def loop_time_ms(fn, warmup=10, iters=100, repeats=5):
     return statistics.median(per_call)
 
 
-def interleaved(measure, fns, rounds):
-    """Per fn, measure(fn) in each of `rounds` rounds; a round measures each fn in turn. (The GPU's clock under its
-    power cap and the host's speed drift over seconds: measured one after the other, the drift would read as a
-    difference between the fns.)"""
+def interleaved(measure, fns, rounds, shuffle=False):
+    """Per fn, measure(fn) in each of `rounds` rounds; a round measures each fn in turn (with shuffle, in a new order
+    each round, seeded: then no fn always follows the same one, say a power-hungry one that leaves the GPU's clock
+    low). (The GPU's clock under its power cap and the host's speed drift over seconds: measured one after the
+    other, the drift would read as a difference between the fns.)"""
     results = [[] for _ in fns]
+    order, rng = list(range(len(fns))), random.Random(0)
     for _ in range(rounds):
-        for fn, out in zip(fns, results):
-            out.append(measure(fn))
+        if shuffle:
+            rng.shuffle(order)
+        for i in order:
+            results[i].append(measure(fns[i]))
     return results
 
 
