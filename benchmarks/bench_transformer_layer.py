@@ -1,6 +1,7 @@
 """TransformerLayer forward+backward: ours (FP8 under fp8_autocast, and BF16 without) vs the same pre-LN layer in
 plain PyTorch BF16 (SDPA), eager and torch.compile; then attention alone, our DotProductAttention vs torch SDPA
-(default choice and each fused backend, on bhsd tensors; and the cuDNN backend on the sbhd views ours takes). Prints
+(default choice and each fused backend, on bhsd tensors; and the cuDNN backend on the sbhd views ours takes), each
+side also on the other's layout (ours with qkv_format "bhsd"). Prints
 tables and writes JSON (--json).
 
 Each step starts with the gradients set to None, as after optimizer.zero_grad() (no accumulation adds).
@@ -100,8 +101,8 @@ def layer_rows(name, c, compile_torch):
 
 
 def attention_rows(name, c):
-    """fwd+bwd of attention alone at the config's shape: ours (sbhd in, [s, b, h*d] out; and on bhsd memory) vs torch
-    SDPA (bhsd; and its cuDNN backend on ours' sbhd views)."""
+    """fwd+bwd of attention alone at the config's shape: ours (sbhd in, [s, b, h*d] out; and qkv_format "bhsd" on the
+    torch rows' tensors) vs torch SDPA (bhsd; and its cuDNN backend on ours' sbhd views)."""
     s, b, h, g, d = c["seq"], c["batch"], c["heads"], c["groups"], c["d"]
 
     def leaf(*shape):
@@ -136,19 +137,13 @@ def attention_rows(name, c):
         backward(out.permute(2, 0, 1, 3).reshape(s, b, h * d), dy, (q, k, v))
 
     cudnn_dpa = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="no_mask", attention_backend="cudnn")
-    bshd_dpa = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="no_mask", attention_backend="cudnn",
-                                   qkv_format="bshd")
-
-    dy_bshd = torch.randn(b, s, h * d, device=DEV, dtype=DT)
-
-    def ours_on_bhsd_memory():
-        """Ours on torch's bhsd tensors (as bshd views): the same memory layout as the torch rows."""
-        backward(bshd_dpa(*(t.transpose(1, 2) for t in (qt, kt, vt))), dy_bshd, (qt, kt, vt))
+    bhsd_dpa = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="no_mask", attention_backend="cudnn",
+                                   qkv_format="bhsd")  # (the torch rows' inputs and output layout)
 
     variants = [("ours, PyTorch SDPA inside", lambda: backward(torch_dpa(q, k, v), dy, (q, k, v)))]
     if cudnn_attention_built():
         variants += [("ours DotProductAttention", lambda: backward(cudnn_dpa(q, k, v), dy, (q, k, v))),
-                     ("ours, bhsd memory", ours_on_bhsd_memory)]
+                     ("ours, bhsd", lambda: backward(bhsd_dpa(qt, kt, vt), dyt, (qt, kt, vt)))]
     variants.append(("torch SDPA default", torch_sdpa()))
     variants += [(f"torch SDPA {bk.name}", torch_sdpa(bk)) for bk in
                  (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]

@@ -30,11 +30,12 @@ def tolerance(device):
 
 
 def to_bhsd(t, fmt):
-    return t.permute(1, 2, 0, 3) if fmt == "sbhd" else t.transpose(1, 2)
+    return {"sbhd": lambda: t.permute(1, 2, 0, 3), "bshd": lambda: t.transpose(1, 2), "bhsd": lambda: t}[fmt]()
 
 
 def reference_attention(q, k, v, mask_type, pad_mask, scale, fmt):
-    """Float64 softmax(q kᵀ scale + mask) v with k/v heads repeated for GQA; output [s, b, h*d] or [b, s, h*d]."""
+    """Float64 softmax(q kᵀ scale + mask) v with k/v heads repeated for GQA; output [s, b, h*d], [b, s, h*d] or
+    [b, h, s, d] (fmt sbhd, bshd, bhsd)."""
     q, k, v = (to_bhsd(t.double(), fmt) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -45,6 +46,8 @@ def reference_attention(q, k, v, mask_type, pad_mask, scale, fmt):
     if "padding" in mask_type:
         allowed = allowed & ~pad_mask
     out = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+    if fmt == "bhsd":
+        return out
     out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
     return out.reshape(*out.shape[:2], -1)
 
@@ -58,7 +61,7 @@ def random_padding_mask(b, skv, device):
 
 def make_qkv(fmt, b, sq, skv, heads, groups, d, dtype, device):
     def shaped(s, h):
-        shape = (s, b, h, d) if fmt == "sbhd" else (b, s, h, d)
+        shape = {"sbhd": (s, b, h, d), "bshd": (b, s, h, d), "bhsd": (b, h, s, d)}[fmt]
         return torch.randn(shape, device=device).to(dtype).requires_grad_()
     return shaped(sq, heads), shaped(skv, groups), shaped(skv, groups)
 
@@ -69,7 +72,7 @@ def check_against_reference(device, fmt, mask_type, heads, groups, b, s, d, dtyp
     dpa = DotProductAttention(heads, d, num_gqa_groups=groups, attn_mask_type=mask_type, qkv_format=fmt,
                               softmax_scale=scale)
     out = dpa(q, k, v, attention_mask=pad_mask)
-    assert out.dtype == dtype and out.shape == (*q.shape[:2], heads * d)
+    assert out.dtype == dtype and out.shape == (q.shape if fmt == "bhsd" else (*q.shape[:2], heads * d))
     tol = tolerance(device)
     check_against_float64(out, (q, k, v), lambda *qkv: reference_attention(*qkv, mask_type, pad_mask,
                                                                           dpa.softmax_scale, fmt), tol, 2 * tol)
@@ -77,7 +80,7 @@ def check_against_reference(device, fmt, mask_type, heads, groups, b, s, d, dtyp
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mask_type", ATTN_MASK_TYPES)
-@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "bhsd"])
 @pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("b,s,d", [(2, 17, 32), (3, 64, 64)])
 def test_matches_reference(device, mask_type, fmt, heads, groups, b, s, d):
@@ -200,6 +203,31 @@ def test_bad_inputs():
         DotProductAttention(4, 512)
     with pytest.raises(NotImplementedError, match="tp_size"):
         DotProductAttention(4, 16, tp_size=2)
+    bhsd = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bhsd")
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    with pytest.raises(ValueError, match="query_layer: expected a 4-D bhsd tensor with 4 heads"):
+        bhsd(q, kb, vb)  # (an sbhd q: 2 heads in bhsd's heads dim)
+    with pytest.raises(ValueError, match="key_layer/value_layer"):
+        bhsd(qb, kb, vb[:, :, :7])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bhsd_equals_sbhd(device):
+    """qkv_format "bhsd" (SDPA's layout) on the bhsd views of sbhd tensors: the sbhd result, as [b, h, s, d], and the
+    same gradients; cuDNN on CUDA (its default backend) for both."""
+    s, b, h, g, d = 64, 2, 8, 2, 64
+    dtype = work_dtype(device)
+    q, k, v = make_qkv("sbhd", b, s, s, h, g, d, dtype, device)
+    dy = torch.randn(s, b, h * d, device=device, dtype=dtype)
+    out = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="causal")(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), dy)
+    bhsd = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="causal", qkv_format="bhsd")
+    out_bhsd = bhsd(*(to_bhsd(t, "sbhd") for t in (q, k, v)))
+    assert out_bhsd.shape == (b, h, s, d)
+    assert torch.equal(out_bhsd.permute(2, 0, 1, 3).reshape(s, b, h * d), out)
+    grads_bhsd = torch.autograd.grad(out_bhsd, (q, k, v), to_bhsd(dy.view(s, b, h, d), "sbhd"))
+    for got, want in zip(grads_bhsd, grads):
+        assert rel_error(got, want) <= (1e-6 if device == "cpu" else 1e-2)
 
 
 # --- RoPE ---
@@ -251,9 +279,9 @@ def test_rope_offset_and_bad_inputs():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mask_type", ["padding", "padding_causal"])
-@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "bhsd"])
 def test_padding_from_cu_seqlens_equals_the_mask(device, mask_type, fmt):
-    """TE's cu_seqlens for padded sbhd/bshd batches: the same result as the equivalent bool attention_mask."""
+    """TE's cu_seqlens for padded sbhd/bshd/bhsd batches: the same result as the equivalent bool attention_mask."""
     b, s, heads, d = 3, 12, 4, 16
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v = make_qkv(fmt, b, s, s, heads, heads, d, dtype, device)

@@ -311,8 +311,8 @@ def test_multihead_attention_folds_interleaved_gqa_groups(device, mask_type, mon
     assert rel_error(layout(mha.qkv.weight.grad.double()), plain.qkv.weight.grad) <= tol
 
 
-def test_multihead_attention_does_not_fold_groups_under_fp8_attention(monkeypatch):
-    """FP8 attention (fp8_dpa) keeps the copied q, k, v of interleaved GQA; the same module folds outside it."""
+def test_multihead_attention_folds_groups_under_fp8_attention_too(monkeypatch):
+    """Interleaved GQA's q, k, v go to FP8 attention (fp8_dpa) folded, as outside it, and run in FP8."""
     calls = []
     real = DotProductAttention.forward
     monkeypatch.setattr(DotProductAttention, "forward", lambda self, q, *a, **kw: calls.append(
@@ -323,7 +323,8 @@ def test_multihead_attention_does_not_fold_groups_under_fp8_attention(monkeypatc
     with fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_dpa=True)):
         mha(x)
     mha(x)
-    assert calls == [False, True]
+    assert calls == [True, True]
+    assert mha.core_attention.fp8_scaling.fwd is not None  # (the first call ran in FP8)
 
 
 def test_bad_arguments():

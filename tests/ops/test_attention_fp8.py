@@ -301,6 +301,29 @@ def test_module_fp8_attention_on_folded_gqa_groups_matches_float64(device):
     assert_close_rel(qkv.grad, leaf.grad, GRAD_RTOL[E5M2], "d(qkv)")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_module_fp8_attention_in_bhsd_matches_float64(device):
+    """qkv_format="bhsd" (SDPA's layout) under fp8_dpa, GQA: output [b, h, s, d] and gradients as float64's within
+    FP8 tolerance; the second of two identical steps is checked (its scales come from the first's amaxes)."""
+    b, h, g, s, d = 2, 8, 2, 128, 128
+    q, k, v = (torch.randn(b, n, s, d, dtype=torch.bfloat16, device=device, requires_grad=True) for n in (h, g, g))
+    grad = torch.randn(b, h, s, d, dtype=torch.bfloat16, device=device)
+    attn = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="causal", qkv_format="bhsd")
+    for _ in range(2):
+        q.grad = k.grad = v.grad = None
+        with fp8_autocast(fp8_recipe=DelayedScaling(fp8_dpa=True)):
+            out = attn(q, k, v)
+        out.backward(grad)
+    assert attn.fp8_scaling.fwd is not None and attn.fp8_scaling.fwd.amax_history[1, 0] > 0  # (it ran in FP8)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = ref_attention(*leaves, d ** -0.5, causal=True)
+    ref.backward(grad.double())
+    assert out.shape == (b, h, s, d)
+    assert_close_rel(out, ref, OUT_RTOL)
+    for name, t, leaf in zip("qkv", (q, k, v), leaves):
+        assert_close_rel(t.grad, leaf.grad, GRAD_RTOL[E5M2], f"d{name}")
+
+
 def test_module_without_fp8_dpa_makes_no_fp8_state():
     attn = DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type="causal")
     q, k, v = _module_inputs("cpu", 16)

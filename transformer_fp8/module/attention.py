@@ -29,7 +29,9 @@ from .qkv_split import split_qkv
 from .rope import apply_rotary_pos_emb
 
 ATTN_MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
-QKV_FORMATS = ("sbhd", "bshd", "thd")  # "thd" (packed sequences): DotProductAttention only
+QKV_FORMATS = ("sbhd", "bshd", "bhsd", "thd")  # "bhsd" (SDPA's layout) and "thd" (packed): DotProductAttention only
+# 4-D qkv_format -> (its sequence, batch and heads dims)
+SEQ_BATCH_HEAD_DIMS = {"sbhd": (0, 1, 2), "bshd": (1, 0, 2), "bhsd": (2, 0, 1)}
 FUSED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 MAX_HEAD_DIM = 256
 NO_KERNEL_ERRORS = ("No available kernel", "No viable backend")  # what SDPA raises when no allowed backend fits
@@ -60,11 +62,11 @@ def _sdpa_mask(attention_mask, attn_mask_type, sq, skv, device):
 
 
 def _padding_mask_from_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, attention_mask, mask_type, b, skv, device):
-    """Padded sbhd/bshd batches described by offsets (TE's cu_seqlens): bool [b, 1, 1, skv], True = the key position
+    """Padded sbhd/bshd/bhsd batches described by offsets (TE's cu_seqlens): bool [b, 1, 1, skv], True = the key position
     is padding (from cu_seqlens_kv, or cu_seqlens_q for self-attention). Query rows past a sequence's length are not
     masked (their outputs are finite, and padding). Device ops only: no host sync."""
     if "padding" not in mask_type:
-        raise ValueError(f"cu_seqlens_q/cu_seqlens_kv: with qkv_format 'sbhd'/'bshd' they describe padding and need "
+        raise ValueError(f"cu_seqlens_q/cu_seqlens_kv: with qkv_format 'sbhd'/'bshd'/'bhsd' they describe padding and need "
                          f"attn_mask_type 'padding' or 'padding_causal', got {mask_type!r}")
     if attention_mask is not None:
         raise ValueError("attention_mask: give either attention_mask or cu_seqlens_q/cu_seqlens_kv, not both")
@@ -139,7 +141,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
 
 class DotProductAttention(nn.Module):
     """softmax(q kᵀ * softmax_scale + mask) v over heads, q/k/v in qkv_format ("sbhd": [s, b, h, d], "bshd":
-    [b, s, h, d]); k and v have num_gqa_groups heads (GQA/MQA). Output [s, b, h * d] (sbhd) or [b, s, h * d] (bshd).
+    [b, s, h, d], "bhsd": [b, h, s, d] as F.scaled_dot_product_attention takes them); k and v have num_gqa_groups
+    heads (GQA/MQA). Output [s, b, h * d] (sbhd), [b, s, h * d] (bshd) or [b, h, s, d] (bhsd, as SDPA's).
 
     attn_mask_type: "no_mask", "causal" (top-left aligned), "padding", "padding_causal"; the padding types take
     attention_mask, bool [b, 1, 1, s_kv] (or [b, 1, s_q, s_kv]) with True = masked out (TE's convention).
@@ -150,7 +153,7 @@ class DotProductAttention(nn.Module):
     max_seqlen_kv; output [total_q, h * d]. attention_mask must be None; "padding" and "no_mask" mean no causal
     mask, "padding_causal" and "causal" a causal mask top-left aligned within each sequence. Kernels, fallbacks and
     host syncs: attention_varlen.py.
-    With "sbhd"/"bshd" and a padding mask type, cu_seqlens_kv (or cu_seqlens_q for self-attention) may describe
+    With "sbhd"/"bshd"/"bhsd" and a padding mask type, cu_seqlens_kv (or cu_seqlens_q for self-attention) may describe
     each sequence's length instead of attention_mask: key positions past the length are masked.
     gqa_groups_folded=True (sbhd, "no_mask" / "causal", no attention_mask): q [s, b * g, h/g, d], k and v
     [s, b * g, 1, d], the GQA groups folded into the batch (each group's h/g query heads over its one kv head), as
@@ -158,11 +161,11 @@ class DotProductAttention(nn.Module):
     [s, b, h * d], the same as for the unfolded q [s, b, h, d], k, v [s, b, g, d].
 
     attention_backend: "torch" (PyTorch's fused SDPA kernels) or "cudnn" (transformer_fp8's cuDNN graph ops, for
-    sbhd / bshd; a padding mask costs one host sync to check it is a key-padding prefix); None: the environment
+    sbhd / bshd / bhsd; a padding mask costs one host sync to check it is a key-padding prefix); None: the environment
     variable TFP8_ATTENTION_BACKEND, else "cudnn" when this build has the attention family, else "torch".
 
     FP8 attention: inside fp8_autocast with a DelayedScaling(fp8_dpa=True) recipe, "no_mask" / "causal" attention
-    without dropout (sbhd / bshd) runs in FP8 (attention_fp8.py: q, k, v, probabilities and output in FP8 with the
+    without dropout (sbhd / bshd / bhsd) runs in FP8 (attention_fp8.py: q, k, v, probabilities and output in FP8 with the
     module's own delayed-scaling state, gradients in the recipe's backward format), whatever attention_backend says;
     other cases run as above, after one warning per reason.
     """
@@ -201,24 +204,24 @@ class DotProductAttention(nn.Module):
         and length, q of their batch. One expression on the good path (attention alone is timed step by step, where
         the host's time to the first kernel counts); _explain_bad_qkv names the argument and what was expected."""
         qs, ks, vs = q.shape, k.shape, v.shape
-        batch_dim = 1 if fmt == "sbhd" else 0
-        if not (len(qs) == len(ks) == len(vs) == 4 and qs[2] == self.num_attention_heads and
-                ks[2] == vs[2] == self.num_gqa_groups and qs[3] == ks[3] == vs[3] == self.kv_channels and
-                ks[0] == vs[0] and ks[1] == vs[1] and ks[batch_dim] == qs[batch_dim] and
+        seq_dim, batch_dim, head_dim = SEQ_BATCH_HEAD_DIMS[fmt]
+        if not (len(qs) == len(ks) == len(vs) == 4 and qs[head_dim] == self.num_attention_heads and
+                ks[head_dim] == vs[head_dim] == self.num_gqa_groups and qs[3] == ks[3] == vs[3] == self.kv_channels
+                and ks[seq_dim] == vs[seq_dim] and ks[batch_dim] == vs[batch_dim] == qs[batch_dim] and
                 q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
             self._explain_bad_qkv(q, k, v, fmt)
 
     def _explain_bad_qkv(self, q, k, v, fmt):
+        seq_dim, batch_dim, head_dim = SEQ_BATCH_HEAD_DIMS[fmt]
         for name, t, heads in (("query_layer", q, self.num_attention_heads), ("key_layer", k, self.num_gqa_groups),
                                ("value_layer", v, self.num_gqa_groups)):
-            if t.dim() != 4 or t.shape[2] != heads or t.shape[3] != self.kv_channels:
+            if t.dim() != 4 or t.shape[head_dim] != heads or t.shape[3] != self.kv_channels:
                 raise ValueError(f"{name}: expected a 4-D {fmt} tensor with {heads} heads of {self.kv_channels} "
                                  f"channels, got {tuple(t.shape)}")
             if t.dtype != q.dtype or t.device != q.device:
                 raise TypeError(f"{name}: expected {q.dtype} on {q.device} (as query_layer), got {t.dtype} on "
                                 f"{t.device}")
-        batch_dim = 1 if fmt == "sbhd" else 0
-        if k.shape[:2] != v.shape[:2] or k.shape[batch_dim] != q.shape[batch_dim]:
+        if k.shape[:3] != v.shape[:3] or k.shape[batch_dim] != q.shape[batch_dim]:
             raise ValueError(f"key_layer/value_layer: batch and sequence dims must match ({fmt}), got q "
                              f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
 
@@ -252,7 +255,7 @@ class DotProductAttention(nn.Module):
             raise ValueError(f"max_seqlen_q/max_seqlen_kv: only taken with qkv_format='thd', got {fmt!r}")
         self._check_qkv(query_layer, key_layer, value_layer, fmt)
         if cu_seqlens_q is not None or cu_seqlens_kv is not None:
-            seq_dim, batch_dim = (0, 1) if fmt == "sbhd" else (1, 0)
+            seq_dim, batch_dim, _ = SEQ_BATCH_HEAD_DIMS[fmt]
             attention_mask = _padding_mask_from_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, attention_mask, mask_type,
                                                            query_layer.shape[batch_dim], key_layer.shape[seq_dim],
                                                            query_layer.device)
@@ -273,24 +276,28 @@ class DotProductAttention(nn.Module):
         return out.view(qs[0], qs[1] // g, -1)
 
     def _attend(self, query_layer, key_layer, value_layer, attention_mask, mask_type, fmt, dropout_p):
-        """Checked sbhd / bshd q, k, v -> [s, b, hq * d] / [b, s, hq * d]: FP8, cuDNN or PyTorch's SDPA."""
-        seq_dim = 0 if fmt == "sbhd" else 1
+        """Checked sbhd / bshd / bhsd q, k, v -> [s, b, hq * d] / [b, s, hq * d] / [b, hq, s, d]: FP8, cuDNN or
+        PyTorch's SDPA."""
+        seq_dim = SEQ_BATCH_HEAD_DIMS[fmt][0]
         sq, skv, device = query_layer.shape[seq_dim], key_layer.shape[seq_dim], query_layer.device
         attn_mask, is_causal = _sdpa_mask(attention_mask, mask_type, sq, skv, device)
-        to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if fmt == "sbhd" else (lambda t: t.transpose(1, 2))
+        to_bhsd = {"sbhd": lambda t: t.permute(1, 2, 0, 3), "bshd": lambda t: t.transpose(1, 2),
+                   "bhsd": lambda t: t}[fmt]
         out = None
         if fp8_dpa_enabled():
             out = fp8_attention(self.fp8_scaling, *map(to_bhsd, (query_layer, key_layer, value_layer)),
                                 attention_mask, mask_type, dropout_p, self.softmax_scale)
         if out is None and self.attention_backend == "cudnn" and device.type == "cuda":
             out = cudnn_attention(query_layer, key_layer, value_layer, attention_mask, mask_type, dropout_p,
-                                  self.softmax_scale, fmt)  # (already [s, b, h * d] / [b, s, h * d])
+                                  self.softmax_scale, fmt)  # (already [s, b, h * d] / [b, s, h * d] / [b, h, s, d])
             if out is not None:
                 return out
         if out is None:
             out = scaled_dot_product_attention(*map(to_bhsd, (query_layer, key_layer, value_layer)),
                                                attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
                                                scale=self.softmax_scale)  # [b, h, sq, d]
+        if fmt == "bhsd":
+            return out
         out = out.permute(2, 0, 1, 3) if fmt == "sbhd" else out.transpose(1, 2)
         return out.reshape(*out.shape[:2], -1)
 
@@ -335,9 +342,9 @@ class MultiheadAttention(nn.Module):
         if return_layernorm_output and not input_layernorm:
             raise ValueError("return_layernorm_output: needs input_layernorm=True")
         self.qkv_format = attn_input_format or qkv_format
-        if self.qkv_format == "thd":
-            raise NotImplementedError("qkv_format: MultiheadAttention and TransformerLayer take 'sbhd' or 'bshd'; "
-                                      "'thd' (packed sequences) is supported by DotProductAttention only")
+        if self.qkv_format in ("thd", "bhsd"):
+            raise NotImplementedError(f"qkv_format: MultiheadAttention and TransformerLayer take 'sbhd' or 'bshd'; "
+                                      f"{self.qkv_format!r} is supported by DotProductAttention only")
         kv_channels = kv_channels or hidden_size // num_attention_heads
         num_gqa_groups = num_gqa_groups or num_attention_heads
         tp = TensorParallel.create(tp_group, tp_size, "column" if set_parallel_mode else None, sequence_parallel)
@@ -380,11 +387,10 @@ class MultiheadAttention(nn.Module):
 
     def _folds_groups(self, attention_mask, attn_mask_type, rotary_pos_emb):
         """Whether q, k, v go to the attention as views of the QKV output with the GQA groups folded into the batch
-        (DotProductAttention's gqa_groups_folded): interleaved GQA in sbhd without a mask tensor or RoPE, outside FP8
-        attention (whose cuDNN graphs have not run on folded q, k, v on a GPU yet). Else interleaved GQA copies q, k
-        and v (its q heads are not evenly spaced)."""
+        (DotProductAttention's gqa_groups_folded): interleaved GQA in sbhd without a mask tensor or RoPE (also under
+        FP8 attention). Else interleaved GQA copies q, k and v (its q heads are not evenly spaced)."""
         return (self.qkv_weight_interleaved and self.groups != self.heads and self.qkv_format == "sbhd" and
-                attention_mask is None and rotary_pos_emb is None and not fp8_dpa_enabled() and
+                attention_mask is None and rotary_pos_emb is None and
                 (attn_mask_type or self.core_attention.attn_mask_type) in ("no_mask", "causal"))
 
     def forward(self, hidden_states, attention_mask=None, attn_mask_type=None, is_first_microbatch=None,
