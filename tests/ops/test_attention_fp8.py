@@ -324,6 +324,47 @@ def test_module_fp8_attention_in_bhsd_matches_float64(device):
         assert_close_rel(t.grad, leaf.grad, GRAD_RTOL[E5M2], f"d{name}")
 
 
+class _RecordingCasts:
+    """Stands in for the ops namespace in attention_fp8: records the data pointer of every quantize input."""
+
+    def __init__(self, real):
+        self.real, self.quantized = real, []
+
+    def __getattr__(self, name):
+        op = getattr(self.real, name)
+        if name != "quantize":
+            return op
+
+        def quantize(x, *args, **kwargs):
+            self.quantized.append(x.data_ptr())
+            return op(x, *args, **kwargs)
+        return quantize
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_module_fp8_attention_casts_memory_as_it_lies(monkeypatch, device):
+    """Separate sbhd q, k, v and the output gradient reach their FP8 casts without a copy (each cast reads the tensor's
+    own memory), and the output and the input gradients come back sbhd-dense: no transposing copy on the way; the
+    result is float64's within FP8 tolerance."""
+    s, b, h, g, d = 64, 2, 4, 2, 128
+    recording = _RecordingCasts(attention_fp8.tfp8)
+    monkeypatch.setattr(attention_fp8, "tfp8", recording)
+    q, k, v = (torch.randn(s, b, n, d, dtype=torch.bfloat16, device=device, requires_grad=True) for n in (h, g, g))
+    attn = DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type="causal")
+    with fp8_autocast(fp8_recipe=DelayedScaling(fp8_dpa=True)):
+        out = attn(q, k, v)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert recording.quantized == [q.data_ptr(), k.data_ptr(), v.data_ptr(), grad.data_ptr()]
+    assert out.shape == (s, b, h * d) and out.is_contiguous()
+    assert all(t.grad.is_contiguous() for t in (q, k, v))
+    leaves = [t.detach().double().permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v)]
+    ref, _ = ref_attention(*leaves, d ** -0.5, causal=True)
+    ref.backward(grad.double().view(s, b, h, d).permute(1, 2, 0, 3))
+    # (the first call's scales are 1: no tighter bound than FP8's range allows)
+    assert rel_error(out.view(s, b, h, d).permute(1, 2, 0, 3), ref) <= 2 * OUT_RTOL
+
+
 def test_module_without_fp8_dpa_makes_no_fp8_state():
     attn = DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type="causal")
     q, k, v = _module_inputs("cpu", 16)

@@ -7,9 +7,12 @@ Scaling state (module/base.py ScalingState, registered with autocast like the FP
 Every slot's amax is max-accumulated into amax_history row 0 (by the casts or the ops), and autocast's fused update
 turns the histories into scales after the forward / backward.
 
-Dataflow. Forward: q, k, v (any dtype, [b, h, s, d] views) -> contiguous FP8 copies (one cast each) -> FP8 out (on
-Hopper cuDNN gives no BF16 out) -> dequantized to q's dtype. The FP8 q, k, v, out are saved (half the bytes of BF16).
+Dataflow. Forward: q, k, v (any dtype, [b, h, s, d] views) -> FP8 (one cast each) -> FP8 out (on Hopper cuDNN gives
+no BF16 out) -> dequantized to q's dtype. The FP8 q, k, v, out are saved (half the bytes of BF16).
 Backward: grad_out -> FP8 (bwd format) -> FP8 dq, dk, dv (bwd format) -> dequantized to q's dtype.
+Every tensor keeps its memory's dim order (sbhd inputs give sbhd FP8 copies, an sbhd out and sbhd gradients): the casts
+run over memory as it lies, and no transposing copy is made; q, k, v views of a fused QKV are gathered into dense rows
+first (a copy of 16-byte elements).
 Causal or no mask, no dropout. Cases the ops refuse (cuDNN on Hopper: head dims 16..256 (multiples of 16) forward,
 128 only backward) fall back, after one warning per reason: a refused forward runs the high-precision path; a refused
 backward computes the gradients with PyTorch's SDPA from the dequantized FP8 q, k, v, and the case then skips FP8
@@ -23,6 +26,7 @@ from .. import autocast
 from ..ops import tfp8
 from .attention_cudnn import _torch_sdpa_grads
 from .base import ScalingState
+from .qkv_split import copy_wide
 
 Q, K, V, S, O = range(5)  # forward slots
 DO, DP, DQ, DK, DV = range(5)  # backward slots
@@ -78,9 +82,29 @@ class AttentionScaling:
         self.bwd = ScalingState.from_state_dict(state["bwd"], device)
 
 
+def _memory_order(t):
+    """(t's dims by decreasing stride, the inverse permutation): t.permute(order) is contiguous when t is dense."""
+    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+    return order, sorted(range(t.dim()), key=order.__getitem__)
+
+
 def _cast(x, state, slot, fp8_dtype):
-    """x -> contiguous FP8 with slot's scale (amax accumulated; 1/scale written into the slot's snapshot)."""
-    return tfp8.quantize(x.contiguous(), state.scales[slot], fp8_dtype, state.amaxes[slot], state.scale_invs[slot])
+    """x -> FP8 dense in x's dim order, with slot's scale (amax accumulated; 1/scale written into the slot's
+    snapshot)."""
+    order, inverse = _memory_order(x)
+    rows = x.permute(order)
+    if not rows.is_contiguous():  # (q, k or v of a fused QKV: rows with gaps between them)
+        dense = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+        copy_wide(dense, rows)
+        rows = dense
+    q = tfp8.quantize(rows, state.scales[slot], fp8_dtype, state.amaxes[slot], state.scale_invs[slot])
+    return q.permute(inverse)
+
+
+def _dequantize(x8, scale_inv, dtype):
+    """A dense FP8 tensor of any dim order -> dtype, the same dim order."""
+    order, inverse = _memory_order(x8)
+    return tfp8.dequantize(x8.permute(order).contiguous(), scale_inv, dtype).permute(inverse)
 
 
 class _FP8Attention(torch.autograd.Function):
@@ -96,7 +120,7 @@ class _FP8Attention(torch.autograd.Function):
         # Snapshots as attributes, not saved tensors: they share one buffer (see module/base.py).
         ctx.descales = (fwd.scale_invs[Q], fwd.scale_invs[K], fwd.scale_invs[V], descale_o)
         ctx.args = (scale, causal, scaling, recipe, group, case, q.dtype)
-        return tfp8.dequantize(out8, descale_o, q.dtype)
+        return _dequantize(out8, descale_o, q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -113,9 +137,9 @@ class _FP8Attention(torch.autograd.Function):
         except NotImplementedError as err:
             _refused[(case, "backward")] = str(err)
             warn_not_fp8(f"backward: {err}")
-            q, k, v = (tfp8.dequantize(t, d, dtype) for t, d in zip((q8, k8, v8), ctx.descales))
+            q, k, v = (_dequantize(t, d, dtype) for t, d in zip((q8, k8, v8), ctx.descales))
             return (*_torch_sdpa_grads(grad_out.to(dtype), q, k, v, scale, causal, None), *(None,) * 6)
-        grads = (tfp8.dequantize(g, bwd.scale_inv_slots[slot], dtype) for g, slot in zip(grads8, (DQ, DK, DV)))
+        grads = (_dequantize(g, bwd.scale_inv_slots[slot], dtype) for g, slot in zip(grads8, (DQ, DK, DV)))
         return (*grads, *(None,) * 6)
 
 
