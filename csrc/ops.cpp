@@ -13,9 +13,16 @@
 
 TORCH_LIBRARY(transformer_fp8, m) {
   // --- quantize family ---
+  // input: contiguous, or rows of contiguous elements at one stride: its trailing dims (contiguous among themselves)
+  // make the rows, its leading dims merge into one row index at one stride (e.g. q of a fused QKV output, a slice
+  // of its last dim). Returns FP8 of input's shape, contiguous.
   m.def("quantize(Tensor input, Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax=None, "
         "Tensor(b!)? scale_inv=None) -> Tensor");
+  // input contiguous FP8 -> out_dtype, contiguous.
   m.def("dequantize(Tensor input, Tensor scale_inv, ScalarType out_dtype) -> Tensor");
+  // input contiguous FP8 dequantized into out (float32 / float16 / bfloat16, input's shape; contiguous or rows at a
+  // stride as quantize's input: e.g. the q, k, v views of one fused QKV gradient).
+  m.def("dequantize_into(Tensor input, Tensor scale_inv, Tensor(a!) out) -> ()");
   m.def("compute_amax(Tensor input, Tensor(a!) amax) -> ()");
   // input [M, N] -> (q [M, N] or empty, qT [N, M] or empty)
   m.def("cast_transpose(Tensor input, Tensor scale, ScalarType fp8_dtype, bool rowwise=True, bool transpose=True, "

@@ -1,5 +1,5 @@
 // Launchers of the quantize family's CUDA kernels (csrc/quantize_*.cu). Plain pointers, no torch.
-// Conventions: contiguous row-major data; q = saturate(float(x) * *scale) rounded to nearest even;
+// Conventions: contiguous row-major data (the elementwise casts: rows at a stride, see Rows); q = saturate(float(x) * *scale) rounded to nearest even;
 // amax (may be null) is max-accumulated with max|x| (one atomic per block); scale_inv (may be null) receives
 // 1 / *scale.
 // Every launcher returns at once when there is nothing to do (no launch).
@@ -10,13 +10,20 @@
 
 namespace tfp8 {
 
-// x (n elements of in_type) -> q (n bytes of fp8_type).
-void launch_quantize(const void* x, uint8_t* q, int64_t n, DType in_type, DType fp8_type, const float* scale,
-                     float* amax, float* scale_inv, cudaStream_t stream);
+// Where the n elements of an elementwise cast lie: rows of `cols` elements, row r of the input starting at element
+// r * ld_in and of the output at r * ld_out (ld >= cols). Contiguous data: Rows::dense(n) (one row).
+struct Rows {
+  int64_t cols, ld_in, ld_out;
+  static Rows dense(int64_t n) { return {n, n, n}; }
+};
 
-// q (n bytes of fp8_type) -> out (n elements of out_type) = float(q) * *scale_inv.
-void launch_dequantize(const uint8_t* q, void* out, int64_t n, DType fp8_type, DType out_type, const float* scale_inv,
-                       cudaStream_t stream);
+// x (n elements of in_type) -> q (n bytes of fp8_type), both laid out as `rows` says.
+void launch_quantize(const void* x, uint8_t* q, int64_t n, Rows rows, DType in_type, DType fp8_type,
+                     const float* scale, float* amax, float* scale_inv, cudaStream_t stream);
+
+// q (n bytes of fp8_type) -> out (n elements of out_type) = float(q) * *scale_inv, both laid out as `rows` says.
+void launch_dequantize(const uint8_t* q, void* out, int64_t n, Rows rows, DType fp8_type, DType out_type,
+                       const float* scale_inv, cudaStream_t stream);
 
 // amax = max(amax, max|x|) over n elements of in_type.
 void launch_compute_amax(const void* x, int64_t n, DType in_type, float* amax, cudaStream_t stream);

@@ -18,7 +18,12 @@ def _empty(t):
 
 @_register_fake("transformer_fp8::quantize")
 def _(input, scale, fp8_dtype, amax=None, scale_inv=None):
-    return torch.empty_like(input, dtype=fp8_dtype)
+    return input.new_empty(input.shape, dtype=fp8_dtype)
+
+
+@_register_fake("transformer_fp8::dequantize_into")
+def _(input, scale_inv, out):
+    return None
 
 
 @_register_fake("transformer_fp8::dequantize")

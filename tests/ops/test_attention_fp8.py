@@ -365,6 +365,38 @@ def test_module_fp8_attention_casts_memory_as_it_lies(monkeypatch, device):
     assert rel_error(out.view(s, b, h, d).permute(1, 2, 0, 3), ref) <= 2 * OUT_RTOL
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("groups,interleaved", ((4, False), (2, True)))
+def test_module_fp8_attention_on_a_fused_qkv_makes_no_copies(monkeypatch, device, groups, interleaved):
+    """q, k, v views of one fused QKV output (as MultiheadAttention passes them; GQA interleaved: folded): their casts
+    read the QKV's own memory, and dq, dk, dv are written into one QKV-shaped gradient that the split returns as it
+    is (no copies); output and QKV gradient as float64's within FP8 tolerance (second of two steps)."""
+    from transformer_fp8.module import qkv_split
+    s, b, h, d = 64, 2, 4, 128
+    recording = _RecordingCasts(attention_fp8.tfp8)
+    monkeypatch.setattr(attention_fp8, "tfp8", recording)
+    copies = []
+    monkeypatch.setattr(qkv_split, "_copy", lambda dst, src: copies.append(dst.shape))
+    qkv = torch.randn(s, b, (h + 2 * groups) * d, dtype=torch.bfloat16, device=device, requires_grad=True)
+    grad = torch.randn(s, b, h * d, dtype=torch.bfloat16, device=device)
+    attn = DotProductAttention(h, d, num_gqa_groups=groups, attn_mask_type="causal")
+    for _ in range(2):
+        qkv.grad, recording.quantized = None, []
+        with fp8_autocast(fp8_recipe=DelayedScaling(fp8_dpa=True)):
+            q, k, v = split_qkv(qkv, h, groups, d, interleaved, fold=interleaved)
+            out = attn(q, k, v, gqa_groups_folded=interleaved)
+        out.backward(grad)
+    assert recording.quantized[:3] == [q.data_ptr(), k.data_ptr(), v.data_ptr()] and not copies
+    monkeypatch.undo()  # (the reference's split copies its gradients)
+    leaf = qkv.detach().double().requires_grad_()
+    ref, _ = ref_attention(*(t.permute(1, 2, 0, 3) for t in split_qkv(leaf, h, groups, d, interleaved)), d ** -0.5,
+                           causal=True)
+    ref = ref.permute(2, 0, 1, 3).reshape(s, b, h * d)
+    ref.backward(grad.double())
+    assert_close_rel(out, ref, OUT_RTOL)
+    assert_close_rel(qkv.grad, leaf.grad, GRAD_RTOL[E5M2], "d(qkv)")
+
+
 def test_module_without_fp8_dpa_makes_no_fp8_state():
     attn = DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type="causal")
     q, k, v = _module_inputs("cpu", 16)

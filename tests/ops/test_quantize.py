@@ -102,6 +102,38 @@ def test_dequantize_matches_float64(shape, out_dtype, fp8_dtype):
     assert_close_rel(out, q.double() * scale_inv, 4e-3)
 
 
+# (wide [.., width] tensor, slice of its last dim): rows at a stride; whole 16-element chunks or not; extra size-1 dims
+ROW_CASES = [((6, 5, 96), (32, 64)), ((7, 40), (8, 32)), ((3, 1, 4, 24), (0, 16)), ((2, 2), (0, 1))]
+
+
+def _rows_view(shape, cols, dtype, device="cpu"):
+    wide = _data(shape, dtype, device)
+    return wide, wide[..., cols[0]:cols[1]]
+
+
+def check_rows_at_a_stride(device, shape, cols, dtype, fp8_dtype):
+    """quantize of a slice of a wider tensor's last dim (rows at a stride) = quantize of its contiguous copy, and
+    contiguous; dequantize_into such a slice writes it and nothing else, as dequantize does."""
+    wide, view = _rows_view(shape, cols, dtype, device)
+    amax_view, amax_copy = scalar(0.0, device), scalar(0.0, device)
+    q = tfp8.quantize(view, scalar(0.37, device), fp8_dtype, amax_view)
+    want = tfp8.quantize(view.contiguous(), scalar(0.37, device), fp8_dtype, amax_copy)
+    assert q.is_contiguous() and q.shape == view.shape
+    assert _mismatched_bytes(q, want) == 0 and amax_view.item() == amax_copy.item()
+    before = wide.clone()
+    tfp8.dequantize_into(q, scalar(2.5, device), view)
+    assert torch.equal(view, tfp8.dequantize(q, scalar(2.5, device), dtype))
+    outside = torch.ones_like(wide, dtype=torch.bool)
+    outside[..., cols[0]:cols[1]] = False
+    assert torch.equal(wide[outside], before[outside])
+
+
+@pytest.mark.parametrize("shape,cols", ROW_CASES)
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+def test_rows_at_a_stride(shape, cols, dtype):
+    check_rows_at_a_stride("cpu", shape, cols, dtype, torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("shape", SHAPES_2D)
 @pytest.mark.parametrize("dtype", HP_DTYPES)
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
@@ -161,6 +193,9 @@ def _opcheck_cases(device):
         (tfp8.quantize.default, (x, s(2.0), torch.float8_e4m3fn, s(0.0), s(0.0)), ALL_CHECKS),
         (tfp8.quantize.default, (x.reshape(3, 11, 48), s(2.0), torch.float8_e5m2), ALL_CHECKS),
         (tfp8.dequantize.default, (q, s(0.5), torch.bfloat16), NO_SCHEMA_CHECK),
+        (tfp8.quantize.default, (_data((5, 3, 64), torch.bfloat16, device)[..., 16:48], s(2.0), torch.float8_e4m3fn,
+                                 s(0.0)), ALL_CHECKS),
+        (tfp8.dequantize_into.default, (q[:, :32].contiguous(), s(0.5), x[:, 8:40]), NO_SCHEMA_CHECK),
         (tfp8.compute_amax.default, (x, s(0.0)), ALL_CHECKS),
         (tfp8.cast_transpose.default, (x, s(2.0), torch.float8_e4m3fn, True, True, s(0.0), s(0.0)), ALL_CHECKS),
         (tfp8.cast_transpose.default, (x, s(2.0), torch.float8_e5m2, False, True), ALL_CHECKS),
@@ -169,7 +204,7 @@ def _opcheck_cases(device):
     ]
 
 
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(10))
 def test_opcheck_cpu(case):
     op, args, test_utils = _opcheck_cases("cpu")[case]
     torch.library.opcheck(op, args, test_utils=test_utils)
@@ -186,6 +221,7 @@ def _bad_input_cases():
     return [
         (lambda: tfp8.quantize(x.int(), s, e4m3), TypeError, "input"),
         (lambda: tfp8.quantize(x.t(), s, e4m3), ValueError, "input"),
+        (lambda: tfp8.quantize(x.expand(2, 4, 8), s, e4m3), ValueError, "input"),
         (lambda: tfp8.quantize(x, s, torch.float16), ValueError, "fp8_dtype"),
         (lambda: tfp8.quantize(x, s.double(), e4m3), TypeError, "scale"),
         (lambda: tfp8.quantize(x, torch.ones(2), e4m3), ValueError, "scale"),
@@ -194,6 +230,10 @@ def _bad_input_cases():
         (lambda: tfp8.dequantize(x, s, torch.float32), ValueError, "input"),
         (lambda: tfp8.dequantize(q, s, torch.float8_e5m2), TypeError, "out_dtype"),
         (lambda: tfp8.dequantize(q, s.half(), torch.float32), TypeError, "scale_inv"),
+        (lambda: tfp8.dequantize_into(q.t(), s, x.t().clone()), ValueError, "input"),
+        (lambda: tfp8.dequantize_into(q, s, x[:, :4]), ValueError, "out"),
+        (lambda: tfp8.dequantize_into(q, s, x.long()), TypeError, "out"),
+        (lambda: tfp8.dequantize_into(q.t().contiguous(), s, x.t()), ValueError, "out"),
         (lambda: tfp8.compute_amax(x, torch.zeros(2)), ValueError, "amax"),
         (lambda: tfp8.cast_transpose(x.reshape(2, 2, 8), s, e4m3), ValueError, "input"),
         (lambda: tfp8.cast_transpose(x, s, torch.bfloat16), ValueError, "fp8_dtype"),
@@ -204,7 +244,7 @@ def _bad_input_cases():
     ]
 
 
-@pytest.mark.parametrize("case", range(17))
+@pytest.mark.parametrize("case", range(22))
 def test_bad_inputs_raise(case):
     call, error, arg = _bad_input_cases()[case]
     with pytest.raises(error, match=f"^{arg}:"):
@@ -273,6 +313,18 @@ def test_cuda_dequantize_matches_reference(shape, out_dtype, fp8_dtype):
     assert out_g.dtype == out_dtype
     assert torch.equal(out_g.cpu(), out_c)
     assert_close_rel(out_g.cpu(), q.double() * 0.37, 4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,cols", ROW_CASES + [((512, 3 * 4096), (4096, 8192))])
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_cuda_rows_at_a_stride(shape, cols, dtype, fp8_dtype):
+    check_rows_at_a_stride("cuda", shape, cols, dtype, fp8_dtype)
+    wide, view = _rows_view(shape, cols, dtype)
+    view_g = wide.cuda()[..., cols[0]:cols[1]]
+    q_g = tfp8.quantize(view_g, scalar(0.37, "cuda"), fp8_dtype)
+    assert _mismatched_bytes(q_g.cpu(), tfp8.quantize(view, scalar(0.37), fp8_dtype)) == 0
 
 
 @pytest.mark.gpu
@@ -354,7 +406,7 @@ def test_cuda_empty_tensors(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(10))
 def test_opcheck_cuda(case):
     op, args, test_utils = _opcheck_cases("cuda")[case]
     torch.library.opcheck(op, args, test_utils=test_utils)
@@ -376,6 +428,9 @@ cases = [
     (lambda: tfp8.quantize(x, s, torch.float16), "fp8_dtype"),
     (lambda: tfp8.quantize(x, s, e4m3, torch.zeros(2, device="cuda")), "amax"),
     (lambda: tfp8.dequantize(q, s, torch.int32), "out_dtype"),
+    (lambda: tfp8.dequantize_into(q, s, x[:, :4]), "out"),
+    (lambda: tfp8.dequantize_into(q.t().contiguous(), s, x.t()), "out"),
+    (lambda: tfp8.quantize(x.t(), s, e4m3), "input"),
     (lambda: tfp8.compute_amax(x.int(), s), "input"),
     (lambda: tfp8.cast_transpose(x.reshape(2, 2, 8), s, e4m3), "input"),
     (lambda: tfp8.cast_transpose(x.t(), s, e4m3), "input"),

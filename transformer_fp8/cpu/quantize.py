@@ -2,15 +2,24 @@
 cast-transpose (+dbias) and FP8 transpose. Math in float32; q = saturate(x * scale), round to nearest even."""
 import torch
 
+from .._layout import row_layout
 from ._common import accumulate_amax, check_fp8_dtype, check_scalar_f32, register, saturating_cast
 
 HIGH_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_high_precision(t, arg):
+def _check_high_precision(t, arg, rows=False):
+    """t: float32 / float16 / bfloat16, contiguous (rows: or rows of contiguous elements at one stride)."""
     if t.dtype not in HIGH_PRECISION:
         raise TypeError(f"{arg}: expected a float32, float16 or bfloat16 tensor, got {t.dtype}")
-    if not t.is_contiguous():
+    _check_layout(t, arg, rows)
+
+
+def _check_layout(t, arg, rows):
+    if rows and row_layout(t) is None:
+        raise ValueError(f"{arg}: expected a contiguous tensor or rows of contiguous elements at one stride (such as "
+                         f"a slice of a wider tensor's last dim), got shape {tuple(t.shape)} and strides {t.stride()}")
+    if not rows and not t.is_contiguous():
         raise ValueError(f"{arg}: expected a contiguous tensor (got strides {t.stride()})")
 
 
@@ -19,8 +28,8 @@ def _check_2d(t, arg):
         raise ValueError(f"{arg}: expected a 2-D tensor [M, N], got shape {tuple(t.shape)}")
 
 
-def _check_cast_args(input, scale, fp8_dtype, amax, scale_inv, arg="input"):
-    _check_high_precision(input, arg)
+def _check_cast_args(input, scale, fp8_dtype, amax, scale_inv, arg="input", rows=False):
+    _check_high_precision(input, arg, rows)
     check_fp8_dtype(fp8_dtype, "fp8_dtype")
     check_scalar_f32(scale, input, "scale")
     check_scalar_f32(amax, input, "amax")
@@ -41,9 +50,9 @@ def _empty_fp8(input, fp8_dtype):
 
 @register("quantize")
 def quantize(input, scale, fp8_dtype, amax=None, scale_inv=None):
-    """input (any shape, f32/f16/bf16) -> FP8 of the same shape."""
-    _check_cast_args(input, scale, fp8_dtype, amax, scale_inv)
-    return _cast(input, scale, fp8_dtype, amax, scale_inv)
+    """input (any shape, f32/f16/bf16; contiguous or rows at one stride) -> FP8 of the same shape, contiguous."""
+    _check_cast_args(input, scale, fp8_dtype, amax, scale_inv, rows=True)
+    return _cast(input, scale, fp8_dtype, amax, scale_inv).contiguous()
 
 
 @register("dequantize")
@@ -56,6 +65,20 @@ def dequantize(input, scale_inv, out_dtype):
         raise ValueError(f"input: expected a contiguous tensor (got strides {input.stride()})")
     check_scalar_f32(scale_inv, input, "scale_inv")
     return (input.float() * scale_inv.reshape(())).to(out_dtype)
+
+
+@register("dequantize_into")
+def dequantize_into(input, scale_inv, out):
+    """FP8 input (contiguous) -> out (input's shape, f32/f16/bf16; contiguous or rows at one stride) in place."""
+    check_fp8_dtype(input.dtype, "input")
+    _check_layout(input, "input", rows=False)
+    if out.device != input.device:
+        raise ValueError(f"out: expected a tensor on {input.device}, got one on {out.device}")
+    _check_high_precision(out, "out", rows=True)
+    if out.shape != input.shape:
+        raise ValueError(f"out: expected input's shape {tuple(input.shape)}, got {tuple(out.shape)}")
+    check_scalar_f32(scale_inv, input, "scale_inv")
+    out.copy_(input.float() * scale_inv.reshape(()))
 
 
 @register("compute_amax")

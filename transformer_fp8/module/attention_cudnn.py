@@ -75,19 +75,33 @@ def _one_buffer_fits(q, k, v):
     return _shared_grad_layouts[key]
 
 
+def shared_grad_layout(q, k, v):
+    """For q, k, v ([b, h, s, d]) disjoint views of one buffer (a fused QKV): (numel, ((shape, stride, offset) of q,
+    k, v)), one gradient buffer laid out like theirs; else None."""
+    base = q._base
+    if base is None or k._base is not base or v._base is not base or not q.numel() or not k.numel() or \
+            not _one_buffer_fits(q, k, v):
+        return None
+    start = min(t.storage_offset() for t in (q, k, v))
+    end = max(t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 for t in (q, k, v))
+    return end - start, tuple((t.shape, t.stride(), t.storage_offset() - start) for t in (q, k, v))
+
+
+def grad_views(layout, dtype, device, zeroed=False):
+    """(dq, dk, dv): views of one new buffer made as a shared_grad_layout says."""
+    numel, views = layout
+    buffer = (torch.zeros if zeroed else torch.empty)(numel, dtype=dtype, device=device)
+    return tuple(buffer.as_strided(*view) for view in views)
+
+
 def _grad_buffers(q, k, v, zeroed):
     """(dq, dk, dv) with q's, k's, v's shapes and strides: views of one new buffer when q, k, v are disjoint views
     of one (a fused QKV), else separate tensors each laid out like its input (so that autograd hands them on to
     the sbhd / bshd tensors q, k, v are views of without a layout copy). zeroed: rows the kernel leaves unwritten
     (padding) read zero."""
-    new = torch.zeros if zeroed else torch.empty
-    base = q._base  # (views of one tensor: a fused QKV)
-    if base is not None and k._base is base and v._base is base and q.numel() and k.numel() and \
-            _one_buffer_fits(q, k, v):
-        start = min(t.storage_offset() for t in (q, k, v))
-        end = max(t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 for t in (q, k, v))
-        buffer = new(end - start, dtype=q.dtype, device=q.device)
-        return tuple(buffer.as_strided(t.shape, t.stride(), t.storage_offset() - start) for t in (q, k, v))
+    layout = shared_grad_layout(q, k, v)
+    if layout is not None:
+        return grad_views(layout, q.dtype, q.device, zeroed)
     like = torch.zeros_like if zeroed else torch.empty_like
     return tuple(like(t) for t in (q, k, v))
 

@@ -11,8 +11,8 @@ Dataflow. Forward: q, k, v (any dtype, [b, h, s, d] views) -> FP8 (one cast each
 no BF16 out) -> dequantized to q's dtype. The FP8 q, k, v, out are saved (half the bytes of BF16).
 Backward: grad_out -> FP8 (bwd format) -> FP8 dq, dk, dv (bwd format) -> dequantized to q's dtype.
 Every tensor keeps its memory's dim order (sbhd inputs give sbhd FP8 copies, an sbhd out and sbhd gradients): the casts
-run over memory as it lies, and no transposing copy is made; q, k, v views of a fused QKV are gathered into dense rows
-first (a copy of 16-byte elements).
+run over memory as it lies (q, k, v views of a fused QKV too: rows at a stride), and no copy is made; for such views
+dq, dk, dv are dequantized into one gradient laid out like the fused QKV, which the split hands on as it is.
 Causal or no mask, no dropout. Cases the ops refuse (cuDNN on Hopper: head dims 16..256 (multiples of 16) forward,
 128 only backward) fall back, after one warning per reason: a refused forward runs the high-precision path; a refused
 backward computes the gradients with PyTorch's SDPA from the dequantized FP8 q, k, v, and the case then skips FP8
@@ -24,9 +24,9 @@ import torch
 
 from .. import autocast
 from ..ops import tfp8
-from .attention_cudnn import _torch_sdpa_grads
+from .._layout import row_layout
+from .attention_cudnn import _torch_sdpa_grads, grad_views, shared_grad_layout
 from .base import ScalingState
-from .qkv_split import copy_wide
 
 Q, K, V, S, O = range(5)  # forward slots
 DO, DP, DQ, DK, DV = range(5)  # backward slots
@@ -93,10 +93,8 @@ def _cast(x, state, slot, fp8_dtype):
     snapshot)."""
     order, inverse = _memory_order(x)
     rows = x.permute(order)
-    if not rows.is_contiguous():  # (q, k or v of a fused QKV: rows with gaps between them)
-        dense = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-        copy_wide(dense, rows)
-        rows = dense
+    if row_layout(rows) is None:  # (say, an expanded gradient; q, k, v of a fused QKV are rows at a stride)
+        rows = rows.contiguous()
     q = tfp8.quantize(rows, state.scales[slot], fp8_dtype, state.amaxes[slot], state.scale_invs[slot])
     return q.permute(inverse)
 
@@ -117,6 +115,7 @@ class _FP8Attention(torch.autograd.Function):
             fwd.scale_inv_slots[S], fwd.scales[O], fwd.amaxes[S], fwd.amaxes[O], scale, causal)
         descale_o = torch.reciprocal(fwd.scales[O], out=fwd.scale_invs[O])  # the snapshot of the scale out8 has
         ctx.save_for_backward(q8, k8, v8, out8, stats)
+        ctx.grad_layout = shared_grad_layout(q, k, v)  # (None unless q, k, v are views of a fused QKV)
         # Snapshots as attributes, not saved tensors: they share one buffer (see module/base.py).
         ctx.descales = (fwd.scale_invs[Q], fwd.scale_invs[K], fwd.scale_invs[V], descale_o)
         ctx.args = (scale, causal, scaling, recipe, group, case, q.dtype)
@@ -139,7 +138,14 @@ class _FP8Attention(torch.autograd.Function):
             warn_not_fp8(f"backward: {err}")
             q, k, v = (_dequantize(t, d, dtype) for t, d in zip((q8, k8, v8), ctx.descales))
             return (*_torch_sdpa_grads(grad_out.to(dtype), q, k, v, scale, causal, None), *(None,) * 6)
-        grads = (_dequantize(g, bwd.scale_inv_slots[slot], dtype) for g, slot in zip(grads8, (DQ, DK, DV)))
+        scale_invs = [bwd.scale_inv_slots[slot] for slot in (DQ, DK, DV)]
+        if ctx.grad_layout is None:
+            grads = [_dequantize(g, scale_inv, dtype) for g, scale_inv in zip(grads8, scale_invs)]
+        else:  # into one gradient laid out like the fused QKV
+            grads = grad_views(ctx.grad_layout, dtype, grad_out.device)
+            for g8, g, scale_inv in zip(grads8, grads, scale_invs):
+                order = _memory_order(g8)[0]
+                tfp8.dequantize_into(g8.permute(order), scale_inv, g.permute(order))
         return (*grads, *(None,) * 6)
 
 

@@ -39,7 +39,7 @@ def _wide(t):
         return None
 
 
-def copy_wide(dst, src):
+def _copy(dst, src):
     """dst.copy_(src) for same-dtype [..., d] tensors. PyTorch's strided copy moves one element per step; as 16-byte
     elements (8 BF16 values) it runs near memory bandwidth."""
     wide_dst, wide_src = _wide(dst), _wide(src)
@@ -51,7 +51,7 @@ def copy_wide(dst, src):
 
 def _copied(t, shape):
     out = torch.empty(shape, dtype=t.dtype, device=t.device)
-    copy_wide(out.view(t.shape), t)
+    _copy(out.view(t.shape), t)
     return out
 
 
@@ -108,7 +108,7 @@ class _SplitQKV(torch.autograd.Function):
         if dq is not None and interleaved and not fold:
             dq = dq.unflatten(-2, (groups, heads // groups))
         for part, grad in ((q_part, dq), (k_part, dk), (v_part, dv)):
-            part.zero_() if grad is None else copy_wide(part, grad)
+            part.zero_() if grad is None else _copy(part, grad)
         return dqkv, None, None, None, None, None
 
 
