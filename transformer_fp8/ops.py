@@ -6,6 +6,7 @@ from transformer_fp8/cpu, and the fake kernels below give output shapes and dtyp
 import torch
 
 from . import _C  # noqa: F401  (loads the library: registers the schemas and the CUDA kernels)
+from ._layout import dense_in_order_of
 
 tfp8 = torch.ops.transformer_fp8
 
@@ -154,17 +155,10 @@ def _(grad_out, freqs, qkv_format, interleaved=False):
     return grad_out.new_empty(grad_out.shape)
 
 
-def _dense_in_order_of(like, shape, dtype=None):
-    """Fake of the CUDA kernel's out allocation: dense in like's dim order (dims 0..2 by decreasing stride)."""
-    order = sorted(range(3), key=lambda i: -like.stride(i))
-    t = like.new_empty([shape[i] for i in order] + [shape[3]], dtype=dtype or like.dtype)
-    return t.permute([order.index(i) for i in range(3)] + [3])
-
-
 @_register_fake("transformer_fp8::fused_attn_fwd")
 def _(q, k, v, scale, causal=False, dropout_p=0.0, seqlens_q=None, seqlens_kv=None, rng_state=None):
     b, hq, sq = q.shape[:3]
-    out = _dense_in_order_of(q, (b, hq, sq, v.shape[3]))
+    out = dense_in_order_of(q, (b, hq, sq, v.shape[3]))
     return out, q.new_empty((b, hq, sq, 1), dtype=torch.float32)
 
 
@@ -177,10 +171,10 @@ def _(grad_out, q, k, v, out, stats, dq, dk, dv, scale, causal=False, dropout_p=
 @_register_fake("transformer_fp8::fused_attn_fp8_fwd")
 def _(q, k, v, descale_q, descale_k, descale_v, scale_s, descale_s, scale_o, amax_s, amax_o, scale, causal=False):
     b, hq, sq = q.shape[:3]
-    return _dense_in_order_of(q, (b, hq, sq, v.shape[3])), q.new_empty((b, hq, sq, 1), dtype=torch.float32)
+    return dense_in_order_of(q, (b, hq, sq, v.shape[3])), q.new_empty((b, hq, sq, 1), dtype=torch.float32)
 
 
 @_register_fake("transformer_fp8::fused_attn_fp8_bwd")
 def _(grad_out, q, k, v, out, stats, descale_q, descale_k, descale_v, descale_o, descale_do, scale_s, descale_s,
       scale_dp, descale_dp, scale_dq, scale_dk, scale_dv, amax_dp, amax_dq, amax_dk, amax_dv, scale, causal=False):
-    return tuple(_dense_in_order_of(t, tuple(t.shape), grad_out.dtype) for t in (q, k, v))
+    return tuple(dense_in_order_of(t, tuple(t.shape), dtype=grad_out.dtype) for t in (q, k, v))

@@ -6,19 +6,10 @@ so the forward and the backward of one rng_state agree; it is not cuDNN's philox
 """
 import torch
 
+from .._layout import dense_in_order_of
 from ._common import register
 
 DTYPES = (torch.float16, torch.bfloat16)
-
-
-def dense_in_order_of(like, shape, zeroed=False, dtype=None):
-    """A tensor of `shape` like `like` (of dtype, default like's), dense in like's dim order (dims 0..2 by decreasing
-    stride, the last dim last), as the CUDA kernel allocates out."""
-    order = sorted(range(3), key=lambda i: -like.stride(i))
-    memory_shape = [shape[i] for i in order] + [shape[3]]
-    dtype = dtype or like.dtype
-    t = like.new_zeros(memory_shape, dtype=dtype) if zeroed else like.new_empty(memory_shape, dtype=dtype)
-    return t.permute([order.index(i) for i in range(3)] + [3])
 
 
 def _check_4d(t, arg, layout):

@@ -7,8 +7,8 @@ dtype) before P v and P-transposed dO, and dS (with scale_dp, to grad_out's dtyp
 import torch
 
 from ._common import FP8_MAX, accumulate_amax, check_scalar_f32, register, saturating_cast
-from .attention import _allowed, _check_4d, _check_inputs, _check_like, _check_stats, _expand_heads, \
-    _probabilities, dense_in_order_of
+from .._layout import dense_in_order_of
+from .attention import _allowed, _check_4d, _check_inputs, _check_like, _check_stats, _expand_heads, _probabilities
 
 FP8_DTYPES = tuple(FP8_MAX)
 

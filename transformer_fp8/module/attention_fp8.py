@@ -24,7 +24,7 @@ import torch
 
 from .. import autocast
 from ..ops import tfp8
-from .._layout import row_layout
+from .._layout import dim_order, row_layout
 from .attention_cudnn import _torch_sdpa_grads, grad_views, shared_grad_layout
 from .base import ScalingState
 
@@ -82,16 +82,10 @@ class AttentionScaling:
         self.bwd = ScalingState.from_state_dict(state["bwd"], device)
 
 
-def _memory_order(t):
-    """(t's dims by decreasing stride, the inverse permutation): t.permute(order) is contiguous when t is dense."""
-    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
-    return order, sorted(range(t.dim()), key=order.__getitem__)
-
-
 def _cast(x, state, slot, fp8_dtype):
     """x -> FP8 dense in x's dim order, with slot's scale (amax accumulated; 1/scale written into the slot's
     snapshot)."""
-    order, inverse = _memory_order(x)
+    order, inverse = dim_order(x)
     rows = x.permute(order)
     if row_layout(rows) is None:  # (say, an expanded gradient; q, k, v of a fused QKV are rows at a stride)
         rows = rows.contiguous()
@@ -101,7 +95,7 @@ def _cast(x, state, slot, fp8_dtype):
 
 def _dequantize(x8, scale_inv, dtype):
     """A dense FP8 tensor of any dim order -> dtype, the same dim order."""
-    order, inverse = _memory_order(x8)
+    order, inverse = dim_order(x8)
     return tfp8.dequantize(x8.permute(order).contiguous(), scale_inv, dtype).permute(inverse)
 
 
@@ -144,7 +138,7 @@ class _FP8Attention(torch.autograd.Function):
         else:  # into one gradient laid out like the fused QKV
             grads = grad_views(ctx.grad_layout, dtype, grad_out.device)
             for g8, g, scale_inv in zip(grads8, grads, scale_invs):
-                order = _memory_order(g8)[0]
+                order = dim_order(g8)[0]
                 tfp8.dequantize_into(g8.permute(order), scale_inv, g.permute(order))
         return (*grads, *(None,) * 6)
 
