@@ -148,12 +148,14 @@ class LlamaTransformerLayer(nn.Module):
             param.requires_grad_(hf_param.requires_grad)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, is_first_microbatch=None, **kwargs):
+                position_embeddings=None, is_first_microbatch=None, cache=None, **kwargs):
         """position_embeddings (Hugging Face's cos/sin) is not read: the angles come from position_ids and the
-        config's rope_theta, the same numbers computed in float32."""
-        if past_key_values is not None:
-            raise NotImplementedError("past_key_values: the converted Llama layers keep no KV cache; call the model "
-                                      "with use_cache=False (convert_llama sets config.use_cache = False)")
+        config's rope_theta, the same numbers computed in float32. The KV cache arrives as `cache` (transformers
+        >= 5.2x) or `past_key_values` (older); either is refused while the layer keeps no cache."""
+        for name, value in (("cache", cache), ("past_key_values", past_key_values)):
+            if value is not None:
+                raise NotImplementedError(f"{name}: the converted Llama layers keep no KV cache; call the model "
+                                          f"with use_cache=False (convert_llama sets config.use_cache = False)")
         batch, seq_len = hidden_states.shape[:2]
         mask, mask_type = _attention_args(attention_mask, batch, seq_len)
         freqs = self._rope(position_ids, seq_len, hidden_states.device)
