@@ -13,11 +13,13 @@ TransformerLayer (fused norm + FP8 GEMMs, fused attention); or --fp8-layers line
 every nn.Linear but lm_head becomes a transformer_fp8.Linear. Parameters are BF16 in both runs; AdamW updates FP32
 master copies of them (fused AdamW on CUDA). Both runs compute the loss with --loss chunked (default):
 `causal_lm_loss(model, batch)`, the LM head and cross-entropy chunk by chunk, never holding the [tokens, vocab] logits;
---loss model: `model(input_ids=batch, labels=batch).loss`. --grad-accum N passes is_first_microbatch to the FP8 layers (weights cast once per step);
---fuse-wgrad makes those layers accumulate their weight gradients into FP32 `weight.main_grad`, which the optimizer
-reads. --activation-checkpointing recomputes each decoder layer in the backward (both runs; transformer_fp8.checkpoint
-in the FP8 one). Prints loss, tokens/s and peak GPU memory of each run; writes loss.png and summary.json under --out.
-Needs transformers (and optionally tqdm, matplotlib).
+--loss model: `model(input_ids=batch, labels=batch).loss`. --grad-accum N passes is_first_microbatch to the FP8
+layers (weights cast once per step); --fuse-wgrad makes those layers accumulate their weight gradients into FP32
+`weight.main_grad`, which the optimizer reads. --activation-checkpointing recomputes each decoder layer in the
+backward (both runs; transformer_fp8.checkpoint in the FP8 one). Prints loss, tokens/s and peak GPU memory of each
+run; writes loss.png and summary.json under --out. Needs transformers (and optionally tqdm, matplotlib).
+Bad arguments (a --model folder that does not exist, non-positive counts, --device cuda without a GPU) are refused
+before anything loads, with a message naming the flag.
 """
 import argparse
 import contextlib
@@ -371,6 +373,67 @@ def print_table(runs):
 
 # --- entry point -----------------------------------------------------------------------------------------------------
 
+def positive_int(text):
+    """argparse type: an int >= 1 (argparse names the flag in its error message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text):
+    """argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def device_name(text):
+    """argparse type: 'cpu', 'cuda' or 'cuda:N' (whether a GPU is there is checked after parsing)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected 'cpu', 'cuda' or 'cuda:N', got {text!r}")
+    return text
+
+
+def check_paths_and_device(p, args):
+    """Refuse, through the parser (exit status 2, the flag named), what would otherwise fail deep inside a library:
+    a --model folder that does not exist (transformers would read it as a Hub repo id), a missing --data file or
+    --resume folder, and --device cuda on a machine without a usable GPU."""
+    if args.model is not None:
+        model = Path(args.model)
+        if not model.exists():
+            p.error(f"--model: the folder {args.model} does not exist (expected a local Hugging Face checkpoint "
+                    f"folder with config.json; this example downloads nothing)")
+        if not model.is_dir():
+            p.error(f"--model: {args.model} is a file; expected a local Hugging Face checkpoint folder")
+        if not (model / "config.json").is_file():
+            p.error(f"--model: {args.model} has no config.json; expected a Hugging Face checkpoint folder "
+                    f"(save_pretrained's output)")
+    if not Path(args.data).is_file():
+        p.error(f"--data: the file {args.data} does not exist (expected a .txt or .jsonl file)")
+    if args.resume is not None and not Path(args.resume).is_dir():
+        p.error(f"--resume: the folder {args.resume} does not exist (expected a --save folder of an earlier run)")
+    if args.device is not None and torch.device(args.device).type == "cuda":
+        if not torch.cuda.is_available():
+            p.error(f"--device {args.device}: no CUDA GPU is available here (torch.cuda.is_available() is False; "
+                    f"torch {torch.__version__}, CUDA build {torch.version.cuda}); use --device cpu or leave "
+                    f"--device out")
+        index = torch.device(args.device).index
+        if index is not None and index >= torch.cuda.device_count():
+            p.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="local Hugging Face checkpoint directory (default: a small Llama, random init)")
@@ -382,14 +445,15 @@ def parse_args(argv):
     p.add_argument("--loss", choices=("chunked", "model"), default="chunked",
                    help="chunked: LM head + cross-entropy by causal_lm_loss, chunk by chunk (no full logits); model: "
                         "model(input_ids, labels=input_ids).loss")
-    p.add_argument("--device", help="cuda or cpu (default: cuda if available); cpu trains a tiny model")
-    p.add_argument("--steps", type=int, help="optimizer steps (default 200 on GPU, 20 on CPU)")
-    p.add_argument("--batch-size", type=int, help="sequences per micro-batch (default 16 on GPU, 4 on CPU)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024 on GPU, 64 on CPU)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, help="peak learning rate (default from scratch: 3e-4 on GPU, 1e-3 on CPU; "
-                                              "2e-5 with --model)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--device", type=device_name,
+                   help="cuda, cuda:N or cpu (default: cuda if available); cpu trains a tiny model")
+    p.add_argument("--steps", type=positive_int, help="optimizer steps (default 200 on GPU, 20 on CPU)")
+    p.add_argument("--batch-size", type=positive_int, help="sequences per micro-batch (default 16 on GPU, 4 on CPU)")
+    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default 1024 on GPU, 64 on CPU)")
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=positive_float,
+                   help="peak learning rate (default from scratch: 3e-4 on GPU, 1e-3 on CPU; 2e-5 with --model)")
+    p.add_argument("--max-grad-norm", type=positive_float, default=1.0)
     p.add_argument("--fuse-wgrad", action="store_true",
                    help="FP8 layers accumulate weight gradients into FP32 main_grad (fuse_wgrad_accumulation)")
     p.add_argument("--activation-checkpointing", action="store_true",
@@ -398,11 +462,13 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", help="folder for checkpoints (<precision>-step<N>.pt), written every --save-every "
                                   "steps and after the last")
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--save-every", type=positive_int, default=100)
     p.add_argument("--resume", help="folder of --save checkpoints: each run continues from its latest one up to "
                                     "--steps (pass the same arguments as the first run)")
     p.add_argument("--out", default="finetune_out", help="folder for summary.json and loss.png")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_paths_and_device(p, args)
+    return args
 
 
 def main(argv=None):

@@ -1,8 +1,12 @@
 """examples/finetune_llama.py end to end on the CPU with a tiny model: summary, losses, grad accumulation with fused
-wgrad, checkpoint resume, .jsonl data, the chunked loss against the model's own."""
+wgrad, checkpoint resume, .jsonl data, the chunked loss against the model's own; bad arguments refused by the
+parser with the flag named."""
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,3 +120,71 @@ def test_local_checkpoint_and_its_tokenizer(example, tmp_path, monkeypatch):
     assert summary["runs"]["fp8"]["fp8_modules"]["TransformerLayer"] == 1
     for run in summary["runs"].values():
         assert all(math.isfinite(x) for x in run["losses"])
+
+
+# --- bad arguments are refused by the parser, naming the flag ---------------------------------------------------------
+
+def refusal(example, capsys, argv):
+    """The parser's error message for argv (argparse exits with status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        example.parse_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--seq-len", "--grad-accum", "--save-every"])
+@pytest.mark.parametrize("value", ["-3", "0", "1.5", "many"])
+def test_non_positive_or_non_integer_counts_are_refused(example, capsys, flag, value):
+    err = refusal(example, capsys, [f"{flag}={value}"])
+    assert f"argument {flag}: expected a positive integer" in err
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--max-grad-norm"])
+@pytest.mark.parametrize("value", ["-1e-3", "0", "nan", "inf"])
+def test_non_positive_rates_are_refused(example, capsys, flag, value):
+    err = refusal(example, capsys, [f"{flag}={value}"])
+    assert f"argument {flag}: expected a finite number > 0" in err
+
+
+def test_positive_values_are_accepted(example):
+    args = example.parse_args(["--steps", "3", "--batch-size", "2", "--lr", "1e-4", "--device", "cpu"])
+    assert (args.steps, args.batch_size, args.lr, args.device) == (3, 2, 1e-4, "cpu")
+
+
+def test_missing_model_folder_is_named_not_taken_for_a_hub_id(example, capsys, tmp_path):
+    err = refusal(example, capsys, ["--model", str(tmp_path / "nonexistent")])
+    assert f"--model: the folder {tmp_path / 'nonexistent'} does not exist" in err
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in refusal(example, capsys, ["--model", str(tmp_path / "empty")])
+    (tmp_path / "file").write_text("x")
+    assert "is a file" in refusal(example, capsys, ["--model", str(tmp_path / "file")])
+
+
+def test_missing_data_and_resume_folder_are_named(example, capsys, tmp_path):
+    assert "--data: the file" in refusal(example, capsys, ["--data", str(tmp_path / "none.txt")])
+    assert "--resume: the folder" in refusal(example, capsys, ["--resume", str(tmp_path / "none")])
+
+
+def test_cuda_without_a_gpu_says_so(example, capsys, monkeypatch):
+    monkeypatch.setattr(example.torch.cuda, "is_available", lambda: False)
+    err = refusal(example, capsys, ["--device", "cuda"])
+    assert "--device cuda: no CUDA GPU is available here" in err
+
+
+def test_unknown_device_is_refused(example, capsys):
+    assert "argument --device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'" in refusal(example, capsys,
+                                                                                         ["--device", "tpu"])
+
+
+def test_the_script_itself_reports_a_missing_model_folder(tmp_path):
+    """As a user runs it: exit status 2 and one line naming the folder, no traceback, no Hub lookup."""
+    missing = tmp_path / "nonexistent"
+    result = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(missing), "--steps", "-3"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2
+    assert "argument --steps: expected a positive integer, got -3" in result.stderr  # the first error argparse meets
+    assert "Traceback" not in result.stderr and "repo" not in result.stderr.lower()
+    result = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(missing)], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and f"--model: the folder {missing} does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
