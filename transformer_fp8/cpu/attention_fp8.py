@@ -4,8 +4,6 @@ Emulated FP8: every FP8 tensor is a torch float8 tensor, dequantized as x8.float
 The two tensors cuDNN quantizes inside its kernel are rounded here too: the probabilities P (with scale_s, to q's
 dtype) before P v and P-transposed dO, and dS (with scale_dp, to grad_out's dtype) before the dq and dk products.
 """
-import torch
-
 from ._common import FP8_MAX, accumulate_amax, check_scalar_f32, register, saturating_cast
 from .._layout import dense_in_order_of
 from .attention import _allowed, _check_4d, _check_inputs, _check_like, _check_stats, _expand_heads, _probabilities
