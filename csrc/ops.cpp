@@ -2,7 +2,7 @@
 //   CUDA: csrc/<family>*.cpp (TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m)), kernels in csrc/<family>*.cu
 //   CPU reference: transformer_fp8/cpu/<family>.py, fake (meta) kernels: transformer_fp8/ops.py
 //
-// Conventions (see DESIGN.md):
+// Conventions (see docs/design.md):
 //   - FP8 dtypes are torch.float8_e4m3fn (max 448) and torch.float8_e5m2 (max 57344).
 //   - q = saturate(x * scale) rounded to nearest even; x ~= q * scale_inv.
 //   - scale, scale_inv, amax are float32 tensors of one element on the device of the data.
