@@ -3,7 +3,12 @@ from .causal_lm import causal_lm_loss
 from .convert import convert_linear_layers, microbatch
 from .gradient_checkpointing import gradient_checkpointing_enable
 from .linear_cross_entropy import linear_cross_entropy
+from .convert_model import Conversion, convert_model
+from .hf_export import save_hf_pretrained, to_hf_state_dict
+from .hf_mapping import FusedWeight, WeightPart, layer_weight_map
 from .llama import LlamaTransformerLayer, convert_llama
+from .trainer import FP8TrainerMixin, __getattr__  # noqa: F401  (FP8Trainer: built on first use, imports transformers)
 
-__all__ = ["LlamaTransformerLayer", "causal_lm_loss", "convert_linear_layers", "convert_llama",
+__all__ = ["Conversion", "FusedWeight", "LlamaTransformerLayer", "WeightPart", "convert_model", "layer_weight_map",
+           "save_hf_pretrained", "to_hf_state_dict", "causal_lm_loss", "convert_linear_layers", "convert_llama",
            "gradient_checkpointing_enable", "linear_cross_entropy", "microbatch"]

@@ -21,8 +21,19 @@ def _is_excluded(name, exclude):
     return any(fnmatch.fnmatchcase(name, pat) or fnmatch.fnmatchcase(last, pat) for pat in exclude)
 
 
+def _is_conv1d(module):
+    """transformers' Conv1D (GPT-2 style): a Linear whose weight is stored transposed, [in_features, out_features]."""
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor) and \
+        module.weight.dim() == 2
+
+
+def _features(layer):
+    """(in_features, out_features) of an nn.Linear or a Conv1D."""
+    return tuple(layer.weight.shape) if _is_conv1d(layer) else (layer.in_features, layer.out_features)
+
+
 def _fp8_compatible(layer):
-    return layer.in_features % FP8_ALIGNMENT == 0 and layer.out_features % FP8_ALIGNMENT == 0
+    return all(n % FP8_ALIGNMENT == 0 for n in _features(layer))
 
 
 def _skip_init(weight):
@@ -30,13 +41,16 @@ def _skip_init(weight):
 
 
 def _converted(layer, params_dtype, fuse_wgrad_accumulation):
-    """A transformer_fp8.Linear holding a copy of layer's weight (and bias), on its device."""
+    """A transformer_fp8.Linear holding a copy of layer's weight (and bias), on its device. From a Conv1D the weight
+    is transposed, and the new layer's `hf_transposed_weight` attribute is True (the exporter transposes it back)."""
     weight = layer.weight
-    new = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+    in_features, out_features = _features(layer)
+    new = Linear(in_features, out_features, bias=layer.bias is not None,
                  params_dtype=params_dtype or weight.dtype, device=weight.device, init_method=_skip_init,
                  fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+    new.hf_transposed_weight = _is_conv1d(layer)
     with torch.no_grad():
-        new.weight.copy_(weight)
+        new.weight.copy_(weight.t() if new.hf_transposed_weight else weight)
         if layer.bias is not None:
             new.bias.copy_(layer.bias)
     new.weight.requires_grad_(weight.requires_grad)
@@ -47,7 +61,8 @@ def _converted(layer, params_dtype, fuse_wgrad_accumulation):
 
 
 def convert_linear_layers(model, exclude=("lm_head",), params_dtype=None, fuse_wgrad_accumulation=False):
-    """Replace every nn.Linear inside `model` (recursively) by a transformer_fp8.Linear with the same weights; in place.
+    """Replace every nn.Linear inside `model` (recursively), and every transformers Conv1D (GPT-2's Linear with a
+    transposed [in, out] weight), by a transformer_fp8.Linear with the same weights; in place.
 
     exclude: fnmatch patterns matched against each layer's qualified name (e.g. "model.layers.0.mlp.up_proj") and
         against its last component, so "lm_head" or "*.mlp.*" both work. Matching layers stay nn.Linear. The default
@@ -60,7 +75,7 @@ def convert_linear_layers(model, exclude=("lm_head",), params_dtype=None, fuse_w
     """
     exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
     targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is nn.Linear and not _is_excluded(name, exclude) and _fp8_compatible(m)]
+               if (type(m) is nn.Linear or _is_conv1d(m)) and not _is_excluded(name, exclude) and _fp8_compatible(m)]
     for name, layer in targets:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)

@@ -1,93 +1,42 @@
-"""Run a Hugging Face Llama model (LlamaForCausalLM, LlamaModel; Mistral too) on transformer_fp8.TransformerLayer.
+"""The converted decoder layer of every Llama-like family (Llama, Mistral, Qwen2, Qwen3), on our TransformerLayer.
 
-`convert_llama(model)` replaces every `LlamaDecoderLayer` (or `MistralDecoderLayer`: the same layer, without a
-sliding window) inside `model` by a `LlamaTransformerLayer`: the same call
-and return as the Hugging Face layer, computed by our TransformerLayer (RMSNorm, SwiGLU, GQA, RoPE, no bias, bshd),
-with the weights mapped from the Hugging Face layer:
-    input_layernorm.weight            -> self_attention.layernorm_qkv.layer_norm_weight
-    q_proj | k_proj | v_proj weights  -> self_attention.layernorm_qkv.weight   (rows [all q | all k | all v])
-    o_proj.weight                     -> self_attention.proj.weight
-    post_attention_layernorm.weight   -> layernorm_mlp.layer_norm_weight
-    gate_proj | up_proj weights       -> layernorm_mlp.fc1_weight              (rows [gate | up], as our swiglu)
-    down_proj.weight                  -> layernorm_mlp.fc2_weight
-(each under `<layer>.layer.`). The final LlamaRMSNorm (outside the decoder layers) becomes our RMSNorm, same `weight`
-(fused kernels instead of Hugging Face's float32 chain of elementwise ops, which also saves float32 copies for the
-backward). Outside fp8_autocast the converted model computes what the Hugging Face one does; inside it every GEMM of
-the decoder layers runs in FP8. Nothing here imports transformers.
-For training, `causal_lm_loss(model, input_ids)` gives the loss without the [tokens, vocab] logits.
+`LlamaTransformerLayer` is a drop-in for the Hugging Face decoder layer it replaces (same call and return), computed
+by `self.layer`, a TransformerLayer (RMSNorm, SwiGLU, GQA, RoPE, bshd), with the weights mapped as hf_mapping.py
+says; Qwen2's q/k/v bias is a bias on the fused QKV GEMM only, Qwen3's per-head q/k RMSNorm is TransformerLayer's
+qk_norm_type="RMSNorm" before RoPE. Outside fp8_autocast it computes what the Hugging Face layer does; inside it every
+GEMM runs in FP8.
+
+Without a KV cache (training, scoring) the whole layer is TransformerLayer's forward. So is the first fill of an
+empty dynamic cache (a prompt, or a plain forward with use_cache=True): the k and v its core attention receives (a
+forward pre-hook keeps them) then go to the cache. Otherwise (decode; any static-cache step) the layer runs the same
+modules step by step: QKV GEMM, q/k norms, RoPE at the given positions, `Cache.update` (kv_cache.py), PyTorch's SDPA
+over the cached keys with transformers' mask (a query shorter than the keys), then the output and MLP GEMMs with the
+residual adds in their epilogues.
+`convert_llama` is convert_model (convert_model.py) for these families.
 """
+import warnings
+
 import torch
 import torch.nn as nn
 
 from ..checkpoint import checkpoint
-from ..module.norm import RMSNorm
+from ..module.attention import scaled_dot_product_attention
 from ..module.transformer import TransformerLayer
+from .hf_mapping import LayerShape, fuse_hf_weights, layer_weight_map
+from .kv_cache import cached_attention_mask, pick_cache, update_cache
 
-HF_LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer")
-HF_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm")
+
+_warned = set()
+
+
+def _warn_once(message):
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"LlamaTransformerLayer: {message}", stacklevel=3)
 
 
 def _skip_init(weight):
     """No random init: the weights are overwritten with the Hugging Face layer's right after."""
-
-
-def _rope_settings(config):
-    """(rope_theta, position interpolation factor or None) from a Llama config; refuses RoPE scalings we lack."""
-    params = getattr(config, "rope_parameters", None)  # transformers >= 5
-    if params is None:  # older transformers: rope_theta and rope_scaling attributes
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return float(params["rope_theta"]), None
-    if rope_type == "linear":
-        return float(params["rope_theta"]), float(params["factor"])
-    raise NotImplementedError(f"config.rope_parameters: rope_type {rope_type!r} is not supported by convert_llama "
-                              f"(supported: 'default', 'linear')")
-
-
-def _check_config(config):
-    """Refuse Llama variants TransformerLayer cannot compute exactly."""
-    unsupported = {"hidden_act": (getattr(config, "hidden_act", "silu"), "silu"),
-                   "attention_bias": (getattr(config, "attention_bias", False), False),
-                   "mlp_bias": (getattr(config, "mlp_bias", False), False),
-                   "pretraining_tp": (getattr(config, "pretraining_tp", 1) or 1, 1),
-                   "sliding_window": (getattr(config, "sliding_window", None), None)}  # (Mistral's)
-    for name, (got, expected) in unsupported.items():
-        if got != expected:
-            raise NotImplementedError(f"config.{name}: convert_llama supports {expected!r} only, got {got!r}")
-    _rope_settings(config)
-
-
-def head_dim(config):
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-class _RopeAngles:
-    """RoPE angles for position ids, shared by the layers of one model and cached for the last position_ids tensor
-    (the model passes the same tensor to every layer). -> freqs [s, b or 1, 1, head_dim] float32, the layout
-    MultiheadAttention's rotary_pos_emb takes (one row of positions per sequence)."""
-
-    def __init__(self, config):
-        theta, self.interpolation = _rope_settings(config)
-        dim = head_dim(config)
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        self._last = (None, None)
-
-    def __call__(self, position_ids, seq_len, device):
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=device)[None]
-        if position_ids is self._last[0]:
-            return self._last[1]
-        if self.inv_freq.device != device:
-            self.inv_freq = self.inv_freq.to(device)
-        positions = position_ids.to(device=device, dtype=torch.float32)
-        if self.interpolation is not None:
-            positions = positions / self.interpolation
-        angles = positions[..., None] * self.inv_freq  # [b or 1, s, dim / 2]
-        freqs = torch.cat((angles, angles), dim=-1).transpose(0, 1)[:, :, None, :]
-        self._last = (position_ids, freqs)
-        return freqs
 
 
 def _attention_args(attention_mask, batch, seq_len):
@@ -108,103 +57,170 @@ def _attention_args(attention_mask, batch, seq_len):
     return masked.expand(batch, 1, seq_len, seq_len), "padding"
 
 
+def _add_bias(linear_module: nn.Module) -> None:
+    """Give a bias-less Linear / LayerNormLinear (built with bias=False) a bias parameter [out_features]: one GEMM of
+    a TransformerLayer with a bias while the others have none (TransformerLayer's `bias` flag covers all of them)."""
+    weight = linear_module.weight
+    linear_module.bias = nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device))
+
+
 class LlamaTransformerLayer(nn.Module):
-    """Drop-in for a Hugging Face LlamaDecoderLayer: forward(hidden_states [b, s, hidden], attention_mask,
-    position_ids, ...) -> hidden_states, through `self.layer`, a TransformerLayer. Not supported: KV caches
-    (generation with use_cache), and transformers' output_hidden_states / output_attentions (not recorded).
-    transformers' model.gradient_checkpointing_enable() sets `gradient_checkpointing`: in training the layer is then
-    checkpointed with transformer_fp8.checkpoint (FP8 recompute), whatever checkpoint function transformers passes."""
+    """Drop-in for a Hugging Face Llama-like decoder layer: forward(hidden_states [b, s, hidden], attention_mask,
+    position_ids, cache / past_key_values, ...) -> hidden_states, through `self.layer`, a TransformerLayer.
+
+    Not supported: transformers' output_attentions (not recorded). transformers'
+    model.gradient_checkpointing_enable() sets `gradient_checkpointing`: in training the layer is then checkpointed
+    with transformer_fp8.checkpoint (FP8 recompute), whatever checkpoint function transformers passes.
+
+    Attributes:
+        layer: the TransformerLayer. shape: the LayerShape (sizes, biases, q/k norm) that the weight map reads.
+        layer_idx: the layer's index in the model (its slot in a KV cache).
+    """
 
     gradient_checkpointing = False
 
-    def __init__(self, config, rope, params_dtype, device, fuse_wgrad_accumulation=False):
+    def __init__(self, config, rope, params_dtype: torch.dtype, device, fuse_wgrad_accumulation: bool = False,
+                 shape: LayerShape | None = None, layer_idx: int = 0):
+        """Args:
+            config: the Hugging Face config. rope: the model's RopeAngles (shared by its layers).
+            params_dtype, device: of the new parameters. fuse_wgrad_accumulation: see TransformerLayer.
+            shape: the layer's LayerShape (default: from config). layer_idx: the layer's index in the model.
+        """
         super().__init__()
+        self.shape = shape or LayerShape.from_config(config)
+        self.layer_idx = layer_idx
+        qk_norm = dict(qk_norm_type="RMSNorm", qk_norm_eps=config.rms_norm_eps, qk_norm_before_rope=True) \
+            if self.shape.qk_norm else {}
         self.layer = TransformerLayer(
             config.hidden_size, config.intermediate_size, config.num_attention_heads,
-            num_gqa_groups=config.num_key_value_heads, kv_channels=head_dim(config),
+            num_gqa_groups=self.shape.groups, kv_channels=self.shape.head_dim,
             layernorm_epsilon=config.rms_norm_eps, hidden_dropout=0.0, attention_dropout=0.0,
             init_method=_skip_init, output_layer_init_method=_skip_init, self_attn_mask_type="causal",
             params_dtype=params_dtype, fuse_qkv_params=True, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             zero_centered_gamma=False, qkv_weight_interleaved=False, bias=False, activation="swiglu",
-            normalization="RMSNorm", device=device, attn_input_format="bshd")
+            normalization="RMSNorm", device=device, attn_input_format="bshd", **qk_norm)
+        if self.shape.qkv_bias:
+            _add_bias(self.layer.self_attention.layernorm_qkv)
+        if self.shape.o_bias:
+            _add_bias(self.layer.self_attention.proj)
         self._rope = rope
+        self._captured_kv = None  # (k, v) of the last core attention call while a prefill fills the cache
+        self.layer.self_attention.core_attention.register_forward_pre_hook(self._capture_kv)
+
+    def _capture_kv(self, module, args):
+        """Forward pre-hook of the core attention: keep its k and v ([b, s, g, d], after RoPE) when asked."""
+        if self._captured_kv is not None:
+            self._captured_kv = args[1:3]
 
     @torch.no_grad()
-    def load_hf_layer(self, hf_layer):
-        """Copy the weights of a Hugging Face LlamaDecoderLayer (see the module docstring for the mapping)."""
-        attn, mlp = hf_layer.self_attn, hf_layer.mlp
-        qkv, proj, ffn = self.layer.self_attention.layernorm_qkv, self.layer.self_attention.proj, \
-            self.layer.layernorm_mlp
-        qkv.layer_norm_weight.copy_(hf_layer.input_layernorm.weight)
-        qkv.weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-        proj.weight.copy_(attn.o_proj.weight)
-        ffn.layer_norm_weight.copy_(hf_layer.post_attention_layernorm.weight)
-        ffn.fc1_weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-        ffn.fc2_weight.copy_(mlp.down_proj.weight)
-        for param, hf_param in ((qkv.weight, attn.q_proj.weight), (proj.weight, attn.o_proj.weight),
-                                (ffn.fc1_weight, mlp.gate_proj.weight), (ffn.fc2_weight, mlp.down_proj.weight),
-                                (qkv.layer_norm_weight, hf_layer.input_layernorm.weight),
-                                (ffn.layer_norm_weight, hf_layer.post_attention_layernorm.weight)):
-            param.requires_grad_(hf_param.requires_grad)
+    def load_hf_layer(self, hf_layer: nn.Module) -> None:
+        """Copy the weights of the Hugging Face decoder layer this one replaces (layer_weight_map's mapping); each of
+        our parameters takes requires_grad from its first Hugging Face part.
+
+        Args:
+            hf_layer: the Hugging Face decoder layer.
+        Raises:
+            NotImplementedError: the Hugging Face layer has parameters the mapping does not cover (e.g. MLP biases).
+        """
+        table = layer_weight_map(self.shape)
+        hf_params = dict(hf_layer.named_parameters())
+        unmapped = set(hf_params) - {part.hf_name for fused in table for part in fused.parts}
+        if unmapped:
+            raise NotImplementedError(f"{type(hf_layer).__name__}: parameters {sorted(unmapped)} have no place in "
+                                      f"TransformerLayer")
+        ours = dict(self.named_parameters())
+        for name, tensor in fuse_hf_weights(hf_params, table).items():
+            ours[name].copy_(tensor)
+        for fused in table:
+            ours[fused.name].requires_grad_(hf_params[fused.parts[0].hf_name].requires_grad)
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, is_first_microbatch=None, cache=None, **kwargs):
+                position_embeddings=None, is_first_microbatch=None, cache=None, cache_position=None, **kwargs):
         """position_embeddings (Hugging Face's cos/sin) is not read: the angles come from position_ids and the
-        config's rope_theta, the same numbers computed in float32. The KV cache arrives as `cache` (transformers
-        >= 5.2x) or `past_key_values` (older); either is refused while the layer keeps no cache."""
-        for name, value in (("cache", cache), ("past_key_values", past_key_values)):
-            if value is not None:
-                raise NotImplementedError(f"{name}: the converted Llama layers keep no KV cache; call the model "
-                                          f"with use_cache=False (convert_llama sets config.use_cache = False)")
+        config's RoPE parameters, the same numbers computed in float32. The KV cache arrives as `cache`
+        (transformers >= 5.2x) or `past_key_values` (earlier, with cache_position): see the module docstring."""
+        cache = pick_cache(cache, past_key_values)
         batch, seq_len = hidden_states.shape[:2]
+        checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        if cache is not None and checkpointed:  # the recompute would write the cache twice: transformers' rule
+            _warn_once("gradient checkpointing in training: the KV cache is not filled (as transformers does)")
+            cache = None
+        if cache is not None and _is_first_dynamic_fill(cache, self.layer_idx):
+            return self._prefill(hidden_states, attention_mask, position_ids, cache, cache_position,
+                                 is_first_microbatch)
+        if cache is not None:
+            if position_ids is None:  # (transformers always passes them; this is for direct calls)
+                start = cache.get_seq_length(self.layer_idx) if cache_position is None else cache_position[:1]
+                position_ids = (torch.arange(seq_len, device=hidden_states.device) + start)[None]
+            freqs = self._rope(position_ids, seq_len, hidden_states.device)
+            return self._cached_forward(hidden_states, attention_mask, freqs, cache, cache_position,
+                                        is_first_microbatch)
         mask, mask_type = _attention_args(attention_mask, batch, seq_len)
         freqs = self._rope(position_ids, seq_len, hidden_states.device)
         layer_args = dict(attention_mask=mask, self_attn_mask_type=mask_type, rotary_pos_emb=freqs,
                           is_first_microbatch=is_first_microbatch)
-        if self.gradient_checkpointing and self.training:
+        if checkpointed:
             return checkpoint(self.layer, hidden_states, **layer_args)
         return self.layer(hidden_states, **layer_args)
 
+    def _prefill(self, hidden_states, attention_mask, position_ids, cache, cache_position, is_first_microbatch):
+        """The first tokens into an empty dynamic cache (a prompt; also a plain forward with use_cache=True): the
+        fused TransformerLayer forward, as without a cache, whose attention inputs k and v then go to the cache."""
+        self._captured_kv = ()
+        try:
+            out = self.forward(hidden_states, attention_mask, position_ids, is_first_microbatch=is_first_microbatch)
+            k, v = self._captured_kv
+        finally:
+            self._captured_kv = None
+        keys, _ = update_cache(cache, k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, cache_position)
+        if keys.shape[2] != hidden_states.shape[1]:
+            raise RuntimeError(f"cache: layer {self.layer_idx} was empty, but after this prefill holds "
+                               f"{keys.shape[2]} positions instead of {hidden_states.shape[1]}")
+        return out
 
-def convert_llama(model, params_dtype=None, fuse_wgrad_accumulation=False):
-    """Replace every Hugging Face LlamaDecoderLayer (or MistralDecoderLayer) inside `model` by a
-    LlamaTransformerLayer with its weights, and the RMSNorm left outside them (the final norm) by ours; in place,
-    returns `model`.
+    def _cached_forward(self, hidden_states, attention_mask, freqs, cache, cache_position, is_first_microbatch):
+        """The layer with its keys and values appended to `cache` (see the module docstring)."""
+        attn = self.layer.self_attention
+        batch, q_len = hidden_states.shape[:2]
+        qkv = attn.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+        q, k, v = attn._split_qkv(qkv)  # [b, s, heads, d] views
+        if attn.q_norm is not None and attn.qk_norm_before_rope:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = attn.rotate_qk(q, k, v, freqs, "bshd")
+        if attn.q_norm is not None and not attn.qk_norm_before_rope:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        keys, values = update_cache(cache, k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, cache_position)
+        mask = cached_attention_mask(attention_mask, batch, q_len, keys.shape[2], hidden_states.device)
+        context = scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                               scale=attn.core_attention.softmax_scale)  # [b, h, q_len, d]
+        context = context.transpose(1, 2).reshape(batch, q_len, -1)
+        hidden = attn.proj(context, is_first_microbatch=is_first_microbatch, residual=hidden_states)
+        return self.layer.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch, residual=hidden)
 
-    params_dtype: dtype of the new parameters (default: each layer's own weight dtype); they go on the layer's device.
-    fuse_wgrad_accumulation: the GEMM weights' gradients accumulate into `weight.main_grad` (FP32, to be attached).
-    The config is checked (SiLU, no biases, RoPE "default" or "linear", no sliding window). `config.use_cache` is set to False (no KV
-    cache) and the mask builder to "sdpa" (which passes no mask for causal attention without padding).
-    Checkpoints: save and load the converted model's state_dict (load it into a converted model of the same config).
+
+def _is_first_dynamic_fill(cache, layer_idx: int) -> bool:
+    """Whether this layer's part of `cache` is empty and grows with what is appended (a dynamic cache: after the
+    update it holds exactly this step's keys). Static caches (transformers marks them compileable) are not."""
+    if getattr(cache, "is_compileable", False):
+        return False
+    return int(cache.get_seq_length(layer_idx)) == 0
+
+
+def convert_llama(model: nn.Module, params_dtype: torch.dtype | None = None,
+                  fuse_wgrad_accumulation: bool = False) -> nn.Module:
+    """convert_model for a Llama-like model (kept for existing callers): every Llama, Mistral, Qwen2 or Qwen3
+    decoder layer becomes a LlamaTransformerLayer, the final RMSNorm ours; in place.
+
+    Args:
+        model: a Hugging Face model of one of those families.
+        params_dtype: dtype of the new parameters (default: each layer's own weight dtype).
+        fuse_wgrad_accumulation: the GEMM weights' gradients accumulate into `weight.main_grad`.
+    Returns:
+        `model`.
+    Raises:
+        ValueError: no decoder layer of a supported family in `model`. NotImplementedError: a configuration the
+        layer cannot compute exactly (see convert_model).
     """
-    layers = [(name, m) for name, m in model.named_modules() if type(m).__name__ in HF_LAYER_CLASSES]
-    if not layers:
-        raise ValueError(f"model: no {' or '.join(HF_LAYER_CLASSES)} found in {type(model).__name__}")
-    config = layers[0][1].self_attn.config
-    _check_config(config)
-    rope = _RopeAngles(config)
-    for name, hf_layer in layers:
-        weight = hf_layer.self_attn.q_proj.weight
-        new = LlamaTransformerLayer(config, rope, params_dtype or weight.dtype, weight.device,
-                                    fuse_wgrad_accumulation)
-        new.load_hf_layer(hf_layer)
-        new.train(hf_layer.training)
-        parent_name, _, child_name = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child_name, new)
-    for name, hf_norm in [(name, m) for name, m in model.named_modules() if type(m).__name__ in HF_NORM_CLASSES]:
-        parent_name, _, child_name = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child_name, _converted_norm(hf_norm, config, params_dtype))
-    config.use_cache = False
-    config._attn_implementation = "sdpa"
-    return model
-
-
-def _converted_norm(hf_norm, config, params_dtype):
-    """Our RMSNorm with the weight (and epsilon) of a Hugging Face LlamaRMSNorm, on its device."""
-    weight = hf_norm.weight
-    norm = RMSNorm(weight.shape[0], eps=getattr(hf_norm, "variance_epsilon", config.rms_norm_eps),
-                   params_dtype=params_dtype or weight.dtype, device=weight.device)
-    with torch.no_grad():
-        norm.weight.copy_(weight)
-    norm.weight.requires_grad_(weight.requires_grad)
-    return norm.train(hf_norm.training)
+    from .convert_model import convert_model  # (convert_model.py imports this module)
+    return convert_model(model, params_dtype=params_dtype, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                         fallback=False)

@@ -24,10 +24,12 @@ from .attention_varlen import check_packed_qkv, packed_attention
 from .base import _allow_missing_extra_state
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
+from .norm import RMSNorm
 from ._residual_relay import ResidualGradRelay
 from .qkv_split import split_qkv
 from .rope import apply_rotary_pos_emb
 
+QK_NORM_TYPES = (None, "RMSNorm")  # TE's "L2Normalization" and "LayerNorm" are not implemented
 ATTN_MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
 QKV_FORMATS = ("sbhd", "bshd", "bhsd", "thd")  # "bhsd" (SDPA's layout) and "thd" (packed): DotProductAttention only
 # 4-D qkv_format -> (its sequence, batch and heads dims)
@@ -326,6 +328,11 @@ class MultiheadAttention(nn.Module):
     its (normalised) input along the sequence, in FP8 inside fp8_autocast. Attention dropout then draws from the RNG
     tracker's "model-parallel-rng" state when it has one (distributed.get_rng_state_tracker(): seed it per rank for
     independent masks). return_layernorm_output is not supported with TP.
+
+    qk_norm_type="RMSNorm" (TE's argument; as Qwen3): an RMSNorm over kv_channels on every q and k head (weights
+    `q_norm.weight`, `k_norm.weight` [kv_channels], eps qk_norm_eps), after RoPE, or before it with
+    qk_norm_before_rope=True. It runs in high precision (also inside fp8_autocast: the norms sit between the QKV
+    GEMM and attention).
     """
 
     def __init__(self, hidden_size, num_attention_heads, kv_channels=None, attention_dropout=0.1,
@@ -335,8 +342,11 @@ class MultiheadAttention(nn.Module):
                  return_layernorm_output=False, input_layernorm=False, attention_type="self",
                  set_parallel_mode=False, fuse_qkv_params=False, zero_centered_gamma=False,
                  qkv_weight_interleaved=True, bias=True, normalization="LayerNorm", device="cuda",
-                 attn_input_format=None, qkv_format="sbhd"):
+                 attn_input_format=None, qkv_format="sbhd", qk_norm_type=None, qk_norm_eps=1e-6,
+                 qk_norm_before_rope=False):
         super().__init__()
+        if qk_norm_type not in QK_NORM_TYPES:
+            raise NotImplementedError(f"qk_norm_type: supported {QK_NORM_TYPES}, got {qk_norm_type!r}")
         if attention_type != "self":
             raise NotImplementedError(f"attention_type: only 'self' is supported, got {attention_type!r}")
         if return_layernorm_output and not input_layernorm:
@@ -379,11 +389,25 @@ class MultiheadAttention(nn.Module):
             attn_mask_type=attn_mask_type, qkv_format=self.qkv_format, layer_number=layer_number)
         self.proj = Linear(num_attention_heads * kv_channels, hidden_size, init_method=output_layer_init_method,
                            return_bias=return_bias, **row, **common)
+        self.qk_norm_before_rope = bool(qk_norm_before_rope)
+        if qk_norm_type == "RMSNorm":  # one weight [kv_channels] shared by all heads, as TE's q_norm / k_norm
+            norm_args = dict(eps=qk_norm_eps, params_dtype=params_dtype, device=device)
+            self.q_norm, self.k_norm = RMSNorm(kv_channels, **norm_args), RMSNorm(kv_channels, **norm_args)
+        else:
+            self.q_norm = self.k_norm = None
 
     def _split_qkv(self, qkv, fold=False):
         """[*lead, (h + 2g) * d] -> q [*lead, h, d], k and v [*lead, g, d]; fold: the groups folded into the batch
         (see qkv_split.py)."""
         return split_qkv(qkv, self.heads, self.groups, self.head_dim, self.qkv_weight_interleaved, fold)
+
+    @staticmethod
+    def rotate_qk(q, k, v, rotary_pos_emb, tensor_format):
+        """RoPE on q and k (rotary_pos_emb: freqs, or a (q_freqs, k_freqs) pair) -> (q, k, v), v made contiguous:
+        q and k are new tensors now, and a view v alone would keep the whole QKV output alive."""
+        q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+        return (apply_rotary_pos_emb(q, q_freqs, tensor_format), apply_rotary_pos_emb(k, k_freqs, tensor_format),
+                v.contiguous())
 
     def _folds_groups(self, attention_mask, attn_mask_type, rotary_pos_emb):
         """Whether q, k, v go to the attention as views of the QKV output with the GQA groups folded into the batch
@@ -413,11 +437,12 @@ class MultiheadAttention(nn.Module):
             qkv = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
         fold = self._folds_groups(attention_mask, attn_mask_type, rotary_pos_emb)
         q, k, v = self._split_qkv(qkv, fold)
+        if self.q_norm is not None and (self.qk_norm_before_rope or rotary_pos_emb is None):
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary_pos_emb is not None:
-            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            q = apply_rotary_pos_emb(q, q_freqs, self.qkv_format)
-            k = apply_rotary_pos_emb(k, k_freqs, self.qkv_format)
-            v = v.contiguous()  # q and k are new tensors now: a view v alone would keep the whole QKV output alive
+            q, k, v = self.rotate_qk(q, k, v, rotary_pos_emb, self.qkv_format)
+            if self.q_norm is not None and not self.qk_norm_before_rope:
+                q, k = self.q_norm(q), self.k_norm(k)
         with model_parallel_rng(self.tp is not None):  # dropout on this rank's heads
             if checkpoint_core_attention and torch.is_grad_enabled():
                 from ..checkpoint import checkpoint  # (here: checkpoint.py imports the modules)

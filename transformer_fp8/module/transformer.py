@@ -27,7 +27,8 @@ class TransformerLayer(nn.Module):
     across ranks (see MultiheadAttention and LayerNormMLP); with sequence_parallel the input and output are this
     rank's sequence block ("sbhd"), and the norms, residual adds and hidden dropout run on it (the QKV and FC1 inputs
     are all-gathered after their norms, in FP8 inside fp8_autocast) (hidden dropout then draws
-    from the RNG tracker's "model-parallel-rng" state when it has one: see distributed.model_parallel_rng)."""
+    from the RNG tracker's "model-parallel-rng" state when it has one: see distributed.model_parallel_rng).
+    qk_norm_type, qk_norm_eps, qk_norm_before_rope: per-head q/k norms, see MultiheadAttention."""
 
     def __init__(self, hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups=None,
                  layernorm_epsilon=1e-5, hidden_dropout=0.1, attention_dropout=0.1, init_method=None,
@@ -36,7 +37,8 @@ class TransformerLayer(nn.Module):
                  sequence_parallel=False, apply_residual_connection_post_layernorm=False, output_layernorm=False,
                  layer_type="encoder", drop_path_rate=0.0, set_parallel_mode=False, fuse_qkv_params=False,
                  fuse_wgrad_accumulation=False, zero_centered_gamma=False, qkv_weight_interleaved=True, bias=True,
-                 activation="gelu", normalization="LayerNorm", device="cuda", attn_input_format="sbhd"):
+                 activation="gelu", normalization="LayerNorm", device="cuda", attn_input_format="sbhd",
+                 qk_norm_type=None, qk_norm_eps=1e-6, qk_norm_before_rope=False):
         super().__init__()
         if output_layernorm or layer_type != "encoder":
             raise NotImplementedError("output_layernorm and layer_type='decoder' are not supported")
@@ -56,7 +58,8 @@ class TransformerLayer(nn.Module):
             output_layer_init_method=output_layer_init_method, layer_number=layer_number,
             attn_mask_type=self_attn_mask_type, input_layernorm=True,
             return_layernorm_output=apply_residual_connection_post_layernorm, fuse_qkv_params=fuse_qkv_params,
-            qkv_weight_interleaved=qkv_weight_interleaved, attn_input_format=attn_input_format, **common)
+            qkv_weight_interleaved=qkv_weight_interleaved, attn_input_format=attn_input_format,
+            qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps, qk_norm_before_rope=qk_norm_before_rope, **common)
         mlp_extra = dict(return_layernorm_output=True) if apply_residual_connection_post_layernorm else {}
         self.layernorm_mlp = LayerNormMLP(
             hidden_size, ffn_hidden_size, eps=layernorm_epsilon, activation=activation, init_method=init_method,

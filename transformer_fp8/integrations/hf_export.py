@@ -1,0 +1,90 @@
+"""The way back: a converted model's weights under Hugging Face names, as a plain transformers checkpoint.
+
+`to_hf_state_dict(model)` rewrites `model.state_dict()`: the parameters of every converted decoder layer are split
+into the Hugging Face tensors they were made of (hf_mapping.layer_weight_map), FP8 weights (fp8_model_init) are
+dequantized, Linear layers converted from transformers' Conv1D get their [in, out] weight back, and our FP8 scaling
+state (`_extra_state`) is left out. `save_hf_pretrained(model, directory)` passes that state dict to the model's own
+`save_pretrained`, so the directory loads with plain transformers (`AutoModelForCausalLM.from_pretrained`, without
+transformer_fp8). convert_model makes `model.save_pretrained` do the same. Nothing here imports transformers.
+"""
+import functools
+import os
+
+import torch
+import torch.nn as nn
+
+from ..float8_tensor import Float8Tensor
+from .hf_mapping import split_fused_weights, layer_weight_map
+
+EXTRA_STATE_SUFFIX = "_extra_state"
+
+
+def _plain(tensor: torch.Tensor, dtype: torch.dtype | None, device) -> torch.Tensor:
+    """A detached dense copy (FP8 weights dequantized), of its own storage (safetensors refuses shared storage)."""
+    if isinstance(tensor, Float8Tensor):
+        tensor = tensor.dequantize(dtype)
+    tensor = tensor.detach().to(device=device, dtype=dtype)
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _is_converted_layer(module: nn.Module) -> bool:
+    from .llama import LlamaTransformerLayer  # (llama.py imports the mapping that this module shares)
+    return isinstance(module, LlamaTransformerLayer)
+
+
+@torch.no_grad()
+def to_hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None, device=None) -> dict[str, torch.Tensor]:
+    """The state dict of a converted model under the Hugging Face names of the model it was converted from.
+
+    Args:
+        model: a model converted by convert_model / convert_llama / convert_linear_layers (or never converted).
+        dtype: dtype of the floating-point tensors (default: each parameter's own; FP8 weights: their
+            high-precision dtype).
+        device: where the tensors go (default: where they are), e.g. "cpu" to save a GPU model's copy in host memory.
+    Returns:
+        name -> tensor, every tensor a copy with its own storage (tied weights: one copy per name).
+    """
+    state = model.state_dict(keep_vars=False)
+    modules = dict(model.named_modules())
+    converted = [name for name, m in modules.items() if _is_converted_layer(m)]
+    transposed = {name for name, m in modules.items() if getattr(m, "hf_transposed_weight", False)}
+    out = {}
+    for prefix in converted:
+        ours = {key[len(prefix) + 1:]: t for key, t in state.items() if key.startswith(prefix + ".")}
+        for hf_name, tensor in split_fused_weights(ours, layer_weight_map(modules[prefix])).items():
+            out[f"{prefix}.{hf_name}"] = tensor
+    converted_prefixes = tuple(prefix + "." for prefix in converted)
+    for key, tensor in state.items():
+        if key.endswith(EXTRA_STATE_SUFFIX) or key.startswith(converted_prefixes):
+            continue
+        owner, _, leaf = key.rpartition(".")
+        out[key] = tensor.t() if leaf == "weight" and owner in transposed else tensor
+    return {key: _plain(tensor, dtype if tensor.is_floating_point() else None, device) for key, tensor in out.items()}
+
+
+def save_hf_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> None:
+    """Write a converted Hugging Face model as a plain transformers checkpoint (config + safetensors).
+
+    Args:
+        model: a converted transformers PreTrainedModel (it keeps its config and save_pretrained).
+        save_directory: the output directory (created if missing).
+        **kwargs: passed to transformers' save_pretrained (max_shard_size, safe_serialization, ...); a `dtype`
+            keyword sets the saved tensors' dtype (see to_hf_state_dict).
+    Raises:
+        TypeError: `model` has no transformers save_pretrained, or a state_dict is passed (it is computed here).
+    """
+    original = getattr(type(model), "save_pretrained", None)
+    if original is None:
+        raise TypeError(f"model: expected a transformers PreTrainedModel (with save_pretrained), got "
+                        f"{type(model).__name__}; use to_hf_state_dict(model) and save it yourself")
+    if "state_dict" in kwargs:
+        raise TypeError("state_dict: computed by save_hf_pretrained (to_hf_state_dict(model)); do not pass one")
+    state_dict = to_hf_state_dict(model, dtype=kwargs.pop("dtype", None))
+    original(model, save_directory, state_dict=state_dict, **kwargs)
+
+
+def route_save_pretrained(model: nn.Module) -> None:
+    """Make `model.save_pretrained(...)` write the Hugging Face checkpoint (save_hf_pretrained) for this instance:
+    the class's own would write our parameter names, which transformers cannot load."""
+    if hasattr(type(model), "save_pretrained"):
+        model.save_pretrained = functools.partial(save_hf_pretrained, model)
