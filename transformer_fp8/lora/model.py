@@ -1,0 +1,199 @@
+"""add_lora, merge_lora, remove_lora, cast_frozen_weights_to_fp8: LoRA on a converted model, by Hugging Face names."""
+import math
+
+import torch
+import torch.nn as nn
+
+from ..float8_tensor import Float8Tensor
+from ..module.linear import Linear
+from ..recipe import FP8_MAX
+from .adapter import LoraAdapter
+from .layers import attach_adapter, detach_adapters, is_lora_module
+from .targets import GEMM_WEIGHTS, is_fp8_gemm_module, select_projections
+
+DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Llama-like models
+
+
+def _check_args(r, alpha, dropout, use_rslora, dtype):
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise ValueError(f"r: expected a positive int (the adapters' rank), got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"alpha: expected a finite number > 0 (the update is scaled by alpha / r), got {alpha!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout!r}")
+    if not isinstance(use_rslora, bool):
+        raise TypeError(f"use_rslora: expected a bool, got {use_rslora!r}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in FP8_MAX):
+        raise TypeError(f"dtype: expected None or a high-precision floating dtype for the adapters, got {dtype!r}")
+
+
+def lora_adapters(model: nn.Module) -> dict[str, LoraAdapter]:
+    """The LoRA adapters of `model` by the qualified name of the Hugging Face module each adapts.
+
+    Args:
+        model: a model with adapters (add_lora), or without (an empty dict).
+    Returns:
+        {hf_name: adapter}, in module order.
+    """
+    return {a.hf_name: a for m in model.modules() if is_lora_module(m) for a in m.lora.values()}
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapters' parameters (lora_A and lora_B weights): what the optimizer trains.
+
+    Args:
+        model: a model with adapters.
+    Returns:
+        The parameters, in module order.
+    """
+    return [p for a in lora_adapters(model).values() for p in a.parameters()]
+
+
+def add_lora(model: nn.Module, r: int = 16, alpha: float = 32, dropout: float = 0.0,
+             target_modules=DEFAULT_TARGETS, use_rslora: bool = False, fp8_weights: bool = False,
+             freeze_base: bool = True, dtype: torch.dtype | None = None) -> nn.Module:
+    """Add LoRA adapters to the projections of a converted model named as in Hugging Face (PEFT's LoraConfig).
+
+    Each adapted projection gets A [r, in] (Kaiming-uniform) and B [out, r] (zeros), and its output gains
+    alpha / r * B A dropout(x) (see adapter.py); on a fused GEMM (q|k|v, gate|up) only its own rows do.
+
+    Args:
+        model: converted by transformer_fp8.integrations.convert_llama / convert_model (decoder layers) and/or
+            convert_linear_layers (transformer_fp8.Linear layers).
+        r: the adapters' rank (> 0).
+        alpha: the scaling numerator (> 0): updates are scaled by alpha / r.
+        dropout: dropout probability on the adapters' input in training, in [0, 1).
+        target_modules: Hugging Face module names such as ("q_proj", "v_proj", "gate_proj"), each matching the
+            modules whose qualified name equals it or ends with "." + it; or a regular expression string the whole
+            qualified name must match; or "all-linear" (every projection but lm_head). Each name must match.
+        use_rslora: scale by alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r.
+        fp8_weights: store the frozen GEMM weights as FP8 Float8Tensors (half the memory of BF16; see
+            cast_frozen_weights_to_fp8). Needs freeze_base.
+        freeze_base: set requires_grad False on every parameter of the model but the adapters (PEFT does too).
+        dtype: the adapters' dtype (default: each adapted module's params_dtype).
+    Returns:
+        `model`, changed in place.
+    Raises:
+        ValueError / TypeError: a bad argument (named), a target that matches nothing, or a projection that has an
+            adapter already.
+        NotImplementedError: a projection inside a tensor-parallel module.
+    """
+    _check_args(r, alpha, dropout, use_rslora, dtype)
+    if not isinstance(fp8_weights, bool) or not isinstance(freeze_base, bool):
+        raise TypeError(f"fp8_weights, freeze_base: expected bools, got {fp8_weights!r}, {freeze_base!r}")
+    if fp8_weights and not freeze_base:
+        raise ValueError("fp8_weights=True needs freeze_base=True (FP8 weights are for frozen base weights)")
+    projections = select_projections(model, target_modules)
+    existing = lora_adapters(model)
+    taken = [p.hf_name for p in projections if p.hf_name in existing]
+    if taken:
+        raise ValueError(f"target_modules: {taken[:3]}{' ...' if len(taken) > 3 else ''} already have LoRA adapters "
+                         f"(merge_lora or remove_lora first)")
+    for p in projections:
+        module = model.get_submodule(p.module_name)
+        weight = getattr(module, p.gemm)
+        adapter = LoraAdapter(weight.shape[1], p.row_end - p.row_start, r, alpha, float(dropout), use_rslora,
+                              p.row_start, p.gemm, p.hf_name, dtype or module.params_dtype, weight.device)
+        attach_adapter(module, adapter, p.module_name)
+    if freeze_base:
+        adapter_params = {id(p) for p in lora_parameters(model)}
+        for param in model.parameters():
+            if id(param) not in adapter_params:
+                param.requires_grad_(False)
+    if fp8_weights:
+        cast_frozen_weights_to_fp8(model)
+    return model
+
+
+def _refresh_fp8_flags(module: nn.Module) -> None:
+    """After a module's GEMM weights changed kind (FP8 <-> high precision): the flags its forward reads."""
+    module._fp8_params = any(isinstance(getattr(module, g), Float8Tensor)
+                             for g in GEMM_WEIGHTS.get(_base_type(module), ()))
+    if isinstance(module, Linear):  # (Linear's one-call paths take high-precision weights only)
+        module._plain = module.tp is None and not module.return_bias and not module.fuse_wgrad_accumulation and \
+            not module._fp8_params
+    module._weight_cache.clear()
+
+
+def _base_type(module):
+    return next(cls for cls in GEMM_WEIGHTS if isinstance(module, cls))
+
+
+@torch.no_grad()
+def cast_frozen_weights_to_fp8(model: nn.Module, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> int:
+    """Store every frozen GEMM weight of our modules (requires_grad False) as an FP8 Float8Tensor, in place.
+
+    Each weight is quantized with one scale from its own amax (Float8Tensor.from_hp): one byte an element instead
+    of two, and no cast of it in any step (inside fp8_autocast the GEMMs read the FP8 bytes; the backward's dgrad
+    takes their byte transpose). Outside fp8_autocast the modules compute with the dequantized weight.
+
+    Args:
+        model: any model holding transformer_fp8 Linear / LayerNormLinear / LayerNormMLP modules.
+        fp8_dtype: torch.float8_e4m3fn (default) or torch.float8_e5m2.
+    Returns:
+        The number of weights cast.
+    """
+    if fp8_dtype not in FP8_MAX:
+        raise TypeError(f"fp8_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    count = 0
+    for module in model.modules():
+        if not is_fp8_gemm_module(module):
+            continue
+        changed = False
+        for name in GEMM_WEIGHTS[_base_type(module)]:
+            weight = getattr(module, name)
+            if isinstance(weight, Float8Tensor) or weight.requires_grad:
+                continue
+            setattr(module, name, nn.Parameter(Float8Tensor.from_hp(weight.detach().contiguous(), fp8_dtype),
+                                               requires_grad=False))
+            changed, count = True, count + 1
+        if changed:
+            _refresh_fp8_flags(module)
+    return count
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (W[rows] += scale * B A) and remove the adapters, in place.
+
+    An FP8 (Float8Tensor) base weight is dequantized and the merged weight kept in high precision (its fake dtype,
+    the module's params_dtype): merging into FP8 would round the update away. The model then computes what it
+    computed with the adapters (up to rounding), and its state dict is the converted model's (for export, e.g. the
+    Hugging Face checkpoint writer of transformer_fp8.integrations).
+
+    Args:
+        model: a model with adapters (add_lora).
+    Returns:
+        `model`.
+    Raises:
+        ValueError: the model has no adapters.
+    """
+    modules = [m for m in model.modules() if is_lora_module(m)]
+    if not modules:
+        raise ValueError("model: has no LoRA adapters to merge (add_lora or load_lora first)")
+    for module in modules:
+        for adapter in module.lora.values():
+            weight = getattr(module, adapter.gemm)
+            if isinstance(weight, Float8Tensor):
+                merged = weight.dequantize(torch.float32)
+                merged[adapter.row_start:adapter.row_end] += adapter.delta_weight().to(merged.device)
+                setattr(module, adapter.gemm, nn.Parameter(merged.to(weight.dtype), requires_grad=False))
+            else:
+                rows = weight[adapter.row_start:adapter.row_end]
+                rows.copy_((rows.float() + adapter.delta_weight().to(rows.device)).to(weight.dtype))
+        detach_adapters(module)
+        _refresh_fp8_flags(module)
+    return model
+
+
+def remove_lora(model: nn.Module) -> nn.Module:
+    """Remove every adapter without merging (the base model again), in place.
+
+    Args:
+        model: a model with or without adapters.
+    Returns:
+        `model`.
+    """
+    for module in [m for m in model.modules() if is_lora_module(m)]:
+        detach_adapters(module)
+    return model
