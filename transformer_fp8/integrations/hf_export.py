@@ -77,7 +77,7 @@ def save_hf_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kw
     if original is None:
         raise TypeError(f"model: expected a transformers PreTrainedModel (with save_pretrained), got "
                         f"{type(model).__name__}; use to_hf_state_dict(model) and save it yourself")
-    if "state_dict" in kwargs:
+    if kwargs.pop("state_dict", None) is not None:  # (transformers' Trainer passes state_dict=None)
         raise TypeError("state_dict: computed by save_hf_pretrained (to_hf_state_dict(model)); do not pass one")
     state_dict = to_hf_state_dict(model, dtype=kwargs.pop("dtype", None))
     original(model, save_directory, state_dict=state_dict, **kwargs)
