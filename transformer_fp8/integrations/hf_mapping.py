@@ -1,7 +1,8 @@
 """Which Hugging Face weights of a decoder layer make up which parameter of our converted layer, both ways.
 
-A converted decoder layer (LlamaTransformerLayer, in llama.py, for every family) holds a TransformerLayer as `layer`; some of its
-parameters are the row blocks of several Hugging Face weights stacked in order (Llama names, relative to the layer):
+A converted decoder layer (LlamaTransformerLayer, in llama.py, for every family) holds a TransformerLayer as `layer`;
+some of its parameters are the row blocks of several Hugging Face weights stacked in order (Llama names, relative
+to the layer):
 
     ours (relative to the converted layer)            Hugging Face parts (relative to the HF decoder layer), rows
     layer.self_attention.layernorm_qkv.layer_norm_weight  input_layernorm.weight
@@ -15,8 +16,8 @@ parameters are the row blocks of several Hugging Face weights stacked in order (
 
 A converted layer and the Hugging Face layer it replaced sit under the same module path, so a model-level name is
 `<layer path>.` + either side's name. `layer_weight_map(config)` gives this table for one config;
-`fuse_hf_weights` and `split_fused_weights` apply it to state dicts. The loader (LlamaTransformerLayer.load_hf_layer), the
-exporter (hf_export.py) and the LoRA adapters (rows of q_proj inside the QKV weight, ...) all read it.
+`fuse_hf_weights` and `split_fused_weights` apply it to state dicts. The loader (LlamaTransformerLayer.load_hf_layer),
+the exporter (hf_export.py) and the LoRA adapters (rows of q_proj inside the QKV weight, ...) all read it.
 """
 from collections.abc import Mapping
 from dataclasses import dataclass

@@ -64,12 +64,12 @@ def _sdpa_mask(attention_mask, attn_mask_type, sq, skv, device):
 
 
 def _padding_mask_from_cu_seqlens(cu_seqlens_q, cu_seqlens_kv, attention_mask, mask_type, b, skv, device):
-    """Padded sbhd/bshd/bhsd batches described by offsets (TE's cu_seqlens): bool [b, 1, 1, skv], True = the key position
-    is padding (from cu_seqlens_kv, or cu_seqlens_q for self-attention). Query rows past a sequence's length are not
-    masked (their outputs are finite, and padding). Device ops only: no host sync."""
+    """Padded sbhd/bshd/bhsd batches described by offsets (TE's cu_seqlens): bool [b, 1, 1, skv], True = the key
+    position is padding (from cu_seqlens_kv, or cu_seqlens_q for self-attention). Query rows past a sequence's length
+    are not masked (their outputs are finite, and padding). Device ops only: no host sync."""
     if "padding" not in mask_type:
-        raise ValueError(f"cu_seqlens_q/cu_seqlens_kv: with qkv_format 'sbhd'/'bshd'/'bhsd' they describe padding and need "
-                         f"attn_mask_type 'padding' or 'padding_causal', got {mask_type!r}")
+        raise ValueError(f"cu_seqlens_q/cu_seqlens_kv: with qkv_format 'sbhd'/'bshd'/'bhsd' they describe padding "
+                         f"and need attn_mask_type 'padding' or 'padding_causal', got {mask_type!r}")
     if attention_mask is not None:
         raise ValueError("attention_mask: give either attention_mask or cu_seqlens_q/cu_seqlens_kv, not both")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
@@ -167,8 +167,8 @@ class DotProductAttention(nn.Module):
     variable TFP8_ATTENTION_BACKEND, else "cudnn" when this build has the attention family, else "torch".
 
     FP8 attention: inside fp8_autocast with a DelayedScaling(fp8_dpa=True) recipe, "no_mask" / "causal" attention
-    without dropout (sbhd / bshd / bhsd) runs in FP8 (attention_fp8.py: q, k, v, probabilities and output in FP8 with the
-    module's own delayed-scaling state, gradients in the recipe's backward format), whatever attention_backend says;
+    without dropout (sbhd / bshd / bhsd) runs in FP8 (attention_fp8.py: q, k, v, probabilities and output in FP8 with
+    the module's own delayed-scaling state, gradients in the recipe's backward format), whatever attention_backend says;
     other cases run as above, after one warning per reason.
     """
 
