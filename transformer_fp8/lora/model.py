@@ -94,6 +94,7 @@ def add_lora(model: nn.Module, r: int = 16, alpha: float = 32, dropout: float = 
         weight = getattr(module, p.gemm)
         adapter = LoraAdapter(weight.shape[1], p.row_end - p.row_start, r, alpha, float(dropout), use_rslora,
                               p.row_start, p.gemm, p.hf_name, dtype or module.params_dtype, weight.device)
+        adapter.train(module.training)  # (its dropout follows the model's mode)
         attach_adapter(module, adapter, p.module_name)
     if freeze_base:
         adapter_params = {id(p) for p in lora_parameters(model)}
