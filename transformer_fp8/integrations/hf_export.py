@@ -8,6 +8,7 @@ state (`_extra_state`) is left out. `save_hf_pretrained(model, directory)` passe
 transformer_fp8). convert_model makes `model.save_pretrained` do the same. Nothing here imports transformers.
 """
 import functools
+import json
 import os
 
 import torch
@@ -79,8 +80,24 @@ def save_hf_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kw
                         f"{type(model).__name__}; use to_hf_state_dict(model) and save it yourself")
     if kwargs.pop("state_dict", None) is not None:  # (transformers' Trainer passes state_dict=None)
         raise TypeError("state_dict: computed by save_hf_pretrained (to_hf_state_dict(model)); do not pass one")
-    state_dict = to_hf_state_dict(model, dtype=kwargs.pop("dtype", None))
-    original(model, save_directory, state_dict=state_dict, **kwargs)
+    dtype = kwargs.pop("dtype", None)
+    original(model, save_directory, state_dict=to_hf_state_dict(model, dtype=dtype), **kwargs)
+    if dtype is not None:
+        _record_dtype(save_directory, dtype)
+
+
+def _record_dtype(save_directory, dtype: torch.dtype) -> None:
+    """Write the saved tensors' dtype into config.json (transformers wrote the model's parameter dtype there), so
+    that from_pretrained's default loads them as saved."""
+    path = os.path.join(save_directory, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        config = json.load(f)
+    keys = [key for key in ("dtype", "torch_dtype") if key in config] or ["dtype"]
+    config.update({key: str(dtype).removeprefix("torch.") for key in keys})
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 def route_save_pretrained(model: nn.Module) -> None:
