@@ -17,7 +17,8 @@ master copies of them (fused AdamW on CUDA). Both runs compute the loss with --l
 layers (weights cast once per step); --fuse-wgrad makes those layers accumulate their weight gradients into FP32
 `weight.main_grad`, which the optimizer reads. --activation-checkpointing recomputes each decoder layer in the
 backward (both runs; transformer_fp8.checkpoint in the FP8 one). Prints loss, tokens/s and peak GPU memory of each
-run; writes loss.png and summary.json under --out. Needs transformers (and optionally tqdm, matplotlib).
+run; writes loss.png and summary.json under --out; --save-hf OUT writes each trained model as a plain Hugging Face
+checkpoint (OUT/bf16, OUT/fp8). Needs transformers (and optionally tqdm, matplotlib).
 Bad arguments (a --model folder that does not exist, non-positive counts, --device cuda without a GPU) are refused
 before anything loads, with a message naming the flag.
 """
@@ -33,7 +34,7 @@ import torch
 
 import transformer_fp8 as te
 from transformer_fp8.integrations import (causal_lm_loss, convert_linear_layers, convert_llama,
-                                          gradient_checkpointing_enable, microbatch)
+                                          gradient_checkpointing_enable, microbatch, save_hf_pretrained)
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 PARAMS_DTYPE = torch.bfloat16
@@ -258,6 +259,16 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def save_hf_checkpoint(model, tokenizer, folder):
+    """The trained model (converted or not) as a plain Hugging Face checkpoint, with the KV cache switched back on
+    in its config (training turned it off) and the tokenizer when it is a Hugging Face one."""
+    model.config.use_cache = True
+    save_hf_pretrained(model, folder)
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(folder)
+    print(f"Hugging Face checkpoint: {folder}")
+
+
 def checkpoint_path(folder, precision, step):
     return Path(folder) / f"{precision}-step{step:06d}.pt"
 
@@ -331,6 +342,8 @@ def train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, d
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "fp8_modules": fp8_module_counts(model),
     }
+    if args.save_hf:
+        save_hf_checkpoint(model, tokenizer, Path(args.save_hf) / precision)
     del model, optimizer
     gc.collect()
     if cuda:
@@ -463,6 +476,8 @@ def parse_args(argv):
     p.add_argument("--save", help="folder for checkpoints (<precision>-step<N>.pt), written every --save-every "
                                   "steps and after the last")
     p.add_argument("--save-every", type=positive_int, default=100)
+    p.add_argument("--save-hf", metavar="OUT", help="after training, write each run as a plain Hugging Face checkpoint "
+                   "to OUT/<precision> (loads with transformers' from_pretrained, no transformer_fp8 needed)")
     p.add_argument("--resume", help="folder of --save checkpoints: each run continues from its latest one up to "
                                     "--steps (pass the same arguments as the first run)")
     p.add_argument("--out", default="finetune_out", help="folder for summary.json and loss.png")

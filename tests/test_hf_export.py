@@ -122,3 +122,23 @@ def test_save_hf_pretrained_refuses_what_it_cannot_save(tmp_path):
         save_hf_pretrained(torch.nn.Linear(16, 16), tmp_path)
     with pytest.raises(TypeError, match="state_dict: computed by save_hf_pretrained"):
         save_hf_pretrained(convert_model(tiny_model("llama")), tmp_path, state_dict={})
+
+
+def test_finetune_example_save_hf_writes_loadable_checkpoints(tmp_path):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "finetune_llama.py"
+    spec = importlib.util.spec_from_file_location("finetune_llama_save_hf", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--device", "cpu", "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--out",
+                  str(tmp_path / "out"), "--save-hf", str(tmp_path / "hf")])
+    ids = torch.randint(0, 258, (1, 8))
+    logits = {}
+    for precision in ("bf16", "fp8"):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / precision)
+        assert type(loaded) is transformers.LlamaForCausalLM and loaded.config.use_cache
+        with torch.no_grad():
+            logits[precision] = loaded.float()(input_ids=ids).logits
+        assert logits[precision].isfinite().all()
+    assert 0 < rel_error(logits["fp8"], logits["bf16"]) < 0.05  # the same init and batches, FP8 vs BF16 training
