@@ -383,8 +383,119 @@ ax.legend()
 plt.show()'''),
 ]
 
+LORA = [
+    new_markdown_cell("""# LoRA on FP8 base weights
+
+`transformer_fp8.lora` adds LoRA adapters to a converted model, targeted by Hugging Face module names as in PEFT
+(`q_proj`, `gate_proj`, ...). The frozen base weights are stored in FP8 (one byte each) and their GEMMs run in FP8
+inside `fp8_autocast` with no weight-gradient work; only the BF16/FP32 adapters train. The adapters save in PEFT's
+format, so `peft.PeftModel.from_pretrained` puts them on the plain Hugging Face model. A small Llama is initialised
+locally (no download); `examples/finetune_lora.py` is the full script (local checkpoints, BF16 vs FP8 runs)."""),
+    new_code_cell(SETUP),
+    new_code_cell(TIMER),
+    new_code_cell('''import copy
+import json
+import tempfile
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from tqdm import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from transformer_fp8.integrations import causal_lm_loss, convert_llama
+from transformer_fp8.lora import add_lora, lora_parameters, merge_lora, save_lora
+
+if TINY:
+    sizes = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    seq_len, batch_size, steps = 64, 4, 8
+else:
+    sizes = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=4)
+    seq_len, batch_size, steps = 1024, 16, 100
+
+text = (Path.cwd().parent / "examples" / "data" / "corpus.txt").read_text(encoding="utf-8")
+tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)  # bytes as token ids: no tokenizer download
+config = LlamaConfig(vocab_size=256, max_position_embeddings=seq_len, use_cache=False, **sizes)
+torch.manual_seed(0)
+base_model = LlamaForCausalLM(config).to(DEVICE, DTYPE)
+print(f"{sum(p.numel() for p in base_model.parameters()) / 1e6:.1f}M parameters, {tokens.numel():,} tokens")'''),
+    new_markdown_cell("""## Convert, add adapters, store the base in FP8
+
+`add_lora` freezes every parameter but the adapters. On our fused GEMMs an adapter adds to its own rows only:
+q_proj, k_proj and v_proj are row blocks of the QKV GEMM, gate_proj and up_proj of the MLP's first GEMM."""),
+    new_code_cell('''targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+model = convert_llama(copy.deepcopy(base_model))
+bf16_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+add_lora(model, r=16, alpha=32, target_modules=targets, fp8_weights=True, dtype=torch.float32)
+stored = [getattr(p, "_data", p) for p in model.model.layers.parameters() if not p.requires_grad]  # (FP8 bytes)
+fp8_bytes = sum(t.numel() * t.element_size() for t in stored)
+trainable = sum(p.numel() for p in lora_parameters(model))
+print(f"trainable (adapters): {trainable:,} parameters; frozen decoder layers: {bf16_bytes / 2**20:.1f} MiB in "
+      f"BF16 -> {fp8_bytes / 2**20:.1f} MiB with FP8 weights")
+print(model.model.layers[0].layer.self_attention.layernorm_qkv)'''),
+    new_markdown_cell("""## Train the adapters
+
+AdamW on the adapters only; the base GEMMs run in FP8 inside `fp8_autocast`, the loss by `causal_lm_loss`
+(LM head and cross-entropy chunk by chunk)."""),
+    new_code_cell('''fp8_recipe = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16,
+                                    amax_compute_algo="max")
+optimizer = torch.optim.AdamW(lora_parameters(model), lr=3e-3 if TINY else 1e-3)
+generator = torch.Generator().manual_seed(0)
+model.train()
+losses = []
+for step in tqdm(range(steps), desc="LoRA, FP8 base"):
+    starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=generator).tolist()
+    batch = torch.stack([tokens[s:s + seq_len] for s in starts]).to(DEVICE)
+    with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+        loss = causal_lm_loss(model, batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    losses.append(loss.detach())
+losses = torch.stack(losses).float().tolist()  # one host sync, at the end
+print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+fig, ax = plt.subplots(figsize=(7, 4))
+ax.plot(range(1, steps + 1), losses)
+ax.set_xlabel("step")
+ax.set_ylabel("training loss")
+plt.show()'''),
+    new_markdown_cell("""## Save in PEFT's format, reload on the plain Hugging Face model
+
+The folder holds `adapter_config.json` and `adapter_model.safetensors` under Hugging Face module names. PEFT
+loads it onto the original model, with no transformer_fp8 involved, and generates from it."""),
+    new_code_cell('''from peft import PeftModel
+
+adapter_dir = Path(tempfile.mkdtemp()) / "adapter"
+save_lora(model, adapter_dir)
+print(json.loads((adapter_dir / "adapter_config.json").read_text())["target_modules"])
+peft_model = PeftModel.from_pretrained(copy.deepcopy(base_model), adapter_dir).eval()
+model.eval()
+ids = tokens[-seq_len:].view(1, -1).to(DEVICE)
+with torch.no_grad():
+    ours = model(input_ids=ids).logits.float()  # outside fp8_autocast: the dequantized FP8 base weights
+    theirs = peft_model(input_ids=ids).logits.float()
+print(f"PEFT on the plain model vs ours: relative logit difference {rel_error(ours, theirs):.4f} "
+      f"(our base weights are the FP8 copies)")
+prompt = torch.tensor([list("The ".encode())], device=DEVICE)
+with torch.no_grad():
+    sample = peft_model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
+                                 do_sample=False, use_cache=True)
+print(repr(bytes(sample[0].tolist()).decode("utf-8", errors="replace")), "(a random-init model writes noise)")'''),
+    new_markdown_cell("""## Merge for export
+
+`merge_lora` folds each adapter into its base weight (dequantized from FP8: the merged weights are BF16) and removes
+the adapters: the model computes the same, as a plain converted model."""),
+    new_code_cell('''with torch.no_grad():
+    before = model(input_ids=ids).logits.float()
+    merge_lora(model)
+    after = model(input_ids=ids).logits.float()
+print(f"merged vs adapted: relative difference {rel_error(after, before):.5f}")
+print(model.model.layers[0].layer.self_attention.layernorm_qkv)'''),
+]
+
 NOTEBOOKS = {"quickstart.ipynb": QUICKSTART, "performance_optimizations.ipynb": PERFORMANCE,
-             "llama_finetune.ipynb": LLAMA}
+             "llama_finetune.ipynb": LLAMA, "lora_finetune.ipynb": LORA}
 
 
 def build(cells):

@@ -9,7 +9,8 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-NEEDS = {"llama_finetune.ipynb": ["transformers", "matplotlib"]}
+NEEDS = {"llama_finetune.ipynb": ["transformers", "matplotlib"],
+         "lora_finetune.ipynb": ["transformers", "matplotlib", "peft", "tqdm"]}
 
 
 def generator():
