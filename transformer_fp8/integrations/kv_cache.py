@@ -49,15 +49,16 @@ def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
 
 
 def cached_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
-                          device: torch.device) -> torch.Tensor | None:
+                          past_len, device: torch.device) -> torch.Tensor | None:
     """transformers' 4-D mask for a query of q_len tokens over kv_len cached keys -> SDPA's bool mask (True = attend)
     [b or 1, 1, q_len, kv_len], or None (attend to every key).
 
     Args:
-        attention_mask: None (transformers gives none for causal attention without padding: the query is then the
-            last q_len of the kv_len positions, so query i sees keys up to kv_len - q_len + i), or a bool (True =
+        attention_mask: None (transformers gives none for causal attention without padding: query i, at position
+            past_len + i, then sees keys 0 .. past_len + i; a static cache's later slots are empty), or a bool (True =
             attend) or additive float (0 = attend) [b or 1, 1, q_len, kv_len] tensor.
         batch, q_len, kv_len: sizes of this step.
+        past_len: tokens cached before this step (int or 0-d tensor), or None: kv_len - q_len (a dynamic cache).
         device: where the mask goes.
     Returns:
         The mask; rows with no key to attend to (padding queries) attend to every key so that they stay finite.
@@ -65,9 +66,11 @@ def cached_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len
         ValueError: a mask of another shape.
     """
     if attention_mask is None:
-        if q_len == 1:
-            return None
-        return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)[None, None]
+        if past_len is None:
+            return None if q_len == 1 else \
+                torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)[None, None]
+        last_key = torch.arange(q_len, device=device)[:, None] + past_len  # [q_len, 1]
+        return (torch.arange(kv_len, device=device) <= last_key)[None, None]
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4 or \
             attention_mask.shape[-2:] != (q_len, kv_len) or attention_mask.shape[0] not in (1, batch):
         got = f"shape {tuple(attention_mask.shape)}" if isinstance(attention_mask, torch.Tensor) else \

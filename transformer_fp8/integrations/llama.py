@@ -189,8 +189,13 @@ class LlamaTransformerLayer(nn.Module):
         q, k, v = attn.rotate_qk(q, k, v, freqs, "bshd")
         if attn.q_norm is not None and not attn.qk_norm_before_rope:
             q, k = attn.q_norm(q), attn.k_norm(k)
+        past_len = None  # tokens cached before this step: a static cache's causal mask when transformers gives none
+        if attention_mask is None and getattr(cache, "is_compileable", False):
+            past_len = cache_position[:1] if cache_position is not None else cache.get_seq_length(self.layer_idx)
+            if isinstance(past_len, torch.Tensor):
+                past_len = past_len.clone()  # (a static cache's length counter, which the update advances in place)
         keys, values = update_cache(cache, k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, cache_position)
-        mask = cached_attention_mask(attention_mask, batch, q_len, keys.shape[2], hidden_states.device)
+        mask = cached_attention_mask(attention_mask, batch, q_len, keys.shape[2], past_len, hidden_states.device)
         context = scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                scale=attn.core_attention.softmax_scale)  # [b, h, q_len, d]
         context = context.transpose(1, 2).reshape(batch, q_len, -1)
