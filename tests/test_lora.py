@@ -163,6 +163,26 @@ def test_saved_adapter_gives_peft_the_same_logits(targets, tmp_path):
         torch.testing.assert_close(reloaded(input_ids=ids).logits, logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "llama-attention-bias"])
+def test_other_families_round_trip_through_peft(family, tmp_path):
+    from peft import PeftModel
+
+    from tests.test_families import tiny_model
+    from transformer_fp8.integrations import convert_model
+
+    hf = tiny_model(family)
+    ours = convert_model(copy.deepcopy(hf))
+    add_lora(ours, r=4, alpha=8, target_modules="all-linear")
+    randomize_adapters(ours)
+    assert len(lora_adapters(ours)) == 2 * 7
+    ids = torch.randint(0, 96, (BATCH, SEQ))
+    save_lora(ours, tmp_path)
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()(input_ids=ids).logits
+        assert (peft_logits - hf(input_ids=ids).logits).abs().max() > 1e-2
+        torch.testing.assert_close(ours(input_ids=ids).logits, peft_logits, rtol=1e-5, atol=1e-5)
+
+
 def test_peft_saved_adapter_loads_into_a_converted_model(tmp_path):
     from peft import LoraConfig, get_peft_model
 
@@ -359,6 +379,21 @@ def test_merged_model_computes_what_the_adapted_one_did(fp8_weights):
     assert not any(isinstance(p, Float8Tensor) for p in model.parameters())  # (every GEMM weight had adapters)
     qkv = model.model.layers[0].layer.self_attention.layernorm_qkv
     assert not isinstance(qkv.weight, Float8Tensor) and qkv.return_layernorm_output is False
+
+
+def test_merged_model_exports_a_plain_hugging_face_checkpoint():
+    from transformer_fp8.integrations import to_hf_state_dict
+
+    hf = tiny_llama()
+    model = adapted(hf, fp8_weights=True)
+    with pytest.raises(ValueError, match="has LoRA adapters.*merge_lora"):
+        to_hf_state_dict(model)  # (exporting the base alone would drop the adapters without a word)
+    ids = token_ids()
+    with torch.no_grad():
+        adapted_logits = model(input_ids=ids).logits
+        exported = copy.deepcopy(hf)
+        exported.load_state_dict(to_hf_state_dict(merge_lora(model)), strict=True)
+        torch.testing.assert_close(exported(input_ids=ids).logits, adapted_logits, rtol=1e-5, atol=1e-5)
 
 
 def test_remove_lora_gives_back_the_base_model():

@@ -45,6 +45,10 @@ def to_hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None, device=
     Returns:
         name -> tensor, every tensor a copy with its own storage (tied weights: one copy per name).
     """
+    from ..lora.layers import is_lora_module  # (here: transformer_fp8.lora imports this package)
+    if any(is_lora_module(m) for m in model.modules()):  # (the adapters would be dropped without a word)
+        raise ValueError("model: has LoRA adapters, which a Hugging Face checkpoint has no place for: fold them in "
+                         "first (transformer_fp8.lora.merge_lora(model)) or save them in PEFT's format (save_lora)")
     state = model.state_dict(keep_vars=False)
     modules = dict(model.named_modules())
     converted = [name for name, m in modules.items() if _is_converted_layer(m)]
