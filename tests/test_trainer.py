@@ -79,19 +79,31 @@ def train(model, out, fp8_enabled=True, checkpointing=False, **overrides):
     return trainer
 
 
-def test_converted_llama_trains_checkpointed_in_fp8_and_its_saved_weights_reload(tmp_path):
-    model = convert_llama(tiny_llama())
+def fp8_gemm_modules_ran_fp8(model):
+    """True when every FP8 GEMM module of the model has recorded amaxes: its FP8 path ran (the high-precision path,
+    e.g. the small-shape one on a GPU, leaves the scaling state untouched)."""
+    modules = [m for m in model.modules() if isinstance(m, (te.Linear, te.LayerNormLinear, te.LayerNormMLP))]
+    return bool(modules) and all(m.fp8_fwd is not None and m.fp8_fwd.amax_history.abs().sum() > 0 for m in modules)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_converted_llama_trains_checkpointed_in_fp8_and_its_saved_weights_reload(tmp_path, device, monkeypatch):
+    if device == "cuda":  # the tiny GEMMs would take the small-shape high-precision path: make them run FP8
+        monkeypatch.setattr(te.module.base, "FP8_MIN_GEMM_SIZE", 0)
+    model = convert_llama(tiny_llama().to(device))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     spy = FP8Spy(model)
-    trainer = train(model, tmp_path / "run", checkpointing=True)
+    trainer = train(model, tmp_path / "run", checkpointing=True, use_cpu=device == "cpu")
 
     layers = [m for m in model.modules() if type(m).__name__ == "LlamaTransformerLayer"]
     assert len(layers) == 2 and all(layer.gradient_checkpointing for layer in layers)
+    assert next(model.parameters()).device.type == device
     losses = logged_losses(trainer)
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.1, losses  # the fixed sequences are being learnt
-    # every forward of the decoder layers (and their recomputes) ran with FP8 enabled; and several ran
+    # every forward of the decoder layers (and their recomputes) ran with FP8 enabled, through the FP8 path
     assert len(spy.enabled) >= 6 * 2 and all(spy.enabled)
+    assert fp8_gemm_modules_ran_fp8(model)
     changed = [name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])]
     assert len(changed) == len(before), sorted(set(before) - set(changed))
 
@@ -100,7 +112,7 @@ def test_converted_llama_trains_checkpointed_in_fp8_and_its_saved_weights_reload
     assert math.isfinite(metrics["eval_loss"]) and spy.enabled and all(spy.enabled)  # evaluation in FP8 too
 
     trainer.save_model(str(tmp_path / "saved"))
-    batch = TokenWindows(n=2, seed=3).ids
+    batch = TokenWindows(n=2, seed=3).ids.to(device)
     model.eval()
     with torch.no_grad():
         trained_logits = model(input_ids=batch).logits
@@ -113,12 +125,12 @@ def assert_reloads(folder, batch, trained_logits):
     our names loads into a freshly converted model."""
     state = safetensors_torch.load_file(str(folder / "model.safetensors"))
     if not any(".layer.self_attention." in key for key in state):  # a checkpoint under Hugging Face names
-        reloaded = transformers.LlamaForCausalLM.from_pretrained(str(folder)).eval()
+        reloaded = transformers.LlamaForCausalLM.from_pretrained(str(folder)).to(batch.device).eval()
         with torch.no_grad():
             torch.testing.assert_close(reloaded(input_ids=batch).logits, trained_logits, rtol=0.05, atol=0.05)
         convert_llama(reloaded)
     else:  # our converted model's own names
-        reloaded = convert_llama(tiny_llama(seed=123)).eval()  # other random weights: all must come from the file
+        reloaded = convert_llama(tiny_llama(seed=123).to(batch.device)).eval()  # all weights must come from the file
         missing, unexpected = reloaded.load_state_dict(state, strict=False)
         assert not unexpected and all(key.endswith("_extra_state") for key in missing), (missing, unexpected)
     with torch.no_grad():
