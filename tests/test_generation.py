@@ -12,7 +12,7 @@ import transformer_fp8 as te
 from tests.test_families import FAMILIES, VOCAB, tiny_model
 from tests.utils import FP8_RTOL, rel_error
 from transformer_fp8 import recipe
-from transformer_fp8.integrations import convert_model
+from transformer_fp8.integrations import convert_model, greedy_generate
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,3 +113,38 @@ def test_fp8_generation_runs_and_stays_close(cache):
     with torch.no_grad():  # the Hugging Face model's logits for the same tokens
         ref = model(input_ids=out.sequences).logits[:, PROMPT - 1:-1]
     assert rel_error(torch.stack(out.logits, dim=1), ref) < 2 * FP8_RTOL[torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_generate_with_a_static_cache_gives_the_tokens_of_generate(family):
+    model = tiny_model(family)
+    converted = convert_model(copy.deepcopy(model))
+    ids = torch.randint(1, VOCAB, (3, PROMPT))
+    ref = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(greedy_generate(converted, ids, NEW), ref)
+    assert torch.equal(greedy_generate(model, ids, NEW), ref)  # (a plain Hugging Face model works too)
+    with pytest.raises(ValueError, match="max_new_tokens: expected a positive int"):
+        greedy_generate(converted, ids, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_graph_decode_gives_the_eager_tokens(fp8):
+    """On the GPU: the decode step captured in a CUDA graph gives the tokens of the same loop run eagerly (BF16; FP8
+    weights under fp8_autocast), and our BF16 tokens are the Hugging Face model's choices up to roundings."""
+    torch.manual_seed(0)
+    settings = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=2,
+                    num_hidden_layers=2)
+    model = tiny_model("llama", torch.bfloat16, **settings).cuda()
+    with te.fp8_model_init(enabled=fp8):
+        converted = convert_model(copy.deepcopy(model))
+    ids = torch.randint(1, VOCAB, (4, 16), device="cuda")
+    run = dict(fp8_enabled=fp8, fp8_recipe=recipe.Float8CurrentScaling())
+    eager = greedy_generate(converted, ids, 24, cuda_graph=False, **run)
+    graphed = greedy_generate(converted, ids, 24, cuda_graph=True, **run)
+    assert torch.equal(graphed, eager)
+    if not fp8:
+        with torch.no_grad():
+            logits = model(input_ids=graphed).logits[:, 15:-1].float()
+        gap = logits.max(-1).values - logits.gather(-1, graphed[:, 16:, None])[..., 0]
+        assert (gap <= 0.02 * logits.abs().amax()).all(), gap.max()
