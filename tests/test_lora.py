@@ -129,6 +129,27 @@ def test_o_proj_and_mlp_adapters_match_float64():
                           names=["x"] + [f"w{i}" for i in range(6)])
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_lora_mlp_keeps_fc1_output_but_not_the_activation(fp8):
+    """For the backward the adapted MLP keeps FC1's output [tokens, 2 ffn] (the activation's backward needs it) and
+    no [tokens, ffn] tensor (down_proj's A gets the activation recomputed)."""
+    model = adapted(tiny_llama(torch.bfloat16), fp8_weights=fp8).train()
+    mlp = model.model.layers[0].layer.layernorm_mlp
+    x = torch.randn(BATCH, SEQ, 64, dtype=torch.bfloat16, requires_grad=True)
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), te.fp8_autocast(enabled=fp8, fp8_recipe=RECIPE):
+        out = mlp(x, residual=x)
+    kept = [s for s in shapes if math.prod(s) in (TOKENS * 96, TOKENS * 192)]
+    assert kept == [(TOKENS, 192)], shapes
+    out.float().sum().backward()
+    assert all(a.lora_A.weight.grad is not None for a in mlp.lora.values())
+
+
 # --- Hugging Face names, PEFT's format -------------------------------------------------------------------------------
 
 def test_projections_name_hugging_face_modules_and_our_rows():

@@ -52,18 +52,26 @@ def _drops(adapter: LoraAdapter) -> bool:
     return adapter.dropout > 0 and adapter.lora_dropout.training
 
 
+def any_dropout(adapters: list[LoraAdapter]) -> bool:
+    """Whether some adapter drops out its input now (dropout > 0, in training)."""
+    return any(_drops(a) for a in adapters)
+
+
+def stacked_a(adapters: list[LoraAdapter]) -> torch.Tensor:
+    """[A_1; A_2; ...] [sum r, in_features]: the adapters' A in their order (one GEMM for all)."""
+    return adapters[0].lora_A.weight if len(adapters) == 1 else torch.cat([a.lora_A.weight for a in adapters])
+
+
 def _down(adapters: list[LoraAdapter], x: torch.Tensor) -> torch.Tensor:
     """h [..., sum r] = the adapters' A applied to (their dropout of) x, stacked in the adapters' order."""
     dtype = adapters[0].lora_A.weight.dtype
     x = x if x.dtype == dtype else x.to(dtype)
-    if not any(_drops(a) for a in adapters):
-        a_stacked = adapters[0].lora_A.weight if len(adapters) == 1 else \
-            torch.cat([a.lora_A.weight for a in adapters])
-        return F.linear(x, a_stacked)
+    if not any_dropout(adapters):
+        return F.linear(x, stacked_a(adapters))
     return torch.cat([F.linear(a.lora_dropout(x), a.lora_A.weight) for a in adapters], dim=-1)
 
 
-def _placed_up(adapters: list[LoraAdapter], out_features: int) -> torch.Tensor:
+def placed_up(adapters: list[LoraAdapter], out_features: int) -> torch.Tensor:
     """U [out_features, sum r]: scale_i * B_i in the rows of adapter i and the columns of its h, zeros elsewhere
     (adapters sorted by row_start, not overlapping)."""
     total_r = sum(a.r for a in adapters)
@@ -80,7 +88,7 @@ def _placed_up(adapters: list[LoraAdapter], out_features: int) -> torch.Tensor:
 
 
 def sorted_adapters(adapters) -> list[LoraAdapter]:
-    """The adapters in output-row order (the order _down and _placed_up need)."""
+    """The adapters in output-row order (the order _down and placed_up need)."""
     return sorted(adapters, key=lambda a: a.row_start)
 
 
@@ -96,9 +104,13 @@ def lora_update(adapters: list[LoraAdapter], x: torch.Tensor, out_features: int,
     Returns:
         The update to add to the GEMM's output.
     """
-    h = _down(adapters, x)
-    up = _placed_up(adapters, out_features)
-    out = F.linear(h, up)
+    return up_projection(adapters, _down(adapters, x), out_features, out_dtype)
+
+
+def up_projection(adapters: list[LoraAdapter], h: torch.Tensor, out_features: int,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """h [..., sum r] (the stacked A's output) -> the adapters' update [..., out_features] in out_dtype."""
+    out = F.linear(h, placed_up(adapters, out_features))
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
@@ -113,7 +125,7 @@ def add_lora_update(out: torch.Tensor, x: torch.Tensor, adapters: list[LoraAdapt
         A new tensor of out's shape and dtype.
     """
     h = _down(adapters, x)
-    up = _placed_up(adapters, out.shape[-1])
+    up = placed_up(adapters, out.shape[-1])
     h, up = (h if h.dtype == out.dtype else h.to(out.dtype)), (up if up.dtype == out.dtype else up.to(out.dtype))
     out2d = out.reshape(-1, out.shape[-1])
     return torch.addmm(out2d, h.reshape(-1, h.shape[-1]), up.t()).view(out.shape)

@@ -11,19 +11,22 @@ The base GEMMs run as before (FP8 inside fp8_autocast); each adapter adds scale 
 - LoraLayerNormMLP: fc1's adapters (gate_proj, up_proj) read the normalised input, fc2's (down_proj) the activation,
   which the fused MLP never hands out; so the MLP runs unfused: a LayerNormLinear (norm + FC1), the activation, a
   Linear (FC2; its update and the residual in the epilogue), both over the MLP's own parameters (not registered as
-  submodules: the state dict keeps the MLP's names).
+  submodules: the state dict keeps the MLP's names). For the backward it keeps what the fused MLP keeps, FC1's
+  output, plus the BF16 normalised input for gate/up's A: the activation is recomputed for down_proj's A.
 A frozen base weight (requires_grad False) gets no weight gradient: the modules' autograd Functions skip the wgrad
 GEMM and the FP8 transpose of its input (tests/test_lora.py counts the ops).
 """
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..float8_tensor import Float8Tensor
 from ..module.layernorm_linear import LayerNormLinear
 from ..module.layernorm_mlp import LayerNormMLP
 from ..module.linear import Linear
 from ..ops import activation_high_precision, tfp8
-from .adapter import LoraAdapter, add_lora_update, lora_update, sorted_adapters
+from .adapter import (LoraAdapter, add_lora_update, any_dropout, lora_update, sorted_adapters, stacked_a,
+                      up_projection)
 
 
 class _LoraModule:
@@ -87,6 +90,32 @@ class _Activation(torch.autograd.Function):
         return dx.view(*grad.shape[:-1], dx.shape[-1]), None
 
 
+class _ActivationAndDown(torch.autograd.Function):
+    """(act(x), h = act(x) Aᵀ) for down_proj's adapters, saving x (which the activation's backward needs anyway) and
+    the stacked A: act is recomputed in the backward for A's gradient instead of kept ([tokens, ffn] less per layer
+    for one elementwise pass), and act's two gradients (from FC2 and from h) meet before one activation backward."""
+
+    @staticmethod
+    def forward(ctx, x, a_stacked, activation):
+        x2d = x.reshape(-1, x.shape[-1])
+        act = activation_high_precision(x2d, activation)
+        h = F.linear(act if act.dtype == a_stacked.dtype else act.to(a_stacked.dtype), a_stacked)
+        ctx.save_for_backward(x2d, a_stacked)
+        ctx.activation, ctx.x_shape = activation, x.shape
+        return act.view(*x.shape[:-1], act.shape[-1]), h.view(*x.shape[:-1], h.shape[-1])
+
+    @staticmethod
+    def backward(ctx, d_act, dh):
+        x2d, a_stacked = ctx.saved_tensors
+        d_act = d_act.reshape(-1, d_act.shape[-1])
+        dh = dh.reshape(-1, dh.shape[-1])
+        act = activation_high_precision(x2d, ctx.activation)  # (recomputed: see the class docstring)
+        da = dh.t() @ (act if act.dtype == dh.dtype else act.to(dh.dtype))
+        d_act = torch.addmm(d_act, dh.to(d_act.dtype), a_stacked.to(d_act.dtype))  # FC2's gradient + h's
+        dx = tfp8.activation_bwd(d_act, x2d, ctx.activation)
+        return dx.view(ctx.x_shape), da, None
+
+
 def _no_init(weight):
     """The unfused views' weights are the MLP's: nothing to initialise."""
 
@@ -126,10 +155,14 @@ class LoraLayerNormMLP(_LoraModule, LayerNormMLP):
         adapters = self.lora_adapters("fc1_weight")
         if adapters:
             fc1_out = add_lora_update(fc1_out, ln_out, adapters)
-        act = _Activation.apply(fc1_out, self.activation)
         adapters = self.lora_adapters("fc2_weight")
-        if adapters:
-            update = lora_update(adapters, act, self.hidden_size, act.dtype)
+        if adapters and not any_dropout(adapters):
+            act, h = _ActivationAndDown.apply(fc1_out, stacked_a(adapters), self.activation)
+            update = up_projection(adapters, h, self.hidden_size, act.dtype)
+        else:
+            act = _Activation.apply(fc1_out, self.activation)
+            update = lora_update(adapters, act, self.hidden_size, act.dtype) if adapters else None
+        if update is not None:
             residual = update if residual is None else residual + update
         out = fc2(act, is_first_microbatch=is_first_microbatch, residual=residual)
         return (out if fc2_bias is None else out + fc2_bias), ln_out
