@@ -4,10 +4,13 @@ transformers passes the cache to a decoder layer as `cache=` (5.2x) or `past_key
 5.2x, a `cache_position` tensor that static caches need to know where to write. `update_cache` speaks both protocols
 through `Cache.update(key, value, layer_idx, cache_kwargs)`, so DynamicCache and StaticCache both work. The keys it
 returns may be longer than the query (decode) and, for a static cache, include unwritten slots that the attention
-mask of transformers hides; `cached_attention_mask` turns that mask (or its absence) into SDPA's boolean form.
-Nothing here imports transformers.
+mask of transformers hides; `cached_attention_mask` turns that mask (or its absence) into SDPA's boolean form and
+`cached_attention` attends over the cached keys. Nothing here imports transformers.
 """
 import torch
+import torch.nn.functional as F
+
+from ..module.attention import scaled_dot_product_attention
 
 
 def pick_cache(cache, past_key_values):
@@ -79,3 +82,22 @@ def cached_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len
                          f"or 'eager' mask of transformers, over the cached keys), got {got}")
     allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     return allowed | ~allowed.any(dim=-1, keepdim=True)
+
+
+def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> torch.Tensor:
+    """Attention of this step's queries over the cached keys (GQA: fewer key/value heads than query heads).
+
+    Args:
+        q: [b, heads, q_len, d]. keys, values: [b, kv heads, kv_len, d] (from update_cache).
+        mask: SDPA's bool mask (True = attend) [b or 1, 1, q_len, kv_len], or None (every key).
+        scale: softmax scale.
+    Returns:
+        [b, heads, q_len, d] in q's dtype. On CUDA: PyTorch's SDPA picks its kernel (flash, memory-efficient or,
+        for what they do not take, math), with no backend forcing or retries on the host: a decode step is
+        host-bound. Elsewhere: our float32 reference (module.attention.scaled_dot_product_attention).
+    """
+    if q.device.type != "cuda":
+        return scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != keys.shape[1])

@@ -9,9 +9,9 @@ GEMM runs in FP8.
 Without a KV cache (training, scoring) the whole layer is TransformerLayer's forward. So is the first fill of an
 empty dynamic cache (a prompt, or a plain forward with use_cache=True): the k and v its core attention receives (a
 forward pre-hook keeps them) then go to the cache. Otherwise (decode; any static-cache step) the layer runs the same
-modules step by step: QKV GEMM, q/k norms, RoPE at the given positions, `Cache.update` (kv_cache.py), PyTorch's SDPA
-over the cached keys with transformers' mask (a query shorter than the keys), then the output and MLP GEMMs with the
-residual adds in their epilogues.
+modules step by step: QKV GEMM, q/k norms, RoPE at the given positions, `Cache.update` and PyTorch's SDPA over the
+cached keys with transformers' mask (kv_cache.py; a query shorter than the keys), then the output and MLP GEMMs with
+the residual adds in their epilogues.
 `convert_llama` is convert_model (convert_model.py) for these families.
 """
 import warnings
@@ -20,10 +20,9 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import checkpoint
-from ..module.attention import scaled_dot_product_attention
 from ..module.transformer import TransformerLayer
 from .hf_mapping import LayerShape, fuse_hf_weights, layer_weight_map
-from .kv_cache import cached_attention_mask, pick_cache, update_cache
+from .kv_cache import cached_attention, cached_attention_mask, pick_cache, update_cache
 
 
 _warned = set()
@@ -196,8 +195,7 @@ class LlamaTransformerLayer(nn.Module):
                 past_len = past_len.clone()  # (a static cache's length counter, which the update advances in place)
         keys, values = update_cache(cache, k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, cache_position)
         mask = cached_attention_mask(attention_mask, batch, q_len, keys.shape[2], past_len, hidden_states.device)
-        context = scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                               scale=attn.core_attention.softmax_scale)  # [b, h, q_len, d]
+        context = cached_attention(q.transpose(1, 2), keys, values, mask, attn.core_attention.softmax_scale)
         context = context.transpose(1, 2).reshape(batch, q_len, -1)
         hidden = attn.proj(context, is_first_microbatch=is_first_microbatch, residual=hidden_states)
         return self.layer.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch, residual=hidden)
