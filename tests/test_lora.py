@@ -522,6 +522,9 @@ def test_cuda_fp8_lora_step_tracks_bf16_and_skips_wgrad(fp8_weights):
     bf16_loss = causal_lm_loss(reference, ids)
     bf16_loss.backward()
     assert abs(loss.item() - bf16_loss.item()) < 0.02 * bf16_loss.item()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        if p.requires_grad:
-            assert_close_rel(p.grad / 3, q.grad, 0.15, name)  # (three backwards accumulated)
+    pairs_ = [(name, p.grad / 3, q.grad) for (name, p), q in zip(model.named_parameters(), reference.parameters())
+              if p.requires_grad]  # (three backwards accumulated)
+    for name, ours, want in pairs_:  # (E5M2 gradients through FP8 dgrads of the layers above: CPU emulation 0.13)
+        assert_close_rel(ours, want, 0.25, name)
+    assert_close_rel(torch.cat([o.flatten() for _, o, _ in pairs_]), torch.cat([w.flatten() for _, _, w in pairs_]),
+                     0.12, "all adapter gradients")  # (CPU emulation: 0.06-0.08)
