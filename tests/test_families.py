@@ -185,3 +185,75 @@ def test_other_models_fall_back_to_linear_layers_gpt2_conv1d_included():
         assert 0 < rel_error(converted(input_ids=ids).logits, ref) < FP8_RTOL[torch.float8_e4m3fn]
     with pytest.raises(ValueError, match="model: no LlamaDecoderLayer"):
         convert_model(model, fallback=False)
+
+
+def test_a_converted_model_is_not_converted_twice():
+    converted = convert_model(tiny_model("llama"))
+    with pytest.raises(ValueError, match="already converted"):
+        convert_model(converted)
+
+
+@pytest.mark.parametrize("before_rope", [False, True])
+def test_multihead_attention_qk_norm_against_float64(before_rope):
+    """MultiheadAttention(qk_norm_type="RMSNorm"): per-head RMSNorm of q and k after RoPE (TE's default) or before
+    it, against a float64 reference written out here."""
+    heads, groups, dim, hidden = 4, 2, 16, 64
+    attn = te.MultiheadAttention(hidden, heads, num_gqa_groups=groups, kv_channels=dim, attention_dropout=0.0,
+                                 bias=False, qkv_weight_interleaved=False, qk_norm_type="RMSNorm", qk_norm_eps=1e-6,
+                                 qk_norm_before_rope=before_rope, attn_input_format="bshd", device="cpu",
+                                 params_dtype=torch.float32)
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.k_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 10, hidden)
+    freqs = te.RotaryPositionEmbedding(dim)(10)
+    out = attn(x, rotary_pos_emb=freqs)
+
+    def rms(t, w):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+
+    def rope(t):  # t [b, s, h, d]; rotate-half
+        cos, sin = freqs[:, 0, 0].double().cos()[None, :, None], freqs[:, 0, 0].double().sin()[None, :, None]
+        half = t.shape[-1] // 2
+        return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
+
+    qkv = x.double() @ attn.qkv.weight.double().t()
+    q, k, v = qkv.split([heads * dim, groups * dim, groups * dim], dim=-1)
+    q, k, v = q.view(2, 10, heads, dim), k.view(2, 10, groups, dim), v.view(2, 10, groups, dim)
+    if before_rope:
+        q, k = rope(rms(q, attn.q_norm.weight)), rope(rms(k, attn.k_norm.weight))
+    else:
+        q, k = rms(rope(q), attn.q_norm.weight), rms(rope(k), attn.k_norm.weight)
+    k, v = k.repeat_interleave(heads // groups, dim=2), v.repeat_interleave(heads // groups, dim=2)
+    ctx = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           is_causal=True)
+    ref = ctx.transpose(1, 2).reshape(2, 10, -1) @ attn.proj.weight.double().t()
+    assert rel_error(out, ref) < 1e-5
+    with pytest.raises(NotImplementedError, match="qk_norm_type"):
+        te.MultiheadAttention(hidden, heads, qk_norm_type="L2Normalization", device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cuda_bf16_logits_match_and_fp8_trains(family):
+    torch.manual_seed(0)
+    settings = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=2)
+    settings.update(head_dim=64) if family in ("qwen3", "mistral") else None
+    model = tiny_model(family, **settings).cuda()
+    ids = torch.randint(0, VOCAB, (4, 128), device="cuda")
+    exact = copy.deepcopy(model).double()(input_ids=ids).logits
+    model = model.to(torch.bfloat16)
+    converted = convert_model(copy.deepcopy(model)).train()
+    hf_err = rel_error(model(input_ids=ids).logits, exact)
+    our_err = rel_error(converted(input_ids=ids).logits, exact)
+    assert our_err < 2 * hf_err + 1e-3, (our_err, hf_err)
+    optimizer = torch.optim.AdamW(converted.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(10):  # one fixed batch: the loss must fall
+        with te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling(amax_history_len=4)):
+            loss = converted(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.8 * losses[0], losses

@@ -128,8 +128,11 @@ def convert_model(model: nn.Module, params_dtype: torch.dtype | None = None, fus
     Raises:
         NotImplementedError: a family or configuration that does not map (Gemma 2/3, a sliding window, a non-SiLU
             MLP, MLP biases, an unsupported RoPE scaling), naming it.
-        ValueError: fallback=False and no decoder layer of a supported family in `model`.
+        ValueError: fallback=False and no decoder layer of a supported family in `model`; a model converted
+            already.
     """
+    if any(isinstance(m, LlamaTransformerLayer) for m in model.modules()):
+        raise ValueError(f"model: {type(model).__name__} is already converted (it holds LlamaTransformerLayers)")
     family, layers = _family_layers(model)
     conversion = Conversion(family.name if family else None)
     if family is not None:
