@@ -344,6 +344,8 @@ def test_frozen_base_weights_get_no_wgrad_gemm_nor_input_transposes(fp8_weights)
             recorder.phase = "backward"
             loss.backward()
         check_no_weight_gradient_work(recorder.calls, fp8_weights)
+        norms = [name for phase, name, _ in recorder.calls if phase == "forward" and name == "rmsnorm_fwd"]
+        assert len(norms) == 2 * 2 + 1  # each norm once (the adapters read its output), the final norm
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
