@@ -11,6 +11,8 @@ Variants:
   ours-bf16-graph         integrations.greedy_generate: StaticCache, the decode step one CUDA graph
   ours-fp8-graph          the same with FP8 weights inside fp8_autocast (captured with the step)
   ours-fp8-static-eager   (not run by default) greedy_generate without the CUDA graph
+  ours-bf16-static-compile (not run by default) our converted model through generate(cache_implementation="static"),
+                          which transformers then compiles as it does its own
 Columns: ms per new token and tokens/s (batch x new tokens / wall time of the whole call, prompt included; median of
 --repeats calls after one untimed call, which compiles or captures); first call s (its wall time: compilation and
 capture included); peak GiB = torch.cuda.max_memory_allocated during a timed call (weights, cache and activations);
@@ -37,7 +39,7 @@ TINY = dict(LLAMA_1B, hidden_size=64, intermediate_size=176, num_hidden_layers=2
             num_key_value_heads=2, vocab_size=512)
 FP8_RECIPE = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
 VARIANTS = ("hf-bf16-dynamic", "hf-bf16-static-compile", "ours-bf16-dynamic", "ours-fp8-dynamic", "ours-bf16-graph",
-            "ours-fp8-graph", "ours-fp8-static-eager")
+            "ours-fp8-graph", "ours-fp8-static-eager", "ours-bf16-static-compile")
 DEFAULT_VARIANTS = VARIANTS[:6]
 
 
@@ -105,14 +107,14 @@ def measure(variant, batch, args, config, device):
 
 def print_table(rows, title):
     print(f"\n{title}")
-    print(f"{'variant':<24}{'batch':>6}{'ms/token':>10}{'tokens/s':>10}{'first s':>9}{'peak GiB':>10}{'weights':>9}"
+    print(f"{'variant':<25}{'batch':>6}{'ms/token':>10}{'tokens/s':>10}{'first s':>9}{'peak GiB':>10}{'weights':>9}"
           f"{'same tokens':>13}")
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:<24}{r['batch']:>6}  {r['error']}")
+            print(f"{r['variant']:<25}{r['batch']:>6}  {r['error']}")
             continue
         same = "" if r.get("same_tokens") is None else f"{r['same_tokens']:.2f}"
-        print(f"{r['variant']:<24}{r['batch']:>6}{r['ms_per_token']:>10}{r['tokens_per_s']:>10,}{r['first_s']:>9}"
+        print(f"{r['variant']:<25}{r['batch']:>6}{r['ms_per_token']:>10}{r['tokens_per_s']:>10,}{r['first_s']:>9}"
               f"{str(r['peak_gib']):>10}{str(r['weights_gib']):>9}{same:>13}")
 
 
