@@ -148,3 +148,29 @@ def test_cuda_graph_decode_gives_the_eager_tokens(fp8):
             logits = model(input_ids=graphed).logits[:, 15:-1].float()
         gap = logits.max(-1).values - logits.gather(-1, graphed[:, 16:, None])[..., 0]
         assert (gap <= 0.02 * logits.abs().amax()).all(), gap.max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama3.1", "qwen2", "qwen3"])
+def test_cuda_generate_picks_the_hugging_face_choices_and_fp8_runs(family):
+    """On the GPU (cuDNN prefill, SDPA decode over the DynamicCache): our BF16 tokens are the Hugging Face model's
+    greedy choices up to roundings; with FP8 weights inside fp8_autocast generation runs and stays close."""
+    torch.manual_seed(0)
+    settings = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=2,
+                    **(dict(head_dim=64) if family == "qwen3" else {}))  # (their configs default to head_dim 16, 32)
+    model = tiny_model(family, torch.bfloat16, **settings).cuda()
+    converted = convert_model(copy.deepcopy(model))
+    ids = torch.randint(1, VOCAB, (4, 32), device="cuda")
+    ours = converted.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        logits = model(input_ids=ours).logits[:, 31:-1].float()
+    gap = logits.max(-1).values - logits.gather(-1, ours[:, 32:, None])[..., 0]
+    assert (gap <= 0.02 * logits.abs().amax()).all(), gap.max()
+    with te.fp8_model_init(enabled=True):
+        fp8_model = convert_model(copy.deepcopy(model))
+    with te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):
+        out = fp8_model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None,
+                                 output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model(input_ids=out.sequences).logits[:, 31:-1].float()
+    assert rel_error(torch.stack(out.logits, dim=1), ref) < 2 * FP8_RTOL[torch.float8_e4m3fn]
