@@ -238,7 +238,7 @@ def test_multihead_attention_qk_norm_against_float64(before_rope):
 def test_cuda_bf16_logits_match_and_fp8_trains(family):
     torch.manual_seed(0)
     settings = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=2,
-                    **(dict(head_dim=64) if family in ("qwen3", "mistral") else {}))  # (their configs default to head_dim 16, 32)
+                    **(dict(head_dim=64) if family in ("qwen3", "mistral") else {}))  # (FAMILIES sets 16, 32)
     model = tiny_model(family, **settings).cuda()
     ids = torch.randint(0, VOCAB, (4, 128), device="cuda")
     exact = copy.deepcopy(model).double()(input_ids=ids).logits

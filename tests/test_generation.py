@@ -157,7 +157,7 @@ def test_cuda_generate_picks_the_hugging_face_choices_and_fp8_runs(family):
     greedy choices up to roundings; with FP8 weights inside fp8_autocast generation runs and stays close."""
     torch.manual_seed(0)
     settings = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=2,
-                    **(dict(head_dim=64) if family == "qwen3" else {}))  # (their configs default to head_dim 16, 32)
+                    **(dict(head_dim=64) if family == "qwen3" else {}))  # (FAMILIES sets 32)
     model = tiny_model(family, torch.bfloat16, **settings).cuda()
     converted = convert_model(copy.deepcopy(model))
     ids = torch.randint(1, VOCAB, (4, 32), device="cuda")
