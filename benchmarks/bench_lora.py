@@ -18,6 +18,7 @@ backward):
                    full logits, upcast to float32 inside transformers' loss); -ckpt:
                    model.gradient_checkpointing_enable(use_reentrant=False) before get_peft_model
   hf-peft-chunked  hf-peft with our causal_lm_loss instead (what the loss alone is worth; not run by default)
+--profile adds each row's operators with the most GPU time in one more step.
 Columns: tokens/s over the timed steps; peak GiB = torch.cuda.max_memory_allocated over the timed steps (weights,
 optimizer state, activations); static GiB = allocated before a step; first step s (untimed: allocations, FP8
 calibration). A row that runs out of memory reports OOM and the next row starts from freed memory.
@@ -92,8 +93,11 @@ def build(variant, checkpointed, args):
         return model, loss
     from peft import LoraConfig, get_peft_model
 
-    if checkpointed:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointed:  # (transformers >= 5.23 names it activation_checkpointing_enable)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
                                              target_modules=TARGETS, task_type="CAUSAL_LM"))
     if variant == "hf-peft-chunked":
@@ -132,12 +136,31 @@ def measure(variant, batch, checkpointed, args):
         step(args.warmup + i)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    return dict(tokens_per_s=round(args.steps * batch * args.seq / elapsed),
+    row = {}
+    if args.profile:
+        row["profile"] = profile_step(step, args.warmup + args.steps)
+    return dict(row, tokens_per_s=round(args.steps * batch * args.seq / elapsed),
                 step_ms=round(1000 * elapsed / args.steps, 1),
                 peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                 static_gib=round(memory["before"] / 2**30, 2), first_step_s=round(first_step_s, 1),
                 trainable_params=sum(p.numel() for p in trainable), first_loss=round(losses[0].item(), 4),
                 last_loss=round(losses[-1].item(), 4))
+
+
+def profile_step(step, i, top=25):
+    """One more step under torch.profiler -> the operators with the most GPU time: (name [input shapes], calls,
+    GPU ms)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step(i)
+        torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type == DeviceType.CPU and e.self_device_time_total > 0]
+    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [dict(op=f"{e.key} {str(e.input_shapes)[:80]}", calls=e.count,
+                 gpu_ms=round(e.self_device_time_total / 1e3, 2)) for e in ops[:top]]
 
 
 def run_row(text, args):
@@ -179,6 +202,11 @@ def print_table(rows, args):
         else:
             print(f"{r['row']:<22}{r['tokens_per_s']:>10,}{r['step_ms']:>10}{r['peak_gib']:>10}{r['static_gib']:>8}"
                   f"{r['first_step_s']:>7}{r['first_loss']:>9} -> {r['last_loss']:<7}")
+    for r in rows:
+        if "profile" in r:
+            print(f"\n{r['row']}: operators with the most GPU time in one step")
+            for op in r["profile"]:
+                print(f"  {op['gpu_ms']:>8.2f} ms {op['calls']:>5}x  {op['op']}")
     for config, ratio in ratios(rows).items():
         print(f"ours-fp8 / hf-peft at {config}: {ratio['speedup']}x tokens/s, {ratio['memory']}x peak memory "
               f"(targets: >= 2x, <= 0.7x)")
@@ -197,6 +225,7 @@ def main():
     p.add_argument("--warmup", type=int, default=2, help="untimed steps, the first included")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="profile one more step of each row (top operators)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     try:
@@ -214,7 +243,7 @@ def main():
     results = []
     for text in rows:
         results.append(run_row(text, args))
-        print(results[-1], flush=True)
+        print({k: v for k, v in results[-1].items() if k != "profile"}, flush=True)
     print_table(results, args)
     if args.json:
         with open(args.json, "w") as f:
