@@ -52,7 +52,7 @@ def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
 
 
 def cached_attention_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
-                          past_len, device: torch.device) -> torch.Tensor | None:
+                          past_len: int | torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """transformers' 4-D mask for a query of q_len tokens over kv_len cached keys -> SDPA's bool mask (True = attend)
     [b or 1, 1, q_len, kv_len], or None (attend to every key).
 

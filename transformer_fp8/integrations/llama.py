@@ -133,8 +133,10 @@ class LlamaTransformerLayer(nn.Module):
         for fused in table:
             ours[fused.name].requires_grad_(hf_params[fused.parts[0].hf_name].requires_grad)
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, is_first_microbatch=None, cache=None, cache_position=None, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
+                position_embeddings=None, is_first_microbatch: bool | None = None, cache=None,
+                cache_position: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """position_embeddings (Hugging Face's cos/sin) is not read: the angles come from position_ids and the
         config's RoPE parameters, the same numbers computed in float32. The KV cache arrives as `cache`
         (transformers >= 5.2x) or `past_key_values` (earlier, with cache_position): see the module docstring."""
