@@ -164,7 +164,7 @@ def test_projections_name_hugging_face_modules_and_our_rows():
 
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ALL, r"model\.layers\.1\..*_proj"])
 def test_saved_adapter_gives_peft_the_same_logits(targets, tmp_path):
-    from peft import PeftModel
+    PeftModel = pytest.importorskip("peft").PeftModel
 
     hf = tiny_llama()
     ours = adapted(hf, targets, use_rslora=isinstance(targets, str))
@@ -186,7 +186,7 @@ def test_saved_adapter_gives_peft_the_same_logits(targets, tmp_path):
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "llama-attention-bias"])
 def test_other_families_round_trip_through_peft(family, tmp_path):
-    from peft import PeftModel
+    PeftModel = pytest.importorskip("peft").PeftModel
 
     from tests.test_families import tiny_model
     from transformer_fp8.integrations import convert_model
@@ -205,7 +205,8 @@ def test_other_families_round_trip_through_peft(family, tmp_path):
 
 
 def test_peft_saved_adapter_loads_into_a_converted_model(tmp_path):
-    from peft import LoraConfig, get_peft_model
+    peft = pytest.importorskip("peft")
+    LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
 
     hf = tiny_llama()
     peft_model = get_peft_model(copy.deepcopy(hf), LoraConfig(r=8, lora_alpha=16, target_modules=["k_proj", "up_proj",
@@ -225,7 +226,7 @@ def test_peft_saved_adapter_loads_into_a_converted_model(tmp_path):
 
 
 def test_linear_layers_of_convert_linear_layers_take_adapters(tmp_path):
-    from peft import PeftModel
+    PeftModel = pytest.importorskip("peft").PeftModel
 
     hf = tiny_llama()
     ours = convert_linear_layers(copy.deepcopy(hf))
