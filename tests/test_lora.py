@@ -204,6 +204,24 @@ def test_other_families_round_trip_through_peft(family, tmp_path):
         torch.testing.assert_close(ours(input_ids=ids).logits, peft_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_adapted_model_generates_what_peft_generates(tmp_path):
+    """Greedy generation with the KV cache: our adapted converted model and PEFT on the plain model pick the same
+    tokens (float32)."""
+    PeftModel = pytest.importorskip("peft").PeftModel
+    hf = tiny_llama()
+    hf.config.use_cache = True
+    ours = adapted(hf)
+    save_lora(ours, tmp_path)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path).eval()
+    prompt = torch.randint(0, 128, (2, 8))
+    settings = dict(max_new_tokens=12, do_sample=False, use_cache=True, attention_mask=torch.ones_like(prompt),
+                    pad_token_id=0)
+    with torch.no_grad():
+        ours_tokens = ours.generate(input_ids=prompt, **settings)
+        assert torch.equal(ours_tokens, peft_model.generate(input_ids=prompt, **settings))
+        assert not torch.equal(ours_tokens, hf.generate(input_ids=prompt, **settings))  # (the adapters matter)
+
+
 def test_peft_saved_adapter_loads_into_a_converted_model(tmp_path):
     peft = pytest.importorskip("peft")
     LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
