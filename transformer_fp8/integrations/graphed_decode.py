@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..autocast import fp8_autocast
+from ..graphs import _fp8_modules, _scale_inv_snapshots
 
 
 def _cache_keyword(model: nn.Module) -> str:
@@ -74,6 +75,10 @@ def greedy_generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: i
     if graphed:
         torch.cuda.current_stream().wait_stream(side_stream)
     if graphed and len(generated) < max_new_tokens:
+        # The step's FP8 casts write the scale_inv snapshots current at capture (the autocast exit inside the capture
+        # hands the modules new ones) and may read FP8 weight caches: the replays use them, so they must stay alive.
+        fp8_modules = _fp8_modules([model])
+        keep_alive = [_scale_inv_snapshots(fp8_modules), [dict(m._weight_cache) for m in fp8_modules]]  # noqa: F841
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
