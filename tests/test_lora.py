@@ -438,6 +438,50 @@ def test_merged_model_exports_a_plain_hugging_face_checkpoint():
         torch.testing.assert_close(exported(input_ids=ids).logits, adapted_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_save_pretrained_writes_the_adapters_until_they_are_merged(tmp_path):
+    PeftModel = pytest.importorskip("peft").PeftModel
+    hf = tiny_llama()
+    model = adapted(hf)
+    ids = token_ids()
+    model.save_pretrained(tmp_path / "adapter", state_dict=None, safe_serialization=True)  # (as Trainer calls it)
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                       "adapter_model.safetensors"]
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "adapter").eval()(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, peft_logits, rtol=1e-5, atol=1e-5)
+        merge_lora(model)
+    model.save_pretrained(tmp_path / "merged")  # the converted model's own: a plain Hugging Face checkpoint
+    reloaded = type(hf).from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, peft_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_trainer_trains_the_adapters_and_saves_them(tmp_path):
+    from transformers import TrainingArguments
+
+    from transformer_fp8.integrations import FP8Trainer
+
+    hf = tiny_llama()
+    model = convert_llama(copy.deepcopy(hf)).train()
+    add_lora(model, r=4, alpha=8, target_modules=["q_proj", "down_proj"], fp8_weights=True)
+    before = {name: t.clone() for name, t in lora_state_dict(model).items()}
+    ids = [torch.randint(0, 128, (16,)) for _ in range(8)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, save_steps=2,
+                             learning_rate=1e-2, report_to=[], use_cpu=True)
+    trainer = FP8Trainer(model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in ids])
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    for folder in ("checkpoint-2", "final"):
+        assert (tmp_path / folder / "adapter_model.safetensors").is_file()
+    changed = [name for name, t in lora_state_dict(model).items() if not torch.equal(t, before[name])]
+    assert sorted(changed) == sorted(before)  # (every A and B trained)
+    reloaded = load_lora(convert_llama(copy.deepcopy(hf)), tmp_path / "final", fp8_weights=True)  # (as trained)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model.eval()(input_ids=ids).logits, rtol=1e-5,
+                                   atol=1e-5)
+
+
 def test_remove_lora_gives_back_the_base_model():
     hf = tiny_llama()
     base = convert_llama(copy.deepcopy(hf))

@@ -9,6 +9,7 @@ from ..module.linear import Linear
 from ..recipe import FP8_MAX
 from .adapter import LoraAdapter
 from .layers import attach_adapter, detach_adapters, is_lora_module
+from .save_route import restore_save_pretrained, route_save_pretrained
 from .targets import GEMM_WEIGHTS, is_fp8_gemm_module, select_projections
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Llama-like models
@@ -72,7 +73,8 @@ def add_lora(model: nn.Module, r: int = 16, alpha: float = 32, dropout: float = 
         freeze_base: set requires_grad False on every parameter of the model but the adapters (PEFT does too).
         dtype: the adapters' dtype (default: each adapted module's params_dtype).
     Returns:
-        `model`, changed in place.
+        `model`, changed in place. Its save_pretrained (a transformers model's) now writes the adapters in PEFT's
+        format, as PeftModel.save_pretrained does (see save_route.py), until merge_lora or remove_lora.
     Raises:
         ValueError / TypeError: a bad argument (named), a target that matches nothing, or a projection that has an
             adapter already.
@@ -103,6 +105,7 @@ def add_lora(model: nn.Module, r: int = 16, alpha: float = 32, dropout: float = 
                 param.requires_grad_(False)
     if fp8_weights:
         cast_frozen_weights_to_fp8(model)
+    route_save_pretrained(model)
     return model
 
 
@@ -184,6 +187,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
                 rows.copy_((rows.float() + adapter.delta_weight().to(rows.device)).to(weight.dtype))
         detach_adapters(module)
         _refresh_fp8_flags(module)
+    restore_save_pretrained(model)
     return model
 
 
@@ -197,4 +201,5 @@ def remove_lora(model: nn.Module) -> nn.Module:
     """
     for module in [m for m in model.modules() if is_lora_module(m)]:
         detach_adapters(module)
+    restore_save_pretrained(model)
     return model
