@@ -129,6 +129,42 @@ def test_o_proj_and_mlp_adapters_match_float64():
                           names=["x"] + [f"w{i}" for i in range(6)])
 
 
+def test_mlp_adapters_with_layernorm_gelu_and_biases_match_float64():
+    """The unfused LoRA MLP with the options convert_llama does not use: LayerNorm (with bias), GELU, GEMM biases,
+    return_layernorm_output."""
+    from transformer_fp8.lora.adapter import LoraAdapter
+    from transformer_fp8.lora.layers import attach_adapter
+
+    mlp = LayerNormMLP(64, 96, bias=True, normalization="LayerNorm", activation="gelu", return_layernorm_output=True,
+                       params_dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        for p in (mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.fc1_bias, mlp.fc2_bias):
+            p.uniform_(-0.5, 0.5)
+    for gemm, rows, start, inputs in (("fc1_weight", 48, 16, 64), ("fc2_weight", 64, 0, 96)):
+        adapter = LoraAdapter(inputs, rows, 4, 8.0, 0.0, False, start, gemm, f"mlp.{gemm}_proj", torch.float32, "cpu")
+        attach_adapter(mlp, adapter, "mlp")
+    randomize_adapters(mlp)
+    adapters, leaves = adapter_leaves(mlp)
+    x = torch.randn(BATCH, SEQ, 64, requires_grad=True)
+    out, ln_out = mlp(x)
+
+    def layernorm64(x64):
+        mean, var = x64.mean(-1, keepdim=True), x64.var(-1, unbiased=False, keepdim=True)
+        return (x64 - mean) * torch.rsqrt(var + mlp.eps) * mlp.layer_norm_weight.double() + \
+            mlp.layer_norm_bias.double()
+
+    def reference(x64, *flat):
+        w1, b1 = mlp.fc1_weight.detach().double(), mlp.fc1_bias.detach().double()
+        w2, b2 = mlp.fc2_weight.detach().double(), mlp.fc2_bias.detach().double()
+        (fc1_adapter, fc1_ab), (fc2_adapter, fc2_ab) = sorted(zip(adapters, pairs(flat)), key=lambda t: t[0].gemm)
+        ln = layernorm64(x64)
+        act = F.gelu(with_updates(ln @ w1.t() + b1, ln, [fc1_adapter], [fc1_ab]), approximate="tanh")
+        return with_updates(act @ w2.t() + b2, act, [fc2_adapter], [fc2_ab])
+
+    torch.testing.assert_close(ln_out.double(), layernorm64(x.detach().double()), rtol=1e-5, atol=1e-5)
+    check_against_float64(out, [x, *leaves], reference, 1e-6, 1e-5, names=["x"] + [f"w{i}" for i in range(4)])
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_lora_mlp_keeps_fc1_output_but_not_the_activation(fp8):
     """For the backward the adapted MLP keeps FC1's output [tokens, 2 ffn] (the activation's backward needs it) and
