@@ -120,8 +120,6 @@ def test_gpt2_linear_layers_from_conv1d_are_transposed_back(tmp_path):
 def test_save_hf_pretrained_refuses_what_it_cannot_save(tmp_path):
     with pytest.raises(TypeError, match="model: expected a transformers PreTrainedModel"):
         save_hf_pretrained(torch.nn.Linear(16, 16), tmp_path)
-    with pytest.raises(TypeError, match="state_dict: computed by save_hf_pretrained"):
-        save_hf_pretrained(convert_model(tiny_model("llama")), tmp_path, state_dict={})
 
 
 def test_finetune_example_save_hf_writes_loadable_checkpoints(tmp_path):
@@ -142,3 +140,24 @@ def test_finetune_example_save_hf_writes_loadable_checkpoints(tmp_path):
             logits[precision] = loaded.float()(input_ids=ids).logits
         assert logits[precision].isfinite().all()
     assert 0 < rel_error(logits["fp8"], logits["bf16"]) < 0.05  # the same init and batches, FP8 vs BF16 training
+
+
+def test_a_hugging_face_state_dict_loads_into_a_converted_model_and_a_given_one_is_translated(tmp_path):
+    """Checkpoints under Hugging Face names (what save_pretrained writes, and what transformers' Trainer resumes
+    from) load into a converted model; save_hf_pretrained translates a state dict given under our names (as Trainer
+    passes one)."""
+    trained = fp8_trained(tiny_model("qwen2"))
+    fresh = convert_model(tiny_model("qwen2"))
+    missing, unexpected = fresh.load_state_dict(to_hf_state_dict(trained), strict=False)
+    assert not unexpected and all(key.endswith("_extra_state") for key in missing), (missing, unexpected)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, trained(input_ids=ids).logits)
+    with pytest.raises(KeyError, match="self_attn.k_proj.weight"):  # an incomplete layer is named
+        state = to_hf_state_dict(trained)
+        del state["model.layers.1.self_attn.k_proj.weight"]
+        fresh.load_state_dict(state, strict=False)
+    trained.save_pretrained(tmp_path, state_dict=trained.state_dict())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_error(loaded(input_ids=ids).logits, trained(input_ids=ids).logits) < 1e-5

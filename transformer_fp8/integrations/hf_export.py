@@ -10,6 +10,7 @@ transformer_fp8). convert_model makes `model.save_pretrained` do the same. Nothi
 import functools
 import json
 import os
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -34,11 +35,14 @@ def _is_converted_layer(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def to_hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None, device=None) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None, device=None,
+                     state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The state dict of a converted model under the Hugging Face names of the model it was converted from.
 
     Args:
         model: a model converted by convert_model / convert_llama / convert_linear_layers (or never converted).
+        state_dict: the model's state dict to translate (e.g. the one transformers' Trainer gathered); default
+            model.state_dict(). Layers whose entries are under Hugging Face names already pass through.
         dtype: dtype of the floating-point tensors (default: each parameter's own; FP8 weights: their
             high-precision dtype).
         device: where the tensors go (default: where they are), e.g. "cpu" to save a GPU model's copy in host memory.
@@ -49,14 +53,17 @@ def to_hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None, device=
     if any(is_lora_module(m) for m in model.modules()):  # (the adapters would be dropped without a word)
         raise ValueError("model: has LoRA adapters, which a Hugging Face checkpoint has no place for: fold them in "
                          "first (transformer_fp8.lora.merge_lora(model)) or save them in PEFT's format (save_lora)")
-    state = model.state_dict(keep_vars=False)
+    state = model.state_dict(keep_vars=False) if state_dict is None else state_dict
     modules = dict(model.named_modules())
-    converted = [name for name, m in modules.items() if _is_converted_layer(m)]
     transposed = {name for name, m in modules.items() if getattr(m, "hf_transposed_weight", False)}
-    out = {}
-    for prefix in converted:
+    out, converted = {}, []
+    for prefix in [name for name, m in modules.items() if _is_converted_layer(m)]:
+        table = layer_weight_map(modules[prefix])
         ours = {key[len(prefix) + 1:]: t for key, t in state.items() if key.startswith(prefix + ".")}
-        for hf_name, tensor in split_fused_weights(ours, layer_weight_map(modules[prefix])).items():
+        if table[0].name not in ours:  # (under Hugging Face names already)
+            continue
+        converted.append(prefix)
+        for hf_name, tensor in split_fused_weights(ours, table).items():
             out[f"{prefix}.{hf_name}"] = tensor
     converted_prefixes = tuple(prefix + "." for prefix in converted)
     for key, tensor in state.items():
@@ -74,18 +81,17 @@ def save_hf_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kw
         model: a converted transformers PreTrainedModel (it keeps its config and save_pretrained).
         save_directory: the output directory (created if missing).
         **kwargs: passed to transformers' save_pretrained (max_shard_size, safe_serialization, ...); a `dtype`
-            keyword sets the saved tensors' dtype (see to_hf_state_dict).
+            keyword sets the saved tensors' dtype, a `state_dict` (ours, as transformers' Trainer passes it) is
+            translated (see to_hf_state_dict).
     Raises:
-        TypeError: `model` has no transformers save_pretrained, or a state_dict is passed (it is computed here).
+        TypeError: `model` has no transformers save_pretrained.
     """
     original = getattr(type(model), "save_pretrained", None)
     if original is None:
         raise TypeError(f"model: expected a transformers PreTrainedModel (with save_pretrained), got "
                         f"{type(model).__name__}; use to_hf_state_dict(model) and save it yourself")
-    if kwargs.pop("state_dict", None) is not None:  # (transformers' Trainer passes state_dict=None)
-        raise TypeError("state_dict: computed by save_hf_pretrained (to_hf_state_dict(model)); do not pass one")
-    dtype = kwargs.pop("dtype", None)
-    original(model, save_directory, state_dict=to_hf_state_dict(model, dtype=dtype), **kwargs)
+    state_dict, dtype = kwargs.pop("state_dict", None), kwargs.pop("dtype", None)  # (Trainer passes a state_dict)
+    original(model, save_directory, state_dict=to_hf_state_dict(model, dtype=dtype, state_dict=state_dict), **kwargs)
     if dtype is not None:
         _record_dtype(save_directory, dtype)
 

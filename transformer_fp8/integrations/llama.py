@@ -105,6 +105,7 @@ class LlamaTransformerLayer(nn.Module):
         self._rope = rope
         self._captured_kv = None  # (k, v) of the last core attention call while a prefill fills the cache
         self.layer.self_attention.core_attention.register_forward_pre_hook(self._capture_kv)
+        self.register_load_state_dict_pre_hook(_fuse_hf_entries)
 
     def _capture_kv(self, module, args):
         """Forward pre-hook of the core attention: keep its k and v ([b, s, g, d], after RoPE) when asked."""
@@ -201,6 +202,19 @@ class LlamaTransformerLayer(nn.Module):
         context = context.transpose(1, 2).reshape(batch, q_len, -1)
         hidden = attn.proj(context, is_first_microbatch=is_first_microbatch, residual=hidden_states)
         return self.layer.layernorm_mlp(hidden, is_first_microbatch=is_first_microbatch, residual=hidden)
+
+
+def _fuse_hf_entries(module, state_dict, prefix, *args):
+    """Load-state-dict pre-hook of a converted layer: entries under the Hugging Face names (a checkpoint that
+    save_pretrained / to_hf_state_dict wrote, e.g. one transformers' Trainer resumes from) are fused into ours, so
+    that such a checkpoint loads into the converted model as into the Hugging Face one."""
+    table = layer_weight_map(module.shape)
+    if prefix + table[0].parts[0].hf_name not in state_dict:
+        return
+    hf_names = [part.hf_name for fused in table for part in fused.parts]
+    hf_state = {name: state_dict.pop(prefix + name) for name in hf_names if prefix + name in state_dict}
+    for name, tensor in fuse_hf_weights(hf_state, table).items():
+        state_dict[prefix + name] = tensor
 
 
 def _is_first_dynamic_fill(cache, layer_idx: int) -> bool:
