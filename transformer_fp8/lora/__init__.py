@@ -8,6 +8,9 @@
     save_lora(model, "adapter")        # peft.PeftModel.from_pretrained(original_hf_model, "adapter") loads it
     load_lora(converted_model, "adapter");  merge_lora(model)  # fold the adapters into the base weights
 
+While a (transformers) model has adapters, model.save_pretrained(dir) writes them in PEFT's format too, as PEFT's
+PeftModel does: integrations.FP8Trainer trains and saves a LoRA model unchanged. A plain Hugging Face checkpoint of
+the fine-tuned model: merge_lora(model), then model.save_pretrained(dir).
 Adapters are named and targeted by Hugging Face module names (PEFT's LoraConfig). On our fused GEMMs (q|k|v in the
 QKV LayerNormLinear, gate|up in the MLP's FC1) each adapter adds to its own rows of the output. Frozen base weights
 get no weight gradient (no wgrad GEMM, no FP8 transpose of the GEMM input) and, with fp8_weights, are stored in FP8.
