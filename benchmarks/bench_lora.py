@@ -27,9 +27,14 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import time
 
-import torch
+# Rows of different models follow each other in one process: expandable segments keep the freed memory of one row
+# usable by the next (no fragmentation OOM). Set before CUDA starts; an explicit setting wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
