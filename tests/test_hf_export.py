@@ -161,3 +161,20 @@ def test_a_hugging_face_state_dict_loads_into_a_converted_model_and_a_given_one_
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     with torch.no_grad():
         assert rel_error(loaded(input_ids=ids).logits, trained(input_ids=ids).logits) < 1e-5
+
+
+def test_gpt2_checkpoints_load_into_the_converted_model_either_way(tmp_path):
+    """Linear layers from Conv1D keep Conv1D's weight layout in their state dict: a Hugging Face GPT-2 state dict
+    loads into the converted model (square c_proj weights included), and the converted model's own state dict
+    round-trips."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    fresh = convert_model(transformers.GPT2LMHeadModel(config).eval())
+    missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(key.endswith("_extra_state") for key in missing), (missing, unexpected)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        assert rel_error(fresh(input_ids=ids).logits, model(input_ids=ids).logits) < 1e-5
+        again = convert_model(transformers.GPT2LMHeadModel(config).eval())
+        again.load_state_dict(fresh.state_dict())
+        assert torch.equal(again(input_ids=ids).logits, fresh(input_ids=ids).logits)

@@ -42,15 +42,19 @@ def _skip_init(weight):
 
 def _converted(layer, params_dtype, fuse_wgrad_accumulation):
     """A transformer_fp8.Linear holding a copy of layer's weight (and bias), on its device. From a Conv1D the weight
-    is transposed, and the new layer's `hf_transposed_weight` attribute is True (the exporter transposes it back)."""
+    is transposed, and the new layer keeps Conv1D's [in, out] layout in its state dict (saved and loaded), so that
+    checkpoints are the original model's either way (a square weight could not tell one layout from the other)."""
     weight = layer.weight
     in_features, out_features = _features(layer)
     new = Linear(in_features, out_features, bias=layer.bias is not None,
                  params_dtype=params_dtype or weight.dtype, device=weight.device, init_method=_skip_init,
                  fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    new.hf_transposed_weight = _is_conv1d(layer)
+    conv1d = _is_conv1d(layer)
+    if conv1d:
+        new.register_state_dict_post_hook(_weight_to_conv1d_layout)
+        new.register_load_state_dict_pre_hook(_weight_from_conv1d_layout)
     with torch.no_grad():
-        new.weight.copy_(weight.t() if new.hf_transposed_weight else weight)
+        new.weight.copy_(weight.t() if conv1d else weight)
         if layer.bias is not None:
             new.bias.copy_(layer.bias)
     new.weight.requires_grad_(weight.requires_grad)
@@ -58,6 +62,20 @@ def _converted(layer, params_dtype, fuse_wgrad_accumulation):
         new.bias.requires_grad_(layer.bias.requires_grad)
     new.train(layer.training)
     return new
+
+
+def _weight_to_conv1d_layout(module, state_dict, prefix, local_metadata):
+    """State-dict post-hook of a Linear converted from a Conv1D: its weight as Conv1D's [in, out]."""
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = state_dict[key].t()
+
+
+def _weight_from_conv1d_layout(module, state_dict, prefix, *args):
+    """Load-state-dict pre-hook of a Linear converted from a Conv1D: the [in, out] weight back to ours."""
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = state_dict[key].t()
 
 
 def convert_linear_layers(model, exclude=("lm_head",), params_dtype=None, fuse_wgrad_accumulation=False):

@@ -2,10 +2,11 @@
 
 `to_hf_state_dict(model)` rewrites `model.state_dict()`: the parameters of every converted decoder layer are split
 into the Hugging Face tensors they were made of (hf_mapping.layer_weight_map), FP8 weights (fp8_model_init) are
-dequantized, Linear layers converted from transformers' Conv1D get their [in, out] weight back, and our FP8 scaling
-state (`_extra_state`) is left out. `save_hf_pretrained(model, directory)` passes that state dict to the model's own
-`save_pretrained`, so the directory loads with plain transformers (`AutoModelForCausalLM.from_pretrained`, without
-transformer_fp8). convert_model makes `model.save_pretrained` do the same. Nothing here imports transformers.
+dequantized, Linear layers converted from transformers' Conv1D have their [in, out] weight (their state dict keeps
+that layout), and our FP8 scaling state (`_extra_state`) is left out. `save_hf_pretrained(model, directory)` passes
+that state dict to the model's own `save_pretrained`, so the directory loads with plain transformers
+(`AutoModelForCausalLM.from_pretrained`, without transformer_fp8). convert_model makes `model.save_pretrained` do the
+same. Nothing here imports transformers.
 """
 import functools
 import json
@@ -55,7 +56,6 @@ def to_hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None, device=
                          "first (transformer_fp8.lora.merge_lora(model)) or save them in PEFT's format (save_lora)")
     state = model.state_dict(keep_vars=False) if state_dict is None else state_dict
     modules = dict(model.named_modules())
-    transposed = {name for name, m in modules.items() if getattr(m, "hf_transposed_weight", False)}
     out, converted = {}, []
     for prefix in [name for name, m in modules.items() if _is_converted_layer(m)]:
         table = layer_weight_map(modules[prefix])
@@ -69,8 +69,7 @@ def to_hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None, device=
     for key, tensor in state.items():
         if key.endswith(EXTRA_STATE_SUFFIX) or key.startswith(converted_prefixes):
             continue
-        owner, _, leaf = key.rpartition(".")
-        out[key] = tensor.t() if leaf == "weight" and owner in transposed else tensor
+        out[key] = tensor  # (Linear layers from Conv1D keep Conv1D's weight layout in their state dict)
     return {key: _plain(tensor, dtype if tensor.is_floating_point() else None, device) for key, tensor in out.items()}
 
 
