@@ -8,16 +8,18 @@ Variants:
   hf-bf16-static-compile  model.generate(cache_implementation="static"): transformers compiles the decode step
   ours-bf16-dynamic       convert_model(model), model.generate() (our layers keep the DynamicCache)
   ours-fp8-dynamic        convert_model under fp8_model_init (FP8 weights), model.generate() inside fp8_autocast
-  ours-bf16-graph         integrations.greedy_generate: StaticCache, the decode step one CUDA graph
+  ours-bf16-graph         integrations.GreedyDecoder: StaticCache, the decode step one CUDA graph (captured in the
+                          first, untimed call; the timed calls reset the cache and replay it)
   ours-fp8-graph          the same with FP8 weights inside fp8_autocast (captured with the step)
   ours-fp8-static-eager   (not run by default) greedy_generate without the CUDA graph
   ours-bf16-static-compile (not run by default) our converted model through generate(cache_implementation="static"),
                           which transformers then compiles as it does its own
 Columns: ms per new token and tokens/s (batch x new tokens / wall time of the whole call, prompt included; median of
 --repeats calls after one untimed call, which compiles or captures); first call s (its wall time: compilation and
-capture included); peak GiB = torch.cuda.max_memory_allocated during a timed call (weights, cache and activations);
-weights GiB = allocated before it; same tokens = the fraction of generated tokens equal to hf-bf16-dynamic's at the
-same batch (random weights have near-tie logits: BF16 roundings may part sequences, FP8 more so).
+capture included; the same prompts every call); peak GiB = torch.cuda.max_memory_allocated during a timed call
+(weights, cache and activations); weights GiB = allocated before it; same tokens = the fraction of generated tokens
+equal to hf-bf16-dynamic's at the same batch (random weights have near-tie logits: BF16 roundings may part
+sequences, FP8 more so).
 --device cpu --tiny runs a tiny config on the CPU, to check the script.
 """
 import argparse
@@ -30,7 +32,7 @@ import torch
 
 import transformer_fp8 as te
 from transformer_fp8 import recipe
-from transformer_fp8.integrations import convert_model, greedy_generate
+from transformer_fp8.integrations import GreedyDecoder, convert_model
 
 LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                 num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
@@ -57,9 +59,14 @@ def build(variant, config, device, seed):
             convert_model(model)
     settings = dict(do_sample=False, pad_token_id=0)
     if variant.endswith("-graph") or variant.endswith("-static-eager"):
-        graph = variant.endswith("-graph")
-        return lambda ids, n: greedy_generate(model, ids, n, fp8_enabled=fp8, fp8_recipe=FP8_RECIPE,
-                                              cuda_graph=graph)
+        decoders = {}  # one per new-token count: its static cache and graph are reused by the later calls
+
+        def decode(ids, n):
+            if n not in decoders:
+                decoders[n] = GreedyDecoder(model, n, fp8_enabled=fp8, fp8_recipe=FP8_RECIPE,
+                                            cuda_graph=variant.endswith("-graph"))
+            return decoders[n](ids)
+        return decode
     if variant.endswith("-static-compile"):
         settings["cache_implementation"] = "static"
 
