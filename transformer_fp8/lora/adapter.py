@@ -62,7 +62,7 @@ def stacked_a(adapters: list[LoraAdapter]) -> torch.Tensor:
     return adapters[0].lora_A.weight if len(adapters) == 1 else torch.cat([a.lora_A.weight for a in adapters])
 
 
-def _down(adapters: list[LoraAdapter], x: torch.Tensor) -> torch.Tensor:
+def down_projection(adapters: list[LoraAdapter], x: torch.Tensor) -> torch.Tensor:
     """h [..., sum r] = the adapters' A applied to (their dropout of) x, stacked in the adapters' order."""
     dtype = adapters[0].lora_A.weight.dtype
     x = x if x.dtype == dtype else x.to(dtype)
@@ -88,7 +88,7 @@ def placed_up(adapters: list[LoraAdapter], out_features: int) -> torch.Tensor:
 
 
 def sorted_adapters(adapters) -> list[LoraAdapter]:
-    """The adapters in output-row order (the order _down and placed_up need)."""
+    """The adapters in output-row order (the order down_projection and placed_up need)."""
     return sorted(adapters, key=lambda a: a.row_start)
 
 
@@ -104,7 +104,7 @@ def lora_update(adapters: list[LoraAdapter], x: torch.Tensor, out_features: int,
     Returns:
         The update to add to the GEMM's output.
     """
-    return up_projection(adapters, _down(adapters, x), out_features, out_dtype)
+    return up_projection(adapters, down_projection(adapters, x), out_features, out_dtype)
 
 
 def up_projection(adapters: list[LoraAdapter], h: torch.Tensor, out_features: int,
@@ -124,7 +124,19 @@ def add_lora_update(out: torch.Tensor, x: torch.Tensor, adapters: list[LoraAdapt
     Returns:
         A new tensor of out's shape and dtype.
     """
-    h = _down(adapters, x)
+    return add_up_projection(out, down_projection(adapters, x), adapters)
+
+
+def add_up_projection(out: torch.Tensor, h: torch.Tensor, adapters: list[LoraAdapter]) -> torch.Tensor:
+    """out + the update from h [..., sum r] (the stacked A's output), the add in the GEMM's epilogue (torch.addmm).
+
+    Args:
+        out: a tensor of the update's shape [..., out_features] (the GEMM's output, or a residual to add it to).
+        h: the stacked A's output.
+        adapters: the adapters, sorted by row_start.
+    Returns:
+        A new tensor of out's shape and dtype.
+    """
     up = placed_up(adapters, out.shape[-1])
     h, up = (h if h.dtype == out.dtype else h.to(out.dtype)), (up if up.dtype == out.dtype else up.to(out.dtype))
     out2d = out.reshape(-1, out.shape[-1])

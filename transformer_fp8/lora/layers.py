@@ -25,8 +25,8 @@ from ..module.layernorm_linear import LayerNormLinear
 from ..module.layernorm_mlp import LayerNormMLP
 from ..module.linear import Linear
 from ..ops import activation_high_precision, tfp8
-from .adapter import (LoraAdapter, add_lora_update, any_dropout, lora_update, sorted_adapters, stacked_a,
-                      up_projection)
+from .adapter import (LoraAdapter, add_lora_update, add_up_projection, any_dropout, down_projection, lora_update,
+                      sorted_adapters, stacked_a, up_projection)
 
 
 class _LoraModule:
@@ -158,12 +158,13 @@ class LoraLayerNormMLP(_LoraModule, LayerNormMLP):
         adapters = self.lora_adapters("fc2_weight")
         if adapters and not any_dropout(adapters):
             act, h = _ActivationAndDown.apply(fc1_out, stacked_a(adapters), self.activation)
-            update = up_projection(adapters, h, self.hidden_size, act.dtype)
         else:
             act = _Activation.apply(fc1_out, self.activation)
-            update = lora_update(adapters, act, self.hidden_size, act.dtype) if adapters else None
-        if update is not None:
-            residual = update if residual is None else residual + update
+            h = down_projection(adapters, act) if adapters else None
+        if h is not None:  # down_proj's update joins the residual (its add in the up-projection's epilogue), which
+            # FC2's epilogue adds
+            residual = up_projection(adapters, h, self.hidden_size, act.dtype) if residual is None else \
+                add_up_projection(residual, h, adapters)
         out = fc2(act, is_first_microbatch=is_first_microbatch, residual=residual)
         return (out if fc2_bias is None else out + fc2_bias), ln_out
 
