@@ -78,6 +78,28 @@ def link_without_symbolic_functions():
             os.environ[var] = flags.replace("-Wl,-Bsymbolic-functions", "")
 
 
+def building_wheel():
+    """TFP8_WHEEL=1 (tools/build_wheel.sh): a wheel to install elsewhere, tied to the torch it is built against."""
+    return os.environ.get("TFP8_WHEEL") == "1"
+
+
+def torch_cuda_major():
+    import torch
+
+    return (torch.version.cuda or "0").split(".")[0]
+
+
+def torch_requirement():
+    """The torch versions this package is tested with; a wheel takes only the torch minor it was compiled against (the
+    extension uses torch's C++ ABI, which changes between minor versions)."""
+    if building_wheel():
+        import torch
+
+        major, minor = torch.__version__.split("+")[0].split(".")[:2]
+        return f"torch=={major}.{minor}.*"
+    return "torch>=2.11,<2.16"
+
+
 def extension():
     if os.environ.get("TFP8_FORCE_CPU") == "1" or CUDA_HOME is None:
         print("transformer_fp8: no CUDA toolkit found (or TFP8_FORCE_CPU=1): building the CPU-only extension")
@@ -92,7 +114,11 @@ def extension():
         # headers reference (an experimental engine we never build): the toolkit's, unless torch loaded its own.
         include_dirs.append(cudnn_frontend_include())
         rpaths = cudnn_lib + [os.path.join(CUDA_HOME, "lib64")]
+        if building_wheel():  # the user's site-packages, where torch's CUDA wheels keep these libraries
+            rpaths = ["$ORIGIN/../nvidia/cudnn/lib", f"$ORIGIN/../nvidia/cu{torch_cuda_major()}/lib"]
         link_args = [f"-Wl,-rpath,{d}" for d in rpaths] + ["-l:libcudnn.so.9", "-lnvrtc"]
+    if building_wheel():  # no host debug info in what users download (Python's CFLAGS carry -g)
+        link_args.append("-Wl,--strip-debug")
     return CUDAExtension(
         "transformer_fp8._C",
         BASE_SOURCES + cuda_sources(families),
@@ -103,7 +129,8 @@ def extension():
         define_macros=[("TFP8_WITH_CUDA", "1")],
         extra_compile_args={
             "cxx": ["-O3"],
-            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
+            # (no -std: torch adds the C++ standard its headers need, C++17 up to torch 2.12, C++20 after)
+            "nvcc": ["-O3", "--expt-relaxed-constexpr", "-lineinfo"],
         },
     )
 
@@ -111,6 +138,8 @@ def extension():
 setup(
     name="transformer_fp8",
     packages=find_packages(include=["transformer_fp8", "transformer_fp8.*"]),
-    ext_modules=[extension()],
+    install_requires=[torch_requirement(), "numpy"],
+    # TFP8_NO_EXTENSION=1: register the package only (tools/setup.sh builds the extension in place before that)
+    ext_modules=[] if os.environ.get("TFP8_NO_EXTENSION") == "1" else [extension()],
     cmdclass={"build_ext": BuildExtension},
 )

@@ -13,9 +13,8 @@ enum class Activation : int { kGelu, kRelu, kSwiglu };
 
 // y = act(x): y has out_elems elements, out_cols per row, of out_dtype (high precision, or FP8 with scale given).
 // Launches even when out_elems == 0, so scale_inv is always written.
-void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dtype, int64_t out_elems,
-                           int64_t out_cols, Activation act, const float* scale, float* amax, float* scale_inv,
-                           cudaStream_t stream);
+void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dtype, int64_t out_elems, int64_t out_cols,
+                           Activation act, const float* scale, float* amax, float* scale_inv, cudaStream_t stream);
 
 // dx = dy * act'(x), all three of dtype; dy has out_elems elements, out_cols per row. No launch when out_elems == 0.
 void launch_activation_bwd(const void* dy, const void* x, void* dx, DType dtype, int64_t out_elems, int64_t out_cols,

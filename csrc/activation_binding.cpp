@@ -84,10 +84,12 @@ at::Tensor activation_bwd(const at::Tensor& grad_out, const at::Tensor& input, c
   return grad_in;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dact_cast_transpose(
-    const at::Tensor& grad_out, const at::Tensor& input, c10::string_view activation, const at::Tensor& scale,
-    at::ScalarType fp8_dtype, const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& scale_inv,
-    bool compute_dbias, bool transpose) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dact_cast_transpose(const at::Tensor& grad_out, const at::Tensor& input,
+                                                                   c10::string_view activation, const at::Tensor& scale,
+                                                                   at::ScalarType fp8_dtype,
+                                                                   const std::optional<at::Tensor>& amax,
+                                                                   const std::optional<at::Tensor>& scale_inv,
+                                                                   bool compute_dbias, bool transpose) {
   const Activation act = parse_activation(activation);
   check_input(input, act);
   TORCH_CHECK(input.dim() == 2, "input: expected a 2-D tensor [M, F_in], got shape ", dims(input.sizes()));
@@ -112,8 +114,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dact_cast_transpose(
                              static_cast<uint8_t*>(q.data_ptr()),
                              transpose ? static_cast<uint8_t*>(qT.data_ptr()) : nullptr,
                              to_dtype(fp8_dtype, "fp8_dtype"), rows, out_cols, act, scale.data_ptr<float>(),
-                             optional_ptr(amax), optional_ptr(scale_inv),
-                             compute_dbias ? dbias.data_ptr() : nullptr,
+                             optional_ptr(amax), optional_ptr(scale_inv), compute_dbias ? dbias.data_ptr() : nullptr,
                              compute_dbias ? workspace.data_ptr<float>() : nullptr, current_stream());
   return {q, qT, dbias};
 }

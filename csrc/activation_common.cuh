@@ -12,7 +12,7 @@ namespace tfp8 {
 namespace act {
 
 // ------------------------------------------------------------------------------------------------- activation math
-constexpr float kGeluK = 0.7978845608028654f;                 // sqrt(2 / pi)
+constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluC = 0.044715f;
 constexpr float kGeluC3 = static_cast<float>(3.0 * 0.044715);  // 3 * kGeluC, rounded once as in the reference
 
@@ -49,13 +49,30 @@ __device__ __forceinline__ void swiglu_backward(float dy, float gate, float up, 
 // --------------------------------------------------------------------------------------------------- element storage
 constexpr bool is_fp8(DType d) { return d == DType::kE4M3 || d == DType::kE5M2; }
 
-template <DType D> struct Storage;
-template <> struct Storage<DType::kFloat32> { using T = float; };
-template <> struct Storage<DType::kFloat16> { using T = __half; };
-template <> struct Storage<DType::kBFloat16> { using T = __nv_bfloat16; };
-template <> struct Storage<DType::kE4M3> { using T = uint8_t; };
-template <> struct Storage<DType::kE5M2> { using T = uint8_t; };
-template <DType D> using StorageT = typename Storage<D>::T;
+template <DType D>
+struct Storage;
+template <>
+struct Storage<DType::kFloat32> {
+  using T = float;
+};
+template <>
+struct Storage<DType::kFloat16> {
+  using T = __half;
+};
+template <>
+struct Storage<DType::kBFloat16> {
+  using T = __nv_bfloat16;
+};
+template <>
+struct Storage<DType::kE4M3> {
+  using T = uint8_t;
+};
+template <>
+struct Storage<DType::kE5M2> {
+  using T = uint8_t;
+};
+template <DType D>
+using StorageT = typename Storage<D>::T;
 
 // A value as stored in D: FP8 = saturate(value * scale), high precision = value rounded to nearest (scale unused).
 template <DType D>
@@ -106,7 +123,9 @@ __device__ __forceinline__ float max_abs(float running, float x) {
 
 
 // ------------------------------------------------------------------------------------------------------- host side
-__host__ __device__ inline bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+__host__ __device__ inline bool aligned(const void* p, int bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
 
 inline int sm_count() {
   int device = 0, count = 0;
@@ -115,8 +134,10 @@ inline int sm_count() {
   return count;
 }
 
-template <Activation A> using ActTag = std::integral_constant<Activation, A>;
-template <DType D> using DTypeTag = std::integral_constant<DType, D>;
+template <Activation A>
+using ActTag = std::integral_constant<Activation, A>;
+template <DType D>
+using DTypeTag = std::integral_constant<DType, D>;
 
 // f(ActTag<act>{}): the activation as a compile-time constant.
 template <typename F>

@@ -147,11 +147,11 @@ void launch_dact_cast_transpose(const void* dy, const void* x, DType dtype, uint
         const auto* xp = static_cast<const T*>(x);
         float* ws = dbias != nullptr ? workspace : nullptr;
         if (out_cols % kVec == 0 && act::aligned(dy, 16) && act::aligned(x, 16) && act::aligned(q, kVec)) {
-          dact_cast_transpose_kernel<A, IN, F8, kVec><<<grid, kThreads, 0, stream>>>(dyp, xp, q, qT, rows, out_cols,
-                                                                                    scale, amax, scale_inv, ws);
+          dact_cast_transpose_kernel<A, IN, F8, kVec>
+              <<<grid, kThreads, 0, stream>>>(dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws);
         } else {
-          dact_cast_transpose_kernel<A, IN, F8, 1><<<grid, kThreads, 0, stream>>>(dyp, xp, q, qT, rows, out_cols,
-                                                                                 scale, amax, scale_inv, ws);
+          dact_cast_transpose_kernel<A, IN, F8, 1>
+              <<<grid, kThreads, 0, stream>>>(dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws);
         }
         TFP8_CUDA_CHECK(cudaGetLastError());
         if (dbias != nullptr) {

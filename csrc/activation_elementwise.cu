@@ -14,7 +14,9 @@ constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
 
 // Offset of the gate element of output element i in a SwiGLU input (i and out_cols as above).
-__device__ __forceinline__ int64_t swiglu_gate_offset(int64_t i, int64_t out_cols) { return i + (i / out_cols) * out_cols; }
+__device__ __forceinline__ int64_t swiglu_gate_offset(int64_t i, int64_t out_cols) {
+  return i + (i / out_cols) * out_cols;
+}
 
 // VEC outputs per thread and step; a last partial vector (GELU / ReLU only) is handled element by element.
 template <Activation A, DType IN, DType OUT, int VEC>
@@ -92,9 +94,8 @@ int64_t grid_size(int64_t n, int vec) {
 
 }  // namespace
 
-void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dtype, int64_t out_elems,
-                           int64_t out_cols, Activation act, const float* scale, float* amax, float* scale_inv,
-                           cudaStream_t stream) {
+void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dtype, int64_t out_elems, int64_t out_cols,
+                           Activation act, const float* scale, float* amax, float* scale_inv, cudaStream_t stream) {
   act::with_activation(act, [&](auto a) {
     act::with_high_precision(in_dtype, [&](auto in) {
       constexpr Activation A = decltype(a)::value;
@@ -110,8 +111,8 @@ void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dty
           activation_fwd_kernel<A, IN, OUT, kVec<TI>><<<grid_size(out_elems, kVec<TI>), kThreads, 0, stream>>>(
               xp, yp, out_elems, out_cols, scale, amax, scale_inv);
         } else {
-          activation_fwd_kernel<A, IN, OUT, 1><<<grid_size(out_elems, 1), kThreads, 0, stream>>>(
-              xp, yp, out_elems, out_cols, scale, amax, scale_inv);
+          activation_fwd_kernel<A, IN, OUT, 1>
+              <<<grid_size(out_elems, 1), kThreads, 0, stream>>>(xp, yp, out_elems, out_cols, scale, amax, scale_inv);
         }
       };
       if (out_dtype == in_dtype) launch(in);
@@ -134,11 +135,11 @@ void launch_activation_bwd(const void* dy, const void* x, void* dx, DType dtype,
       auto* dxp = static_cast<T*>(dx);
       if (rows_hold_whole_vectors(act, out_cols, kVec<T>) && act::aligned(dy, 16) && act::aligned(x, 16) &&
           act::aligned(dx, 16)) {
-        activation_bwd_kernel<A, D, kVec<T>><<<grid_size(out_elems, kVec<T>), kThreads, 0, stream>>>(
-            dyp, xp, dxp, out_elems, out_cols);
+        activation_bwd_kernel<A, D, kVec<T>>
+            <<<grid_size(out_elems, kVec<T>), kThreads, 0, stream>>>(dyp, xp, dxp, out_elems, out_cols);
       } else {
-        activation_bwd_kernel<A, D, 1><<<grid_size(out_elems, 1), kThreads, 0, stream>>>(dyp, xp, dxp, out_elems,
-                                                                                          out_cols);
+        activation_bwd_kernel<A, D, 1>
+            <<<grid_size(out_elems, 1), kThreads, 0, stream>>>(dyp, xp, dxp, out_elems, out_cols);
       }
     });
   });

@@ -58,11 +58,10 @@ SdpaProblem problem_of(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   p.dtype = to_dtype(q.scalar_type(), "q");
   p.b = q.size(0), p.hq = q.size(1), p.sq = q.size(2), p.d_qk = q.size(3);
   p.hkv = k.size(1), p.skv = k.size(2), p.d_v = v.size(3);
-  TORCH_CHECK(k.size(0) == p.b && k.size(3) == p.d_qk && p.hkv > 0 && p.hq % p.hkv == 0, "k: expected [",
-              num(p.b), ", hkv, skv, ", num(p.d_qk), "] with hkv dividing hq = ", num(p.hq), ", got shape ",
-              dims(k.sizes()));
-  TORCH_CHECK(v.size(0) == p.b && v.size(1) == p.hkv && v.size(2) == p.skv, "v: expected [", num(p.b), ", ",
-              num(p.hkv), ", ", num(p.skv), ", d_v] (as k), got shape ", dims(v.sizes()));
+  TORCH_CHECK(k.size(0) == p.b && k.size(3) == p.d_qk && p.hkv > 0 && p.hq % p.hkv == 0, "k: expected [", num(p.b),
+              ", hkv, skv, ", num(p.d_qk), "] with hkv dividing hq = ", num(p.hq), ", got shape ", dims(k.sizes()));
+  TORCH_CHECK(v.size(0) == p.b && v.size(1) == p.hkv && v.size(2) == p.skv, "v: expected [", num(p.b), ", ", num(p.hkv),
+              ", ", num(p.skv), ", d_v] (as k), got shape ", dims(v.sizes()));
   TORCH_CHECK(p.skv > 0 && p.d_qk > 0 && p.d_v > 0, "k/v: expected at least one key and non-empty head dims, got k ",
               dims(k.sizes()), ", v ", dims(v.sizes()));
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p: expected a value in [0, 1), got ",
@@ -74,8 +73,8 @@ SdpaProblem problem_of(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     const at::Tensor& s = **t;
     check_same_device(s, q, arg);
     TORCH_CHECK(s.scalar_type() == at::kInt, arg, ": expected an int32 tensor, got ", s.scalar_type());
-    TORCH_CHECK(s.dim() == 1 && s.size(0) == p.b && s.is_contiguous(), arg, ": expected a contiguous [",
-                num(p.b), "] tensor, got shape ", dims(s.sizes()), " strides ", dims(s.strides()));
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == p.b && s.is_contiguous(), arg, ": expected a contiguous [", num(p.b),
+                "] tensor, got shape ", dims(s.sizes()), " strides ", dims(s.strides()));
   }
   if (dropout_p > 0.0) {
     TORCH_CHECK(rng_state.has_value(), "rng_state: required with dropout_p > 0 (int64 [2]: philox seed, offset)");
@@ -173,8 +172,8 @@ void fused_attn_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::T
   TORCH_CHECK(stats.scalar_type() == at::kFloat, "stats: expected a float32 tensor, got ", stats.scalar_type());
   check_shape(stats, {p.b, p.hq, p.sq, 1}, "stats");
   check_contiguous(stats, "stats");
-  for (const auto& [grad, like, arg] : {std::make_tuple(&dq, &q, "dq"), std::make_tuple(&dk, &k, "dk"),
-                                        std::make_tuple(&dv, &v, "dv")}) {
+  for (const auto& [grad, like, arg] :
+       {std::make_tuple(&dq, &q, "dq"), std::make_tuple(&dk, &k, "dk"), std::make_tuple(&dv, &v, "dv")}) {
     check_4d(*grad, arg, "(the shape of its input)");
     check_like(*grad, q, arg);
     check_shape(*grad, like->sizes(), arg);

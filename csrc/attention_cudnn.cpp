@@ -47,10 +47,39 @@ using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 constexpr size_t kMaxGraphsPerThread = 256;
 
 enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqlensQ, kSeqlensKv, kSeed, kOffset,
+  kQ = 1,
+  kK,
+  kV,
+  kO,
+  kStats,
+  kDO,
+  kDQ,
+  kDK,
+  kDV,
+  kSeqlensQ,
+  kSeqlensKv,
+  kSeed,
+  kOffset,
   // FP8 scales and amaxes
-  kDescaleQ, kDescaleK, kDescaleV, kDescaleS, kScaleS, kScaleO, kAmaxS, kAmaxO,
-  kDescaleO, kDescaleDO, kDescaleDP, kScaleDP, kScaleDQ, kScaleDK, kScaleDV, kAmaxDP, kAmaxDQ, kAmaxDK, kAmaxDV
+  kDescaleQ,
+  kDescaleK,
+  kDescaleV,
+  kDescaleS,
+  kScaleS,
+  kScaleO,
+  kAmaxS,
+  kAmaxO,
+  kDescaleO,
+  kDescaleDO,
+  kDescaleDP,
+  kScaleDP,
+  kScaleDQ,
+  kScaleDK,
+  kScaleDV,
+  kAmaxDP,
+  kAmaxDQ,
+  kAmaxDK,
+  kAmaxDV
 };
 
 struct CachedGraph {
@@ -120,8 +149,8 @@ void add_sdpa_fp8(fe::graph::Graph& g, const SdpaProblem& p, const TensorPtr& q,
     fe::graph::SDPA_fp8_attributes attrs;
     attrs.set_name("sdpa_fp8_fwd").set_generate_stats(true);
     set_common(attrs, g, p);
-    auto [o, stats, amax_s, amax_o] =
-        g.sdpa_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scalar(g, "scale_o", kScaleO), attrs);
+    auto [o, stats, amax_s, amax_o] = g.sdpa_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s,
+                                                 scalar(g, "scale_o", kScaleO), attrs);
     mark_output(o, kO, o_dim, vec(p.o));
     o->set_data_type(io_type(p.dtype));
     mark_output(stats, kStats, stats_dim, stats_stride);
@@ -225,8 +254,21 @@ GraphKey key_of(const SdpaProblem& p, int device) {
     std::memcpy(&i, &x, sizeof(i));
     return int64_t(i);
   };
-  GraphKey key{device, int64_t(p.backward), int64_t(p.dtype), int64_t(p.grad_dtype), p.b, p.hq, p.hkv, p.sq, p.skv,
-               p.d_qk, p.d_v, bits(p.scale), bits(p.dropout_p), int64_t(p.causal), int64_t(p.padding),
+  GraphKey key{device,
+               int64_t(p.backward),
+               int64_t(p.dtype),
+               int64_t(p.grad_dtype),
+               p.b,
+               p.hq,
+               p.hkv,
+               p.sq,
+               p.skv,
+               p.d_qk,
+               p.d_v,
+               bits(p.scale),
+               bits(p.dropout_p),
+               int64_t(p.causal),
+               int64_t(p.padding),
                int64_t(p.deterministic)};
   for (const Strides4* s : {&p.q, &p.k, &p.v, &p.o, &p.d_o, &p.dq, &p.dk, &p.dv})
     key.insert(key.end(), s->begin(), s->end());

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "autograd_node_ptr.h"
 #include "autograd_nodes.h"
 
 namespace tfp8 {
@@ -33,11 +34,10 @@ namespace {
 namespace autograd = torch::autograd;
 using OptTensor = std::optional<at::Tensor>;
 using AttnFwd = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                                   bool, double, const OptTensor&, const OptTensor&,
-                                                   const OptTensor&);
+                                                   bool, double, const OptTensor&, const OptTensor&, const OptTensor&);
 using AttnBwd = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool, double,
-                    const OptTensor&, const OptTensor&, const OptTensor&);
+                     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool, double,
+                     const OptTensor&, const OptTensor&, const OptTensor&);
 using Dims = std::array<int64_t, 4>;
 
 // qkv_format -> (its dims permuted to [b, h, s, d], the inverse)
@@ -55,7 +55,7 @@ bool one_buffer_fits(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   int64_t start = q.storage_offset();
   for (const at::Tensor* t : all) start = std::min(start, t->storage_offset());
   std::set<std::pair<int64_t, int64_t>> token_strides;  // (b stride, s stride), -1 where that dim has size 1
-  std::vector<std::pair<int64_t, int64_t>> intervals;    // [first, end) of each head's channels in a token
+  std::vector<std::pair<int64_t, int64_t>> intervals;   // [first, end) of each head's channels in a token
   for (const at::Tensor* t : all) {
     token_strides.insert({t->size(0) > 1 ? t->stride(0) : -1, t->size(2) > 1 ? t->stride(2) : -1});
     const int64_t first = t->storage_offset() - start;
@@ -98,9 +98,9 @@ std::unique_ptr<PyReference>& fallback() {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fallback_grads(const std::string& message, const at::Tensor& grad_out,
-                                                             const at::Tensor& q, const at::Tensor& k,
-                                                             const at::Tensor& v, double scale, bool causal,
-                                                             const std::string& qkv_format) {
+                                                              const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v, double scale, bool causal,
+                                                              const std::string& qkv_format) {
   pybind11::gil_scoped_acquire gil;
   pybind11::handle callable(fallback()->get());
   return callable(message, grad_out, q, k, v, scale, causal, qkv_format)
@@ -127,7 +127,7 @@ struct FusedAttentionBackward : public autograd::Node {
     const at::Tensor qb = q.unpack().permute(to_bhsd), kb = k.unpack().permute(to_bhsd),
                      vb = v.unpack().permute(to_bhsd);
     const int64_t heads = qb.size(1), d_v = vb.size(3);
-    at::Tensor o = out.unpack(shared_from_this()), g = grad;
+    at::Tensor o = out.unpack(getptr()), g = grad;
     if (qkv_format != "bhsd") {  // [s, b, h * d] / [b, s, h * d] -> [s, b, h, d] / [b, s, h, d]
       o = o.view({o.size(0), o.size(1), heads, d_v});
       g = g.view({g.size(0), g.size(1), heads, d_v});
@@ -149,8 +149,8 @@ struct FusedAttentionBackward : public autograd::Node {
 
 }  // namespace
 
-at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const std::string& qkv_format, double scale, bool causal) {
+at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& qkv_format,
+                           double scale, bool causal) {
   static const auto attn_fwd = library_op<AttnFwd>("transformer_fp8::fused_attn_fwd");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v: expected 4-D tensors");
   TORCH_CHECK(fallback() != nullptr, "fused_attention: set_attention_fallback was not called");
@@ -158,13 +158,13 @@ at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   at::Tensor out, stats;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    std::tie(out, stats) = attn_fwd.call(q.permute(to_bhsd), k.permute(to_bhsd), v.permute(to_bhsd), scale, causal,
-                                         0.0, std::nullopt, std::nullopt, std::nullopt);
+    std::tie(out, stats) = attn_fwd.call(q.permute(to_bhsd), k.permute(to_bhsd), v.permute(to_bhsd), scale, causal, 0.0,
+                                         std::nullopt, std::nullopt, std::nullopt);
     out = out.permute(from_bhsd);  // (dense in q's dim order: for sbhd / bshd inputs a contiguous tensor)
     if (qkv_format != "bhsd") out = out.reshape({out.size(0), out.size(1), -1});
   }
   if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) return out;
-  auto node = std::shared_ptr<FusedAttentionBackward>(new FusedAttentionBackward(), autograd::deleteNode);
+  auto node = make_autograd_node<FusedAttentionBackward>();
   node->set_next_edges(autograd::collect_next_edges(q, k, v));
   node->q = autograd::SavedVariable(q, false);
   node->k = autograd::SavedVariable(k, false);
@@ -177,8 +177,6 @@ at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-void set_attention_fallback(pybind11::object callable) {
-  fallback() = std::make_unique<PyReference>(callable.ptr());
-}
+void set_attention_fallback(pybind11::object callable) { fallback() = std::make_unique<PyReference>(callable.ptr()); }
 
 }  // namespace tfp8

@@ -22,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "autograd_node_ptr.h"
 #include "autograd_nodes.h"
 
 namespace tfp8 {
@@ -34,8 +35,8 @@ using LinearFwd = Triple(const at::Tensor&, const at::Tensor&, const at::Tensor&
                          const OptTensor&, const at::Tensor&, const OptTensor&, const at::Tensor&, bool, bool,
                          at::ScalarType, const OptTensor&, const OptTensor&);
 using LinearBwd = Triple(const at::Tensor&, const at::Tensor&, at::ScalarType, const OptTensor&, const at::Tensor&,
-                         bool, const OptTensor&, const at::Tensor&, at::ScalarType, const OptTensor&,
-                         const at::Tensor&, at::ScalarType, const OptTensor&);
+                         bool, const OptTensor&, const at::Tensor&, at::ScalarType, const OptTensor&, const at::Tensor&,
+                         at::ScalarType, const OptTensor&);
 using CastTranspose = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, at::ScalarType, bool,
                                                          bool, const OptTensor&, const OptTensor&);
 
@@ -79,18 +80,17 @@ struct FP8LinearBackward : public autograd::Node {
                need_dbias = has_bias && should_compute_output(2);
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
-    const at::Tensor dy =
-        grad.dim() == 2 && grad.is_contiguous() ? grad : grad.reshape({-1, grad.size(-1)}).contiguous();
+    const at::Tensor dy = grad.dim() == 2 && grad.is_contiguous() ? grad
+                                                                  : grad.reshape({-1, grad.size(-1)}).contiguous();
     at::Tensor w_t_now = need_dx ? w_t.unpack() : at::Tensor();
     if (need_dx && !w_t_now.defined()) {  // (no Wᵀ from the forward: the weight cast with the forward's scale)
-      w_t_now = std::get<1>(cast.call(weight, at::reciprocal(w_scale_inv), fwd_dtype, false, true, std::nullopt,
-                                      std::nullopt));
+      w_t_now = std::get<1>(
+          cast.call(weight, at::reciprocal(w_scale_inv), fwd_dtype, false, true, std::nullopt, std::nullopt));
     }
-    auto [dx, dw, dbias] =
-        linear_bwd.call(dy, dy_scale, bwd_dtype, dy_amax, dy_scale_inv, need_dbias,
-                        need_dx ? OptTensor(w_t_now) : std::nullopt, need_dx ? w_scale_inv : dy_scale_inv, dx_dtype,
-                        need_dw ? OptTensor(x_t.unpack()) : std::nullopt, need_dw ? x_scale_inv : dy_scale_inv,
-                        dw_dtype, std::nullopt);
+    auto [dx, dw, dbias] = linear_bwd.call(
+        dy, dy_scale, bwd_dtype, dy_amax, dy_scale_inv, need_dbias, need_dx ? OptTensor(w_t_now) : std::nullopt,
+        need_dx ? w_scale_inv : dy_scale_inv, dx_dtype, need_dw ? OptTensor(x_t.unpack()) : std::nullopt,
+        need_dw ? x_scale_inv : dy_scale_inv, dw_dtype, std::nullopt);
     register_backward(*registration);
     return {need_dx ? dx.view(input_sizes) : at::Tensor(), need_dw ? dw : at::Tensor(),
             need_dbias ? dbias : at::Tensor()};
@@ -126,7 +126,7 @@ at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const Opt
     }
   }
   if (!need_any) return out;
-  auto node = std::shared_ptr<FP8LinearBackward>(new FP8LinearBackward(), autograd::deleteNode);
+  auto node = make_autograd_node<FP8LinearBackward>();
   node->set_next_edges(autograd::collect_next_edges(inp, weight, bias));
   if (need_dw) node->x_t = autograd::SavedVariable(x_t, false);
   if (need_dx && keep_w_t) node->w_t = autograd::SavedVariable(w_t, false);
@@ -142,8 +142,6 @@ at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const Opt
   return out;
 }
 
-void set_backward_registrar(pybind11::object callable) {
-  registrar() = std::make_unique<PyReference>(callable.ptr());
-}
+void set_backward_registrar(pybind11::object callable) { registrar() = std::make_unique<PyReference>(callable.ptr()); }
 
 }  // namespace tfp8

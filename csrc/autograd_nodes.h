@@ -38,8 +38,8 @@ at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const std
 void set_backward_registrar(pybind11::object callable);
 
 // csrc/autograd_attention.cpp
-at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const std::string& qkv_format, double scale, bool causal);
+at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& qkv_format,
+                           double scale, bool causal);
 void set_attention_fallback(pybind11::object callable);
 
 }  // namespace tfp8

@@ -27,11 +27,13 @@ at::Tensor empty_of(const at::Tensor& like, at::ScalarType dtype) {
   return at::empty({0}, like.options().dtype(dtype));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_fwd(
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& x_scale, const at::Tensor& w_scale,
-    at::ScalarType fp8_dtype, const OptTensor& x_amax, const at::Tensor& x_scale_inv, const OptTensor& w_amax,
-    const at::Tensor& w_scale_inv, bool x_transpose, bool w_transpose, at::ScalarType out_dtype,
-    const OptTensor& bias, const OptTensor& residual) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_fwd(const at::Tensor& x, const at::Tensor& weight,
+                                                              const at::Tensor& x_scale, const at::Tensor& w_scale,
+                                                              at::ScalarType fp8_dtype, const OptTensor& x_amax,
+                                                              const at::Tensor& x_scale_inv, const OptTensor& w_amax,
+                                                              const at::Tensor& w_scale_inv, bool x_transpose,
+                                                              bool w_transpose, at::ScalarType out_dtype,
+                                                              const OptTensor& bias, const OptTensor& residual) {
   static const auto cast = library_op<CastTranspose>("transformer_fp8::cast_transpose");
   static const auto gemm = library_op<Gemm>("transformer_fp8::fp8_gemm");
   auto [xq, xqt] = cast.call(x, x_scale, fp8_dtype, true, x_transpose, x_amax, x_scale_inv);
@@ -41,11 +43,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_fwd(
   return {out, xqt, wqt};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_bwd(
-    const at::Tensor& dy, const at::Tensor& dy_scale, at::ScalarType fp8_dtype, const OptTensor& dy_amax,
-    const at::Tensor& dy_scale_inv, bool compute_dbias, const OptTensor& w_t, const at::Tensor& w_scale_inv,
-    at::ScalarType dx_dtype, const OptTensor& x_t, const at::Tensor& x_scale_inv, at::ScalarType dw_dtype,
-    const OptTensor& main_grad) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_linear_bwd(const at::Tensor& dy, const at::Tensor& dy_scale,
+                                                              at::ScalarType fp8_dtype, const OptTensor& dy_amax,
+                                                              const at::Tensor& dy_scale_inv, bool compute_dbias,
+                                                              const OptTensor& w_t, const at::Tensor& w_scale_inv,
+                                                              at::ScalarType dx_dtype, const OptTensor& x_t,
+                                                              const at::Tensor& x_scale_inv, at::ScalarType dw_dtype,
+                                                              const OptTensor& main_grad) {
   static const auto cast = library_op<CastTranspose>("transformer_fp8::cast_transpose");
   static const auto cast_dbias = library_op<CastTransposeDbias>("transformer_fp8::cast_transpose_dbias");
   static const auto gemm = library_op<Gemm>("transformer_fp8::fp8_gemm");

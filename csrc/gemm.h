@@ -19,27 +19,27 @@ namespace tfp8 {
 constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
 
 struct Fp8GemmArgs {
-  const void* a;                     // [m, k], a_type (E4M3 or E5M2)
-  const void* b;                     // [n, k], b_type (not E5M2 when a_type is)
-  const float* a_scale_inv;          // device scalars
+  const void* a;             // [m, k], a_type (E4M3 or E5M2)
+  const void* b;             // [n, k], b_type (not E5M2 when a_type is)
+  const float* a_scale_inv;  // device scalars
   const float* b_scale_inv;
   DType a_type, b_type;
   int64_t m, n, k;
-  void* out;                         // [m, ld_out] of out_type; float32 and read too when accumulate
+  void* out;  // [m, ld_out] of out_type; float32 and read too when accumulate
   DType out_type;
   int64_t ld_out;
   const float* out_scale = nullptr;  // FP8 out: out = saturate(result * out_scale)
   float* amax_scratch = nullptr;     // FP8 out, optional: receives max|result| (written, not max-accumulated)
   const void* bias = nullptr;        // optional [n] of bias_type, added before the GELU
   DType bias_type = DType::kBFloat16;
-  void* pre_gelu = nullptr;          // non-null: GELU epilogue, the pre-activation [m, ld_out] stored here
+  void* pre_gelu = nullptr;  // non-null: GELU epilogue, the pre-activation [m, ld_out] stored here
   DType pre_gelu_type = DType::kBFloat16;
-  const void* residual = nullptr;    // optional [m, ld_out] of out_type (not FP8): out = result + residual (cuBLASLt's
-                                     // C with beta = 1; not with accumulate or the GELU epilogue)
-  bool accumulate = false;           // out += result (beta = 1)
-  bool fast_accum = false;           // FP8 fast accumulation (no periodic promotion to float32)
-  void* workspace = nullptr;         // workspace_bytes on the device (null when 0)
-  size_t workspace_bytes = 0;        // at least fp8_gemm_workspace_bytes(args)
+  const void* residual = nullptr;  // optional [m, ld_out] of out_type (not FP8): out = result + residual (cuBLASLt's
+                                   // C with beta = 1; not with accumulate or the GELU epilogue)
+  bool accumulate = false;         // out += result (beta = 1)
+  bool fast_accum = false;         // FP8 fast accumulation (no periodic promotion to float32)
+  void* workspace = nullptr;       // workspace_bytes on the device (null when 0)
+  size_t workspace_bytes = 0;      // at least fp8_gemm_workspace_bytes(args)
 };
 
 // Bytes of workspace the GEMM of `args` needs (on the current device; the pointers' values do not matter, their

@@ -44,8 +44,8 @@ void check_operands(const at::Tensor& a, const at::Tensor& a_scale_inv, const at
   check_operand(b, "b");
   TORCH_CHECK(!(a.scalar_type() == at::kFloat8_e5m2 && b.scalar_type() == at::kFloat8_e5m2),
               "a, b: E5M2 x E5M2 is not supported by the FP8 tensor cores; make one operand E4M3");
-  TORCH_CHECK(b.size(1) == a.size(1), "b: expected K = ", std::to_string(a.size(1)), " columns (a is ",
-              dims(a.sizes()), "), got shape ", dims(b.sizes()));
+  TORCH_CHECK(b.size(1) == a.size(1), "b: expected K = ", std::to_string(a.size(1)), " columns (a is ", dims(a.sizes()),
+              "), got shape ", dims(b.sizes()));
   check_on_device_of(b, a, "b");
   check_scalar(a_scale_inv, a, "a_scale_inv");
   check_scalar(b_scale_inv, a, "b_scale_inv");
@@ -123,8 +123,9 @@ std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tenso
   if (bias.has_value()) {
     check_cuda(*bias, "bias");
     TORCH_CHECK(bias_dtype_allowed(bias->scalar_type(), out_dtype), "bias: expected dtype ",
-                out_dtype == at::kHalf ? "torch.float16" : is_fp8(out_dtype) ? "torch.bfloat16 or torch.float16"
-                                                                            : "torch.bfloat16",
+                out_dtype == at::kHalf ? "torch.float16"
+                : is_fp8(out_dtype)    ? "torch.bfloat16 or torch.float16"
+                                       : "torch.bfloat16",
                 " for out_dtype ", out_dtype, ", got ", bias->scalar_type());
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias: expected shape (", std::to_string(n), ",), got ",
                 dims(bias->sizes()));
@@ -141,8 +142,10 @@ std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tenso
 
   if (residual.has_value()) {
     check_cuda(*residual, "residual");
-    TORCH_CHECK(!is_fp8(out_dtype) && !gelu, "residual: only for a float32, float16 or bfloat16 out_dtype without "
-                "gelu, got out_dtype ", out_dtype, gelu ? " with gelu" : "");
+    TORCH_CHECK(!is_fp8(out_dtype) && !gelu,
+                "residual: only for a float32, float16 or bfloat16 out_dtype without "
+                "gelu, got out_dtype ",
+                out_dtype, gelu ? " with gelu" : "");
     TORCH_CHECK(residual->scalar_type() == out_dtype, "residual: expected dtype ", out_dtype, " (out_dtype), got ",
                 residual->scalar_type());
     TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m && residual->size(1) == n, "residual: expected shape ",
@@ -165,8 +168,8 @@ std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tenso
   // cuBLASLt has no GELU_AUX_BIAS epilogue for a float32 output with a BF16 pre-activation: there the GEMM adds the
   // bias and GELU runs after it (a rare combination; the fused epilogue serves every other one).
   const bool fused_gelu = gelu && !(out_dtype == at::kFloat && bias.has_value());
-  at::Tensor pre_gelu =
-      fused_gelu ? at::empty({m, n_pad}, options.dtype(pre_dtype)) : at::empty({0}, options.dtype(pre_dtype));
+  at::Tensor pre_gelu = fused_gelu ? at::empty({m, n_pad}, options.dtype(pre_dtype))
+                                   : at::empty({0}, options.dtype(pre_dtype));
   at::Tensor bias_p, amax_scratch;
 
   Fp8GemmArgs args = operand_args(a_p, a_scale_inv, b_p, b_scale_inv, m, n_pad, k_pad, use_split_accumulator);

@@ -111,10 +111,24 @@ using PlanKey = std::array<int64_t, 18>;
 PlanKey key_of(const Fp8GemmArgs& g, int device) {
   const int64_t flags = int64_t(g.accumulate) | int64_t(g.fast_accum) << 1 | int64_t(g.amax_scratch != nullptr) << 2 |
                         int64_t(g.residual != nullptr) << 3;
-  return {device, g.m, g.n, g.k, g.ld_out, int64_t(g.a_type), int64_t(g.b_type), int64_t(g.out_type),
-          int64_t(c_type_of(g)), g.bias ? int64_t(g.bias_type) : -1, g.pre_gelu ? int64_t(g.pre_gelu_type) : -1,
-          int64_t(epilogue_of(g)), flags, alignment(g.a), alignment(g.b), alignment(g.out),
-          g.pre_gelu ? alignment(g.pre_gelu) : 0, g.residual ? alignment(g.residual) : 0};
+  return {device,
+          g.m,
+          g.n,
+          g.k,
+          g.ld_out,
+          int64_t(g.a_type),
+          int64_t(g.b_type),
+          int64_t(g.out_type),
+          int64_t(c_type_of(g)),
+          g.bias ? int64_t(g.bias_type) : -1,
+          g.pre_gelu ? int64_t(g.pre_gelu_type) : -1,
+          int64_t(epilogue_of(g)),
+          flags,
+          alignment(g.a),
+          alignment(g.b),
+          alignment(g.out),
+          g.pre_gelu ? alignment(g.pre_gelu) : 0,
+          g.residual ? alignment(g.residual) : 0};
 }
 
 struct PlanKeyHash {
@@ -129,8 +143,8 @@ std::string describe(const Fp8GemmArgs& g) {
   return std::string("a ") + torch_name(g.a_type) + ", b " + torch_name(g.b_type) + ", out " + torch_name(g.out_type) +
          (g.bias ? std::string(", bias ") + torch_name(g.bias_type) : "") +
          (g.pre_gelu ? std::string(", gelu (pre_gelu ") + torch_name(g.pre_gelu_type) + ")" : "") +
-         (g.accumulate ? ", accumulate" : "") + (g.residual ? ", residual" : "") + ", M=" + std::to_string(g.m) + " N=" + std::to_string(g.n) +
-         " K=" + std::to_string(g.k);
+         (g.accumulate ? ", accumulate" : "") + (g.residual ? ", residual" : "") + ", M=" + std::to_string(g.m) +
+         " N=" + std::to_string(g.n) + " K=" + std::to_string(g.k);
 }
 
 // RAII owners of the cuBLASLt descriptors (not copyable: each destroys its own).

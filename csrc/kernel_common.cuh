@@ -18,11 +18,11 @@ inline int element_size(DType t) {
   return t == DType::kFloat32 ? 4 : (t == DType::kFloat16 || t == DType::kBFloat16) ? 2 : 1;
 }
 
-#define TFP8_CUDA_CHECK(expr)                                                                  \
-  do {                                                                                         \
-    cudaError_t err_ = (expr);                                                                 \
-    if (err_ != cudaSuccess) throw std::runtime_error(std::string("CUDA error: ") +            \
-                                                      cudaGetErrorString(err_) + " at " #expr); \
+#define TFP8_CUDA_CHECK(expr) \
+  do { \
+    cudaError_t err_ = (expr); \
+    if (err_ != cudaSuccess) \
+      throw std::runtime_error(std::string("CUDA error: ") + cudaGetErrorString(err_) + " at " #expr); \
   } while (0)
 
 #ifdef __CUDACC__
@@ -39,15 +39,35 @@ __device__ __forceinline__ float fp8_to_float(uint8_t q) {
   return __half2float(__half(h));
 }
 
-template <typename T> __device__ __forceinline__ float to_float(T x);
-template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 // amax = max(amax, value) for value >= 0 or NaN: non-negative floats order like their bit patterns as ints,
 // and a positive NaN's bits exceed +Inf's, so NaN wins (and the scaling update then keeps the old scale).

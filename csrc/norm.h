@@ -14,12 +14,12 @@
 namespace tfp8 {
 
 struct NormFwdParams {
-  bool layernorm;      // else RMSNorm
+  bool layernorm;  // else RMSNorm
   const void* input;
   const void* weight;
-  const void* bias;    // LayerNorm only, may be null
+  const void* bias;  // LayerNorm only, may be null
   void* out;
-  float* mean;         // LayerNorm only
+  float* mean;  // LayerNorm only
   float* rstd;
   const float* scale;  // required for an FP8 out_dtype, else null
   float* amax;         // may be null
@@ -36,7 +36,7 @@ void launch_norm_fwd(const NormFwdParams& p, cudaStream_t stream);
 // dx in input_dtype, dgamma / dbeta in weight_dtype. The column sums go through a float32 workspace of per-block
 // partial sums, reduced in a fixed order by a second kernel (deterministic).
 struct NormBwdParams {
-  bool layernorm;     // else RMSNorm
+  bool layernorm;  // else RMSNorm
   const void* grad_out;
   const void* input;
   const float* mean;  // LayerNorm only
@@ -45,7 +45,7 @@ struct NormBwdParams {
   void* dx;
   const void* dx_add;  // optional, the input's type: added to dx
   void* dgamma;
-  void* dbeta;        // LayerNorm only
+  void* dbeta;  // LayerNorm only
   int64_t rows, cols;
   float gamma_offset;
   DType input_dtype, weight_dtype;

@@ -117,16 +117,15 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_fwd(const at::Tensor& input, const at
                                                std::optional<at::ScalarType> fp8_dtype,
                                                const std::optional<at::Tensor>& amax,
                                                const std::optional<at::Tensor>& scale_inv) {
-  auto [out, mean, rstd] =
-      norm_fwd(input, weight, std::nullopt, false, eps, zero_centered_gamma, scale, fp8_dtype, amax, scale_inv);
+  auto [out, mean, rstd] = norm_fwd(input, weight, std::nullopt, false, eps, zero_centered_gamma, scale, fp8_dtype,
+                                    amax, scale_inv);
   return {out, rstd};
 }
 
 // Shared by both backward ops: checks, allocates dx / dgamma / dbeta (LayerNorm) and the workspace, launches.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
-                                                        const std::optional<at::Tensor>& mean,
-                                                        const at::Tensor& rstd, const at::Tensor& weight,
-                                                        bool zero_centered_gamma,
+                                                        const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
+                                                        const at::Tensor& weight, bool zero_centered_gamma,
                                                         const std::optional<at::Tensor>& dx_add) {
   check_input(input);
   check_like_input(grad_out, input, "grad_out");

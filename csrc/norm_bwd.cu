@@ -13,9 +13,11 @@ using namespace norm;
 // Registers path: one vector a thread and up to 1024 threads a row (64 registers a thread), or four vectors a thread
 // and up to 512 threads a row (128 registers). bf16 rows up to 8192 columns take the first, up to 16384 the second.
 template <int kVecs>
-constexpr int bwd_max_threads_per_row() { return kVecs == 1 ? 1024 : 512; }
+constexpr int bwd_max_threads_per_row() {
+  return kVecs == 1 ? 1024 : 512;
+}
 constexpr int kBwdWideVecs = 4;
-constexpr int kReduceRows = 16;            // reduce kernel: blockDim = (32 columns, kReduceRows partial rows)
+constexpr int kReduceRows = 16;  // reduce kernel: blockDim = (32 columns, kReduceRows partial rows)
 
 // Per-element backward terms of one row.
 struct RowTerms {
@@ -123,8 +125,8 @@ __global__ void __launch_bounds__(bwd_max_threads_per_row<kVecs>())
 // Any cols, any alignment: one row per CTA, two passes over the row. Each thread owns the columns
 // c = threadIdx.x + k * blockDim.x of the CTA's partial rows and accumulates into them in global memory.
 template <typename T, typename W, bool kLayerNorm>
-__global__ void __launch_bounds__(kGeneralThreads) norm_bwd_general(NormBwdParams p, float* partial_dgamma,
-                                                                    float* partial_dbeta) {
+__global__ void __launch_bounds__(kGeneralThreads)
+    norm_bwd_general(NormBwdParams p, float* partial_dgamma, float* partial_dbeta) {
   __shared__ float2 partials[kMaxRowsPerCta][32];
   const W* weight = static_cast<const W*>(p.weight);
   const float cols_f = static_cast<float>(p.cols);
@@ -150,8 +152,8 @@ __global__ void __launch_bounds__(kGeneralThreads) norm_bwd_general(NormBwdParam
     for (int64_t c = threadIdx.x; c < p.cols; c += blockDim.x) {
       const float xhat = terms.xhat(to_float<T>(x[c])), d = to_float<T>(dy[c]);
       const float extra = add != nullptr ? to_float<T>(add[c]) : 0.f;
-      dx[c] = from_float<T>(
-          dx_of<kLayerNorm>(terms.g(d, to_float<W>(weight[c])), xhat, sums, cols_f, terms.rstd) + extra);
+      dx[c] = from_float<T>(dx_of<kLayerNorm>(terms.g(d, to_float<W>(weight[c])), xhat, sums, cols_f, terms.rstd) +
+                            extra);
       dgamma[c] += d * xhat;
       if constexpr (kLayerNorm) dbeta[c] += d;
     }
@@ -161,8 +163,8 @@ __global__ void __launch_bounds__(kGeneralThreads) norm_bwd_general(NormBwdParam
 // out_part[c] = sum over the partial rows p of partials[part][p][c], in a fixed order; part = blockIdx.y
 // (0: dgamma, 1: dbeta).
 template <typename W>
-__global__ void __launch_bounds__(32 * kReduceRows) reduce_partials(const float* partials, int64_t num_partials,
-                                                                    int64_t cols, W* dgamma, W* dbeta) {
+__global__ void __launch_bounds__(32 * kReduceRows)
+    reduce_partials(const float* partials, int64_t num_partials, int64_t cols, W* dgamma, W* dbeta) {
   __shared__ float sums[kReduceRows][33];
   const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   const float* src = partials + blockIdx.y * num_partials * cols;

@@ -21,7 +21,9 @@ constexpr int kMaxRowsPerCta = kCtaThreads / 32;
 constexpr int kGeneralThreads = 512;
 
 template <typename T>
-constexpr int vec_elems() { return 16 / sizeof(T); }  // elements of T in one 16-byte vector
+constexpr int vec_elems() {
+  return 16 / sizeof(T);
+}  // elements of T in one 16-byte vector
 
 template <typename T>
 constexpr DType dtype_of() {
@@ -50,9 +52,7 @@ __device__ __forceinline__ float warp_reduce(float v) {
   return v;
 }
 
-__device__ __forceinline__ float2 warp_reduce(float2 v) {
-  return make_float2(warp_reduce(v.x), warp_reduce(v.y));
-}
+__device__ __forceinline__ float2 warp_reduce(float2 v) { return make_float2(warp_reduce(v.x), warp_reduce(v.y)); }
 
 __device__ __forceinline__ float2 operator+(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 
@@ -112,8 +112,7 @@ inline RowLaunch plan_rows(int64_t rows, int64_t cols, int vec, int vecs_per_thr
   const int64_t vecs = cols / vec;
   const int64_t threads = (vecs + vecs_per_thread - 1) / vecs_per_thread;
   const int64_t threads_per_row = (threads + 31) / 32 * 32;
-  if (!aligned || cols % vec != 0 || threads_per_row > max_threads_per_row)
-    return {false, dim3(kGeneralThreads), rows};
+  if (!aligned || cols % vec != 0 || threads_per_row > max_threads_per_row) return {false, dim3(kGeneralThreads), rows};
   const int rows_per_cta = static_cast<int>(std::max<int64_t>(1, kCtaThreads / threads_per_row));
   return {true, dim3(static_cast<unsigned>(threads_per_row), rows_per_cta), (rows + rows_per_cta - 1) / rows_per_cta};
 }

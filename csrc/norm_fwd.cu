@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(1024) norm_fwd_registers(NormFwdParams p) {
       Vec<typename Io::Out, kVec> y;
 #pragma unroll
       for (int i = 0; i < kVec; ++i)
-        y.v[i] = Io::normalize(to_float<T>(x[v].v[i]), mean, rstd, gamma[i], beta[i], bias != nullptr,
-                               p.gamma_offset, scale, amax);
+        y.v[i] = Io::normalize(to_float<T>(x[v].v[i]), mean, rstd, gamma[i], beta[i], bias != nullptr, p.gamma_offset,
+                               scale, amax);
       *reinterpret_cast<Vec<typename Io::Out, kVec>*>(out + row * p.cols + col) = y;
     }
   }

@@ -18,8 +18,8 @@ struct Rows {
 };
 
 // x (n elements of in_type) -> q (n bytes of fp8_type), both laid out as `rows` says.
-void launch_quantize(const void* x, uint8_t* q, int64_t n, Rows rows, DType in_type, DType fp8_type,
-                     const float* scale, float* amax, float* scale_inv, cudaStream_t stream);
+void launch_quantize(const void* x, uint8_t* q, int64_t n, Rows rows, DType in_type, DType fp8_type, const float* scale,
+                     float* amax, float* scale_inv, cudaStream_t stream);
 
 // q (n bytes of fp8_type) -> out (n elements of out_type) = float(q) * *scale_inv, both laid out as `rows` says.
 void launch_dequantize(const uint8_t* q, void* out, int64_t n, Rows rows, DType fp8_type, DType out_type,
@@ -39,9 +39,9 @@ inline int64_t dbias_workspace_rows(int64_t m) {
 // x [m, n] -> q [m, n] (when q is not null) and qT [n, m] (when qT is not null).
 // With dbias (then workspace is float32 [dbias_workspace_rows(m), n], null when that is 0): dbias[j] = sum_i x[i, j]
 // in float32, written in in_type; m must be > 0.
-void launch_cast_transpose(const void* x, uint8_t* q, uint8_t* qT, int64_t m, int64_t n, DType in_type,
-                           DType fp8_type, const float* scale, float* amax, float* scale_inv, void* dbias,
-                           float* workspace, cudaStream_t stream);
+void launch_cast_transpose(const void* x, uint8_t* q, uint8_t* qT, int64_t m, int64_t n, DType in_type, DType fp8_type,
+                           const float* scale, float* amax, float* scale_inv, void* dbias, float* workspace,
+                           cudaStream_t stream);
 
 // Byte transpose: q [m, n] -> qT [n, m].
 void launch_fp8_transpose(const uint8_t* q, uint8_t* qT, int64_t m, int64_t n, cudaStream_t stream);

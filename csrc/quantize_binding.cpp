@@ -34,8 +34,10 @@ std::pair<int64_t, int64_t> rows_of(const at::Tensor& t, const char* arg) {
     }
     span *= t.size(dim);
   }
-  TORCH_CHECK(rows, arg, ": expected a contiguous tensor or rows of contiguous elements at one stride (such as a "
-              "slice of a wider tensor's last dim), got shape ", dims(t.sizes()), " and strides ", dims(t.strides()));
+  TORCH_CHECK(rows, arg,
+              ": expected a contiguous tensor or rows of contiguous elements at one stride (such as a "
+              "slice of a wider tensor's last dim), got shape ",
+              dims(t.sizes()), " and strides ", dims(t.strides()));
   return {cols, ld < 0 ? cols : ld};
 }
 
@@ -114,8 +116,8 @@ void compute_amax(const at::Tensor& input, const at::Tensor& amax) {
   check_contiguous(input, "input");
   check_scalar_f32(amax, input, "amax");
   c10::cuda::CUDAGuard guard(input.device());
-  launch_compute_amax(input.data_ptr(), input.numel(), to_dtype(input.scalar_type(), "input"),
-                      amax.data_ptr<float>(), current_stream());
+  launch_compute_amax(input.data_ptr(), input.numel(), to_dtype(input.scalar_type(), "input"), amax.data_ptr<float>(),
+                      current_stream());
 }
 
 std::tuple<at::Tensor, at::Tensor> cast_transpose(const at::Tensor& input, const at::Tensor& scale,

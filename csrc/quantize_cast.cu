@@ -68,9 +68,8 @@ __global__ void __launch_bounds__(kThreads)
     store_chunk(out + row_offset(c * kChunk, rows.cols, rows.ld_out), o);
   }
   for (int64_t i = n_chunks * kChunk + first; i < n; i += stride) {
-    out[row_offset(i, rows.cols, rows.ld_out)] = from_float<T>(fp8_to_float<F>(q[row_offset(i, rows.cols,
-                                                                                                rows.ld_in)]) *
-                                                                 scale_inv);
+    out[row_offset(i, rows.cols, rows.ld_out)] = from_float<T>(
+        fp8_to_float<F>(q[row_offset(i, rows.cols, rows.ld_in)]) * scale_inv);
   }
 }
 
@@ -103,14 +102,16 @@ int64_t thread_work(int64_t n, int64_t n_chunks) { return n_chunks > 0 ? n_chunk
 
 }  // namespace
 
-void launch_quantize(const void* x, uint8_t* q, int64_t n, Rows rows, DType in_type, DType fp8_type,
-                     const float* scale, float* amax, float* scale_inv, cudaStream_t stream) {
+void launch_quantize(const void* x, uint8_t* q, int64_t n, Rows rows, DType in_type, DType fp8_type, const float* scale,
+                     float* amax, float* scale_inv, cudaStream_t stream) {
   if (n == 0) return;
   const int64_t n_chunks = vector_chunks(n, rows, x, q);
   const int grid = grid_for(thread_work(n, n_chunks));
-  TFP8_DISPATCH_HIGH_PRECISION(in_type, T, TFP8_DISPATCH_FP8(fp8_type, F,
-      quantize_kernel<T, F><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), q, n, n_chunks, rows, scale,
-                                                           amax, scale_inv)));
+  TFP8_DISPATCH_HIGH_PRECISION(
+      in_type, T,
+      TFP8_DISPATCH_FP8(fp8_type, F,
+                        quantize_kernel<T, F><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), q, n, n_chunks,
+                                                                             rows, scale, amax, scale_inv)));
   TFP8_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -119,9 +120,10 @@ void launch_dequantize(const uint8_t* q, void* out, int64_t n, Rows rows, DType 
   if (n == 0) return;
   const int64_t n_chunks = vector_chunks(n, rows, q, out);
   const int grid = grid_for(thread_work(n, n_chunks));
-  TFP8_DISPATCH_HIGH_PRECISION(out_type, T, TFP8_DISPATCH_FP8(fp8_type, F,
-      dequantize_kernel<F, T><<<grid, kThreads, 0, stream>>>(q, static_cast<T*>(out), n, n_chunks, rows,
-                                                             scale_inv)));
+  TFP8_DISPATCH_HIGH_PRECISION(out_type, T,
+                               TFP8_DISPATCH_FP8(fp8_type, F,
+                                                 dequantize_kernel<F, T><<<grid, kThreads, 0, stream>>>(
+                                                     q, static_cast<T*>(out), n, n_chunks, rows, scale_inv)));
   TFP8_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -129,8 +131,8 @@ void launch_compute_amax(const void* x, int64_t n, DType in_type, float* amax, c
   if (n == 0) return;
   const int64_t n_chunks = vector_chunks(n, x, x);
   const int grid = grid_for(thread_work(n, n_chunks));
-  TFP8_DISPATCH_HIGH_PRECISION(in_type, T,
-      amax_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), n, n_chunks, amax));
+  TFP8_DISPATCH_HIGH_PRECISION(
+      in_type, T, amax_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), n, n_chunks, amax));
   TFP8_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -46,18 +46,38 @@ inline int sm_count() {
 }  // namespace tfp8
 
 // Runs the statements with `T` bound to the C++ type of a float32 / float16 / bfloat16 DType.
-#define TFP8_DISPATCH_HIGH_PRECISION(dtype, T, ...)                                          \
-  switch (dtype) {                                                                           \
-    case ::tfp8::DType::kFloat32: { using T = float; __VA_ARGS__; break; }                   \
-    case ::tfp8::DType::kFloat16: { using T = __half; __VA_ARGS__; break; }                  \
-    case ::tfp8::DType::kBFloat16: { using T = __nv_bfloat16; __VA_ARGS__; break; }          \
-    default: throw std::invalid_argument("expected a float32, float16 or bfloat16 dtype");   \
+#define TFP8_DISPATCH_HIGH_PRECISION(dtype, T, ...) \
+  switch (dtype) { \
+    case ::tfp8::DType::kFloat32: { \
+      using T = float; \
+      __VA_ARGS__; \
+      break; \
+    } \
+    case ::tfp8::DType::kFloat16: { \
+      using T = __half; \
+      __VA_ARGS__; \
+      break; \
+    } \
+    case ::tfp8::DType::kBFloat16: { \
+      using T = __nv_bfloat16; \
+      __VA_ARGS__; \
+      break; \
+    } \
+    default: throw std::invalid_argument("expected a float32, float16 or bfloat16 dtype"); \
   }
 
 // Runs the statements with the constexpr `F` bound to an FP8 DType.
-#define TFP8_DISPATCH_FP8(dtype, F, ...)                                                     \
-  switch (dtype) {                                                                           \
-    case ::tfp8::DType::kE4M3: { constexpr ::tfp8::DType F = ::tfp8::DType::kE4M3; __VA_ARGS__; break; } \
-    case ::tfp8::DType::kE5M2: { constexpr ::tfp8::DType F = ::tfp8::DType::kE5M2; __VA_ARGS__; break; } \
-    default: throw std::invalid_argument("expected an FP8 dtype");                           \
+#define TFP8_DISPATCH_FP8(dtype, F, ...) \
+  switch (dtype) { \
+    case ::tfp8::DType::kE4M3: { \
+      constexpr ::tfp8::DType F = ::tfp8::DType::kE4M3; \
+      __VA_ARGS__; \
+      break; \
+    } \
+    case ::tfp8::DType::kE5M2: { \
+      constexpr ::tfp8::DType F = ::tfp8::DType::kE5M2; \
+      __VA_ARGS__; \
+      break; \
+    } \
+    default: throw std::invalid_argument("expected an FP8 dtype"); \
   }

@@ -20,10 +20,10 @@ namespace {
 constexpr int kTileM = kTransposeTileRows;  // 128
 constexpr int kTileN = 128;
 constexpr int kThreads = 256;
-constexpr int kChunksPerRow = kTileN / kChunk;                  // 8
-constexpr int kPasses = kTileM * kChunksPerRow / kThreads;       // 4: chunks per thread in phase 1
-constexpr int kRowsPerPass = kThreads / kChunksPerRow;           // 32
-constexpr int kLoadsInFlight = 2;                                // chunks a thread loads before casting them
+constexpr int kChunksPerRow = kTileN / kChunk;              // 8
+constexpr int kPasses = kTileM * kChunksPerRow / kThreads;  // 4: chunks per thread in phase 1
+constexpr int kRowsPerPass = kThreads / kChunksPerRow;      // 32
+constexpr int kLoadsInFlight = 2;                           // chunks a thread loads before casting them
 static_assert(kTileM / 16 * kTileN / 4 == kThreads, "phase 2: one thread per 16 rows x 4 columns of the tile");
 
 // Byte offset of the 16-byte chunk `chunk` of tile row `row` in the swizzled shared tile.
@@ -56,8 +56,7 @@ __device__ __forceinline__ void transpose_4x4(uint32_t a, uint32_t b, uint32_t c
 }
 
 // Phase 2: tile (16 rows x 4 columns per thread) -> qT rows n0 + 4 * word_col + j, columns m0 + 16 * row_group.
-__device__ __forceinline__ void store_transposed(const uint8_t* tile, const TransposeArgs& a, int64_t m0,
-                                                 int64_t n0) {
+__device__ __forceinline__ void store_transposed(const uint8_t* tile, const TransposeArgs& a, int64_t m0, int64_t n0) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int word_col = (warp % 2) * 16 + lane % 16;  // tile columns 4 * word_col .. + 3
   const int row_group = (warp / 2) * 2 + lane / 16;  // tile rows 16 * row_group .. + 15
@@ -201,9 +200,9 @@ dim3 tile_grid(int64_t m, int64_t n) {
 
 }  // namespace
 
-void launch_cast_transpose(const void* x, uint8_t* q, uint8_t* qT, int64_t m, int64_t n, DType in_type,
-                           DType fp8_type, const float* scale, float* amax, float* scale_inv, void* dbias,
-                           float* workspace, cudaStream_t stream) {
+void launch_cast_transpose(const void* x, uint8_t* q, uint8_t* qT, int64_t m, int64_t n, DType in_type, DType fp8_type,
+                           const float* scale, float* amax, float* scale_inv, void* dbias, float* workspace,
+                           cudaStream_t stream) {
   if (m == 0 || n == 0) return;
   const dim3 grid = tile_grid(m, n);
   if (grid.y > 65535) throw std::invalid_argument("cast_transpose: too many rows for one launch");
@@ -219,26 +218,38 @@ void launch_cast_transpose(const void* x, uint8_t* q, uint8_t* qT, int64_t m, in
                            scale,
                            amax,
                            scale_inv};
-  TFP8_DISPATCH_HIGH_PRECISION(in_type, T, TFP8_DISPATCH_FP8(fp8_type, F,
-      if (dbias != nullptr) {
-        cast_transpose_kernel<T, F, true><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), args);
-        TFP8_CUDA_CHECK(cudaGetLastError());
-        if (!one_tile_row) {
-          const int reduce_threads = 256;
-          const unsigned reduce_blocks = static_cast<unsigned>((n + reduce_threads - 1) / reduce_threads);
-          dbias_reduce_kernel<T><<<reduce_blocks, reduce_threads, 0, stream>>>(workspace, static_cast<T*>(dbias),
-                                                                                grid.y, n);
-        }
-      } else {
-        cast_transpose_kernel<T, F, false><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), args);
-      }));
+  TFP8_DISPATCH_HIGH_PRECISION(
+      in_type, T,
+      TFP8_DISPATCH_FP8(
+          fp8_type, F,
+          if (dbias != nullptr) {
+            cast_transpose_kernel<T, F, true><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), args);
+            TFP8_CUDA_CHECK(cudaGetLastError());
+            if (!one_tile_row) {
+              const int reduce_threads = 256;
+              const unsigned reduce_blocks = static_cast<unsigned>((n + reduce_threads - 1) / reduce_threads);
+              dbias_reduce_kernel<T>
+                  <<<reduce_blocks, reduce_threads, 0, stream>>>(workspace, static_cast<T*>(dbias), grid.y, n);
+            }
+          } else {
+            cast_transpose_kernel<T, F, false><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(x), args);
+          }));
   TFP8_CUDA_CHECK(cudaGetLastError());
 }
 
 void launch_fp8_transpose(const uint8_t* q, uint8_t* qT, int64_t m, int64_t n, cudaStream_t stream) {
   if (m == 0 || n == 0) return;
-  const TransposeArgs args{m,  n,       n % kChunk == 0 && aligned16(q), m % kChunk == 0 && aligned16(qT),
-                           nullptr, qT, nullptr, nullptr, nullptr, nullptr, nullptr};
+  const TransposeArgs args{m,
+                           n,
+                           n % kChunk == 0 && aligned16(q),
+                           m % kChunk == 0 && aligned16(qT),
+                           nullptr,
+                           qT,
+                           nullptr,
+                           nullptr,
+                           nullptr,
+                           nullptr,
+                           nullptr};
   const dim3 grid = tile_grid(m, n);
   if (grid.y > 65535) throw std::invalid_argument("fp8_transpose: too many rows for one launch");
   cast_transpose_kernel<uint8_t, DType::kE4M3, false><<<grid, kThreads, 0, stream>>>(q, args);

@@ -56,8 +56,7 @@ __device__ __forceinline__ void rotate_pair(T& a, T& b, float ca, float sa, floa
 // Channel blocks 0 .. rot_blocks - 1 rotate (non-interleaved: channels [c, c + CH) with [c + half, c + half + CH);
 // interleaved: [c, c + CH) holding CH / 2 pairs), the next pass_blocks copy kPassCh channels from rot_dim on.
 template <typename T, int CH, bool INTERLEAVED, bool INVERSE>
-__global__ void __launch_bounds__(kThreads)
-    rope_kernel(const RopeArgs a, int rot_blocks, int pass_blocks, int groups) {
+__global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs a, int rot_blocks, int pass_blocks, int groups) {
   constexpr bool kVector = CH * sizeof(T) == 16;
   constexpr int kPassCh = kVector ? CH : 1;
   const T* x = static_cast<const T*>(a.x);

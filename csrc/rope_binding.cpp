@@ -11,8 +11,8 @@ namespace tfp8 {
 namespace {
 
 bool seq_first(const std::string& qkv_format) {
-  TORCH_CHECK(qkv_format == "sbhd" || qkv_format == "bshd", "qkv_format: expected 'sbhd' or 'bshd', got '",
-              qkv_format, "'");
+  TORCH_CHECK(qkv_format == "sbhd" || qkv_format == "bshd", "qkv_format: expected 'sbhd' or 'bshd', got '", qkv_format,
+              "'");
   return qkv_format == "sbhd";
 }
 
@@ -31,8 +31,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& freqs, const std::string&
   check_same_device(freqs, x, "freqs");
   TORCH_CHECK(freqs.scalar_type() == at::kFloat, "freqs: expected a float32 tensor, got ", freqs.scalar_type());
   const int64_t s = x.size(sbhd ? 0 : 1), b = x.size(sbhd ? 1 : 0), h = x.size(2), d = x.size(3);
-  const std::string expected =
-      "[>= " + num(s) + ", 1 or " + num(b) + ", 1, rot_dim] with rot_dim even and 2 <= rot_dim <= d = " + num(d);
+  const std::string expected = "[>= " + num(s) + ", 1 or " + num(b) +
+                               ", 1, rot_dim] with rot_dim even and 2 <= rot_dim <= d = " + num(d);
   TORCH_CHECK(freqs.dim() == 4, "freqs: expected ", expected, ", got shape ", dims(freqs.sizes()));
   const int64_t rot_dim = freqs.size(3);
   TORCH_CHECK(freqs.size(0) >= s && (freqs.size(1) == 1 || freqs.size(1) == b) && freqs.size(2) == 1 &&
@@ -41,9 +41,21 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& freqs, const std::string&
   TORCH_CHECK(freqs.stride(3) == 1, "freqs: expected a contiguous last dim, got strides ", dims(freqs.strides()));
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  RopeArgs args{x.data_ptr(), out.data_ptr(), freqs.data_ptr<float>(), s, b, h, d, rot_dim,
-                used_stride(x, sbhd ? 0 : 1), used_stride(x, sbhd ? 1 : 0), used_stride(x, 2),
-                used_stride(freqs, 0), used_stride(freqs, 1), sbhd, interleaved};
+  RopeArgs args{x.data_ptr(),
+                out.data_ptr(),
+                freqs.data_ptr<float>(),
+                s,
+                b,
+                h,
+                d,
+                rot_dim,
+                used_stride(x, sbhd ? 0 : 1),
+                used_stride(x, sbhd ? 1 : 0),
+                used_stride(x, 2),
+                used_stride(freqs, 0),
+                used_stride(freqs, 1),
+                sbhd,
+                interleaved};
   launch_rope(args, to_dtype(x.scalar_type(), arg), inverse, current_stream());
   return out;
 }

@@ -43,8 +43,7 @@ void check_arguments(at::TensorList amax_histories, at::TensorList scales, at::T
   constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& history = amax_histories[i];
-    TORCH_CHECK(history.dim() == 2 && history.size(0) >= 1 && history.size(0) <= kMaxDim &&
-                    history.size(1) <= kMaxDim,
+    TORCH_CHECK(history.dim() == 2 && history.size(0) >= 1 && history.size(0) <= kMaxDim && history.size(1) <= kMaxDim,
                 "amax_histories[", num(i), "]: expected shape [H, n] with 1 <= H, n < 2**31, got ",
                 dims(history.sizes()));
     const int64_t slots = history.size(1);

@@ -1,6 +1,10 @@
 """transformer_fp8: FP8 Transformer layers for NVIDIA Hopper GPUs with a Transformer Engine-style API."""
 import torch
 
+from ._extension import load_extension
+
+load_extension()  # first: a missing build fails here, with a message that says so
+
 from . import cpu, ops  # noqa: F401  (registers the CPU reference kernels and the fake kernels)
 from . import distributed, recipe
 from .autocast import fp8_autocast, fp8_model_init, get_fp8_recipe, is_fp8_enabled
