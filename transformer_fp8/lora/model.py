@@ -117,6 +117,7 @@ def _refresh_fp8_flags(module: nn.Module) -> None:
         module._plain = module.tp is None and not module.return_bias and not module.fuse_wgrad_accumulation and \
             not module._fp8_params
     module._weight_cache.clear()
+    module.__dict__.pop("_lora_views", None)  # (a LoRA MLP's unfused views would hold the replaced weights)
 
 
 def _base_type(module):
