@@ -88,12 +88,17 @@ class RopeAngles:
     def __call__(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> torch.Tensor:
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device)[None]
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        if torch.compiler.is_compiling():  # (a traced graph computes them once per graph anyway: no host cache)
+            return self._angles(position_ids, device)
         key = (position_ids, position_ids._version)
         if key[0] is self._last[0][0] and key[1] == self._last[0][1]:
             return self._last[1]
-        if self.inv_freq.device != device:
-            self.inv_freq = self.inv_freq.to(device)
-        angles = position_ids.to(device=device, dtype=torch.float32)[..., None] * self.inv_freq  # [b or 1, s, d/2]
-        freqs = torch.cat((angles, angles), dim=-1).transpose(0, 1)[:, :, None, :]
+        freqs = self._angles(position_ids, device)
         self._last = (key, freqs)
         return freqs
+
+    def _angles(self, position_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        angles = position_ids.to(device=device, dtype=torch.float32)[..., None] * self.inv_freq  # [b or 1, s, d/2]
+        return torch.cat((angles, angles), dim=-1).transpose(0, 1)[:, :, None, :]
