@@ -174,3 +174,24 @@ def test_cuda_generate_picks_the_hugging_face_choices_and_fp8_runs(family):
     with torch.no_grad():
         ref = model(input_ids=out.sequences).logits[:, 31:-1].float()
     assert rel_error(torch.stack(out.logits, dim=1), ref) < 2 * FP8_RTOL[torch.float8_e4m3fn]
+
+
+def test_transformers_compiled_static_cache_generate_traces_our_layers_as_one_graph():
+    """generate(cache_implementation="static") compiles the decode step (on CUDA by default; forced here on the
+    CPU with dynamo's eager backend): our converted layers trace without a graph break (fullgraph=True) and give the
+    Hugging Face tokens."""
+    model = tiny_model("qwen3")
+    converted = convert_model(copy.deepcopy(model))
+    ids = torch.randint(1, VOCAB, (2, PROMPT))
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):  # dynamo's eager backend, counting the graphs
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compile_config = transformers.CompileConfig(backend=counting_backend, fullgraph=True, mode=None)
+    compile_config._compile_all_devices = True  # (transformers compiles on accelerators only, unless told)
+    torch._dynamo.reset()
+    out = generate(converted, ids, "static", compile_config=compile_config)
+    assert len(graphs) >= 1  # (the decode steps ran compiled)
+    assert torch.equal(out, generate(model, ids, "static"))
