@@ -12,7 +12,8 @@ import transformer_fp8 as te
 from tests.test_families import FAMILIES, VOCAB, tiny_model
 from tests.utils import FP8_RTOL, rel_error
 from transformer_fp8 import recipe
-from transformer_fp8.integrations import convert_model, greedy_generate
+from transformer_fp8.integrations import GreedyDecoder, convert_model, greedy_generate
+from transformer_fp8.integrations.graphed_decode import _cache_keyword
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,9 +76,10 @@ def test_each_decode_step_gives_the_logits_of_a_full_forward(cache_class):
         full = converted(input_ids=ids, use_cache=False).logits
         kwargs = dict(max_cache_len=32) if cache_class == "StaticCache" else {}
         cache = getattr(transformers, cache_class)(config=converted.config, **kwargs)
-        steps = [converted(input_ids=ids[:, :12], cache=cache, use_cache=True).logits]
-        steps += [converted(input_ids=ids[:, 12:16], cache=cache, use_cache=True).logits]  # a chunk of 4
-        steps += [converted(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(16, 20)]
+        with_cache = {_cache_keyword(converted): cache, "use_cache": True}  # (cache= in 5.2x, past_key_values= before)
+        steps = [converted(input_ids=ids[:, :12], **with_cache).logits]
+        steps += [converted(input_ids=ids[:, 12:16], **with_cache).logits]  # a chunk of 4
+        steps += [converted(input_ids=ids[:, i:i + 1], **with_cache).logits for i in range(16, 20)]
     assert rel_error(torch.cat(steps, dim=1), full) < 1e-5
 
 
@@ -125,6 +127,13 @@ def test_greedy_generate_with_a_static_cache_gives_the_tokens_of_generate(family
     assert torch.equal(greedy_generate(model, ids, NEW), ref)  # (a plain Hugging Face model works too)
     with pytest.raises(ValueError, match="max_new_tokens: expected a positive int"):
         greedy_generate(converted, ids, 0)
+    decoder = GreedyDecoder(converted, NEW)  # reused: the cache is reset for the next prompts
+    other = torch.randint(1, VOCAB, (3, PROMPT))
+    assert torch.equal(decoder(ids), ref)
+    assert torch.equal(decoder(other), model.generate(other, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                                      pad_token_id=0))
+    with pytest.raises(ValueError, match=r"input_ids: this GreedyDecoder's cache and graph are for prompts of shape"):
+        decoder(ids[:2])
 
 
 @pytest.mark.gpu
@@ -141,8 +150,11 @@ def test_cuda_graph_decode_gives_the_eager_tokens(fp8):
     ids = torch.randint(1, VOCAB, (4, 16), device="cuda")
     run = dict(fp8_enabled=fp8, fp8_recipe=recipe.Float8CurrentScaling())
     eager = greedy_generate(converted, ids, 24, cuda_graph=False, **run)
-    graphed = greedy_generate(converted, ids, 24, cuda_graph=True, **run)
-    assert torch.equal(graphed, eager)
+    decoder = GreedyDecoder(converted, 24, cuda_graph=True, **run)
+    graphed = decoder(ids)
+    assert decoder._graph is not None and torch.equal(graphed, eager)
+    other = torch.randint(1, VOCAB, (4, 16), device="cuda")  # a second call replays the same graph
+    assert torch.equal(decoder(other), greedy_generate(converted, other, 24, cuda_graph=False, **run))
     if not fp8:
         with torch.no_grad():
             logits = model(input_ids=graphed).logits[:, 15:-1].float()
