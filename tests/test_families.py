@@ -257,3 +257,18 @@ def test_cuda_bf16_logits_match_and_fp8_trains(family):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("hooked_before", [False, True])
+def test_output_hidden_states_include_the_converted_layers(hooked_before):
+    """transformers collects output_hidden_states with hooks on its decoder-layer class: the converted layers report
+    theirs too (whether or not the model had its hooks installed before the conversion)."""
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, VOCAB, (2, 9))
+    if hooked_before:
+        model(input_ids=ids, output_hidden_states=True)
+    ref = model(input_ids=ids, output_hidden_states=True).hidden_states
+    out = convert_model(copy.deepcopy(model))(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(out) == len(ref) == 3
+    for mine, theirs in zip(out, ref):
+        assert rel_error(mine, theirs) < 1e-5

@@ -5,9 +5,10 @@ LlamaTransformerLayer (llama.py: our TransformerLayer with the weights mapped by
 by ours; the converter is one skeleton, the families differ only in their Family data. Families known not to map
 (Gemma 2/3) are refused naming what differs. Any other model falls back to convert_linear_layers (its nn.Linear and
 transformers Conv1D layers become our Linear). What was converted is logged and kept in `model.tfp8_conversion`.
-Nothing here imports transformers.
+Only the hook that makes output_hidden_states see the converted layers comes from transformers (imported there).
 """
 import logging
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,19 @@ def _converted_norm(hf_norm: nn.Module, eps: float, params_dtype: torch.dtype | 
     return norm.train(hf_norm.training)
 
 
+def _record_hidden_states(layer: nn.Module) -> None:
+    """Have transformers' output_hidden_states collect this converted layer's output, as it does the decoder layer's
+    it replaced: transformers puts a forward hook on the instances of the decoder-layer class its model declares
+    (transformers.utils.output_capturing, 5.x), which ours is not. Warns where that module is missing."""
+    try:
+        from transformers.utils.output_capturing import install_output_capuring_hook
+    except ImportError:
+        warnings.warn("convert_model: this transformers version has no output_capturing hooks: output_hidden_states "
+                      "will not include the converted decoder layers' outputs", stacklevel=4)
+        return
+    install_output_capuring_hook(layer, "hidden_states", 0, True)
+
+
 def _convert_family(model: nn.Module, family: Family, layers: list, params_dtype, fuse_wgrad_accumulation,
                     conversion: Conversion) -> None:
     config = layers[0][1].self_attn.config
@@ -102,6 +116,7 @@ def _convert_family(model: nn.Module, family: Family, layers: list, params_dtype
                                     layer_idx=index if layer_idx is None else layer_idx)
         new.load_hf_layer(hf_layer)
         new.train(hf_layer.training)
+        _record_hidden_states(new)
         _replace(model, name, new)
         conversion.decoder_layers.append(name)
     for name, hf_norm in [(n, m) for n, m in model.named_modules() if type(m).__name__ == family.norm]:
