@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import checkpoint
+from ..module.rope import apply_rotary_pos_emb
 from ..module.transformer import TransformerLayer
 from .hf_mapping import LayerShape, fuse_hf_weights, layer_weight_map
 from .kv_cache import cached_attention, cached_attention_mask, pick_cache, update_cache
@@ -188,7 +189,7 @@ class LlamaTransformerLayer(nn.Module):
         q, k, v = attn._split_qkv(qkv)  # [b, s, heads, d] views
         if attn.q_norm is not None and attn.qk_norm_before_rope:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = attn.rotate_qk(q, k, v, freqs, "bshd")
+        q, k = apply_rotary_pos_emb(q, freqs, "bshd"), apply_rotary_pos_emb(k, freqs, "bshd")  # (v: the cache copies)
         if attn.q_norm is not None and not attn.qk_norm_before_rope:
             q, k = attn.q_norm(q), attn.k_norm(k)
         past_len = None  # tokens cached before this step: a static cache's causal mask when transformers gives none
