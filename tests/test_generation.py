@@ -137,8 +137,9 @@ def test_greedy_generate_with_a_static_cache_gives_the_tokens_of_generate(family
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_cuda_graph_decode_gives_the_eager_tokens(fp8):
+def test_cuda_graph_decode_gives_the_eager_tokens(fp8, batch):
     """On the GPU: the decode step captured in a CUDA graph gives the tokens of the same loop run eagerly (BF16; FP8
     weights under fp8_autocast), and our BF16 tokens are the Hugging Face model's choices up to roundings."""
     torch.manual_seed(0)
@@ -147,13 +148,13 @@ def test_cuda_graph_decode_gives_the_eager_tokens(fp8):
     model = tiny_model("llama", torch.bfloat16, **settings).cuda()
     with te.fp8_model_init(enabled=fp8):
         converted = convert_model(copy.deepcopy(model))
-    ids = torch.randint(1, VOCAB, (4, 16), device="cuda")
+    ids = torch.randint(1, VOCAB, (batch, 16), device="cuda")  # (batch 1: FP8 GEMMs of one row)
     run = dict(fp8_enabled=fp8, fp8_recipe=recipe.Float8CurrentScaling())
     eager = greedy_generate(converted, ids, 24, cuda_graph=False, **run)
     decoder = GreedyDecoder(converted, 24, cuda_graph=True, **run)
     graphed = decoder(ids)
     assert decoder._graph is not None and torch.equal(graphed, eager)
-    other = torch.randint(1, VOCAB, (4, 16), device="cuda")  # a second call replays the same graph
+    other = torch.randint(1, VOCAB, (batch, 16), device="cuda")  # a second call replays the same graph
     assert torch.equal(decoder(other), greedy_generate(converted, other, 24, cuda_graph=False, **run))
     if not fp8:
         with torch.no_grad():
