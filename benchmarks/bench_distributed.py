@@ -189,7 +189,8 @@ def main():
     for row in rows:
         detail = ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in sorted(row["bytes"].items())) or "-"
         print(f"{row['variant']:<24} {row['ms']:>9.2f} {row['vs_tp1']:>8.2f} {row['ms_b2b']:>8.2f} "
-              f"{row['vs_tp1_b2b']:>8.2f} {row['total_bytes'] / 2**20:>12.1f} {row['sent_bytes'] / 2**20:>9.1f}  {detail}")
+              f"{row['vs_tp1_b2b']:>8.2f} {row['total_bytes'] / 2**20:>12.1f} "
+              f"{row['sent_bytes'] / 2**20:>9.1f}  {detail}")
     best = {timing: min(row[timing] for row in rows[1:]) for timing in ("vs_tp1", "vs_tp1_b2b")}
     target_met = {timing: ratio <= TARGET_TP2_VS_TP1 for timing, ratio in best.items()}
     for timing, label in (("vs_tp1", "steps alone"), ("vs_tp1_b2b", "back to back")):

@@ -85,7 +85,8 @@ def main():
     profile = cProfile.Profile()
     profile.runcall(lambda: [linear_fwd_bwd() for _ in range(200)])
     pstats.Stats(profile).sort_stats("tottime").print_stats(30)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(10):
             linear_fwd_bwd()
         torch.cuda.synchronize()

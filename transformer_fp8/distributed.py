@@ -139,7 +139,8 @@ def _boundary(name, forward_op, backward_op, doc):
 
 
 _CopyToTP = _boundary("_CopyToTP", _identity, all_reduce,
-                      "Forward identity, backward all-reduce: a replicated tensor (or parameter) used by every TP rank.")
+                      "Forward identity, backward all-reduce: a replicated tensor (or parameter) used by every TP "
+                      "rank.")
 
 
 class _ReduceFromTP(torch.autograd.Function):

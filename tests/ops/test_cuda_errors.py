@@ -13,9 +13,11 @@ one = torch.ones(1, device=d)
 cases = [
     ("input: expected a contiguous tensor", lambda: ops.cast_transpose(x.t(), one, e4)),
     ("scale: expected one element", lambda: ops.quantize(x, torch.ones(2, device=d), e4)),
-    ("weight: expected shape", lambda: ops.layernorm_fwd(x, torch.ones(31, device=d, dtype=torch.bfloat16), None, 1e-5)),
+    ("weight: expected shape",
+     lambda: ops.layernorm_fwd(x, torch.ones(31, device=d, dtype=torch.bfloat16), None, 1e-5)),
     ("grad_out: expected shape", lambda: ops.activation_bwd(x[:4], x, "gelu")),
-    ("scales: expected 1 tensors", lambda: ops.delayed_scaling_update([torch.zeros(4, 2, device=d)], [], [], 448.0, 0.0, "max")),
+    ("scales: expected 1 tensors",
+     lambda: ops.delayed_scaling_update([torch.zeros(4, 2, device=d)], [], [], 448.0, 0.0, "max")),
     ("b: expected K = 32", lambda: ops.fp8_gemm(x.to(e4), one, x[:, :16].contiguous().to(e4), one, torch.bfloat16)),
 ]
 for match, call in cases:

@@ -1,8 +1,8 @@
 """CPU reference kernels of the gemm ops: FP8 "TN" GEMM with scale_inv per operand, bias/GELU epilogue, FP8 output.
 
-out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T (+ bias, + residual), a [M, K] and b [N, K] row-major FP8. Math in float32 (as the
-tensor cores accumulate); use_split_accumulator only selects the CUDA kernel's accumulation mode and does not change
-the reference.
+out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T (+ bias, + residual), a [M, K] and b [N, K] row-major FP8. Math
+in float32 (as the tensor cores accumulate); use_split_accumulator only selects the CUDA kernel's accumulation mode
+and does not change the reference.
 """
 import torch
 
