@@ -63,8 +63,9 @@ fi
 
 mkdir -p build
 stamp=$("$PY" tools/build_stamp.py)
-installed_here() {  # the package imports, from this checkout
-  "$PY" -c "import os, transformer_fp8 as t; assert os.path.dirname(t.__file__) == os.path.realpath('transformer_fp8')" \
+installed_here() {  # the package imports from this checkout also outside it (pip knows it: an editable install)
+  (here=$(realpath transformer_fp8) && cd / &&
+    "$PY" -c "import os, sys, transformer_fp8 as t; sys.exit(os.path.dirname(t.__file__) != sys.argv[1])" "$here") \
     2>/dev/null
 }
 if [ "${TFP8_REBUILD:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$stamp" ] && installed_here; then
