@@ -1,0 +1,285 @@
+"""Every FP8 module's per-role scaling bookkeeping against a plain-Python model of the recipe.
+
+For Linear, LayerNormLinear, LayerNormMLP (gelu and swiglu), MultiheadAttention and TransformerLayer, a few training
+steps run under DelayedScaling (amax_history_len 3 over 4 steps, "max" and "most_recent", margin 1 and 2) and
+Float8CurrentScaling, with input, output-gradient and weight magnitudes that change every step. Beside them a float64
+model runs the same steps: the module's math written out in plain PyTorch (norms, activations, attention, residuals)
+with every GEMM operand cast to FP8 by `SlotsModel.cast`, which keeps its own amax history and scale per slot and
+updates them as docs/numerics.md says (first step calibrated from the tensor's own amax, margin not applied; then
+scale = fp8_max / amax / 2**margin over the history; current scaling: each tensor's own amax). Autograd carries the
+gradients through the model, so each backward slot sees the gradient its GEMM receives (e.g. fc1's grad_output is
+act'(fc1 out) * (dy_fp8 @ fc2_weight_fp8)).
+
+After every step, each slot's amax history, scale and scale_inv of every FP8 sub-module must equal the model's, slot
+by slot, with the role named in the failure (the slot layout is the one module/base.py and the module docstrings
+give: forward (input, weight) per GEMM, backward (grad_output) per GEMM). A bookkeeping mistake that keeps the
+numerics plausible, such as casting LayerNormMLP's fc2 weight with fc1's slot, fails here (see the last test).
+(FP8 attention's own slots are checked step by step in tests/ops/test_attention_fp8.py.)
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import transformer_fp8 as te
+from transformer_fp8 import recipe
+from transformer_fp8.module.base import FP8ModuleBase
+
+S, B, HIDDEN, FFN, HEADS, GROUPS = 8, 2, 32, 64, 4, 2
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# Magnitudes per step (input, output gradient, weight factor): not monotonic, so that "max" over a history of 3 and
+# "most_recent" pick different amaxes, and the history rolls past its length.
+STEPS = [(1.0, 1.0, 1.0), (3.0, 0.25, 0.5), (0.5, 4.0, 2.0), (2.0, 0.5, 0.75)]
+RECIPES = {
+    "delayed-max-margin1-HYBRID": recipe.DelayedScaling(margin=1, amax_history_len=3, amax_compute_algo="max"),
+    "delayed-most_recent-margin2-E4M3": recipe.DelayedScaling(
+        margin=2, amax_history_len=3, amax_compute_algo="most_recent", fp8_format=recipe.Format.E4M3),
+    "current-HYBRID": recipe.Float8CurrentScaling(),
+}
+# The model's tensors differ from the module's by float32 rounding only (both cast with the same float32 scales, so
+# the FP8 values agree); amaxes of downstream tensors (after FP8 GEMMs, attention) differ by ~1e-6 relative.
+RTOL = 1e-4
+# Role of each slot: (forward slots, backward slots), as module/base.py and the module docstrings lay them out.
+ROLES = {
+    te.Linear: (("input", "weight"), ("grad_output",)),
+    te.LayerNormLinear: (("norm output (GEMM input)", "weight"), ("grad_output",)),
+    te.LayerNormMLP: (("fc1 input (norm output)", "fc1 weight", "fc2 input (activation)", "fc2 weight"),
+                      ("fc1 grad_output", "fc2 grad_output")),
+}
+
+
+def _f32(value):
+    """value rounded to float32, as a Python float (the module's scales are float32)."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+class SlotsModel:
+    """float64 model of one ScalingState (one set of slots: a module's forward or backward slots) under a recipe."""
+
+    def __init__(self, n, fp8_recipe, forward):
+        """n: slots; fp8_recipe: DelayedScaling or Float8CurrentScaling; forward: the forward (True) or gradient
+        (False) slots, which pick the format's forward or backward dtype."""
+        self.current = isinstance(fp8_recipe, recipe.Float8CurrentScaling)
+        fmt = fp8_recipe.fp8_format
+        self.fp8_dtype = fmt.fwd_dtype if forward else fmt.bwd_dtype
+        self.fp8_max = FP8_MAX[self.fp8_dtype]
+        self.margin = 0 if self.current else fp8_recipe.margin
+        self.algo = None if self.current else fp8_recipe.amax_compute_algo
+        self.history = torch.zeros(1 if self.current else fp8_recipe.amax_history_len, n, dtype=torch.float64)
+        self.scale = [1.0] * n
+        self.calibrated = False
+        self.used = False
+
+    def cast(self, x, i):
+        """x (float64) cast into slot i and dequantized: float64 of the FP8 value times scale_inv."""
+        amax = x.detach().abs().max().item()
+        if (self.current or not self.calibrated) and math.isfinite(amax) and amax > 0:
+            self.scale[i] = _f32(self.fp8_max / amax)  # (current scaling, or the first step's calibration: no margin)
+        if not self.current:
+            self.history[0, i] = max(self.history[0, i].item(), amax)
+        self.used = True
+        scale = torch.tensor(self.scale[i], dtype=torch.float32)
+        q = (x.detach().float() * scale).clamp(-self.fp8_max, self.fp8_max).to(self.fp8_dtype)
+        return q.double() * torch.reciprocal(scale).double()
+
+    def update(self):
+        """The delayed-scaling update after a forward (or backward) that used these slots."""
+        if self.current or not self.used:
+            return
+        newest = self.history[0].clone()
+        amax = self.history.amax(0) if self.algo == "max" else newest
+        self.history = torch.cat([torch.zeros_like(newest)[None], self.history[:-1]])
+        for i, a in enumerate(amax.tolist()):
+            if a > 0:
+                self.scale[i] = _f32(_f32(self.fp8_max / a) / 2 ** self.margin)
+        self.calibrated, self.used = True, False
+
+    def scale_inv(self):
+        return [_f32(1 / _f32(s)) for s in self.scale]
+
+
+class _ModelGemm(torch.autograd.Function):
+    """y = cast(x) cast(w)ᵀ + bias in float64; backward casts dy into the gradient slot (x [..., K], w [N, K])."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, fwd, bwd, slots):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, wq = fwd.cast(x2, slots[0]), fwd.cast(w, slots[1])
+        ctx.save_for_backward(xq, wq)
+        ctx.bwd, ctx.grad_slot, ctx.x_shape = bwd, slots[2], x.shape
+        out = xq @ wq.t() + (0 if bias is None else bias)
+        return out.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, wq = ctx.saved_tensors
+        dyq = ctx.bwd.cast(dy.reshape(-1, dy.shape[-1]), ctx.grad_slot)
+        return (dyq @ wq).view(ctx.x_shape), None, None, None, None, None
+
+
+class RecipeModel:
+    """The float64 model of a module tree: SlotsModels for every FP8 sub-module, and its forward written out."""
+
+    def __init__(self, module, fp8_recipe):
+        self.module = module
+        self.states = {m: (SlotsModel(m._n_fwd, fp8_recipe, True), SlotsModel(m._n_bwd, fp8_recipe, False))
+                       for m in module.modules() if isinstance(m, FP8ModuleBase)}
+
+    def gemm(self, m, x, weight_name, bias_name, gemm_index):
+        """FP8 GEMM number gemm_index of FP8 module m (its slots: forward 2i, 2i + 1, backward i)."""
+        fwd, bwd = self.states[m]
+        w, b = _p(m, weight_name), _p(m, bias_name)
+        return _ModelGemm.apply(x, w, b, fwd, bwd, (2 * gemm_index, 2 * gemm_index + 1, gemm_index))
+
+    def linear(self, m, x):
+        return self.gemm(m, x, "weight", "bias", 0)
+
+    def layernorm_linear(self, m, x):
+        return self.gemm(m, _norm(m, x), "weight", "bias", 0)
+
+    def layernorm_mlp(self, m, x):
+        h = self.gemm(m, _norm(m, x), "fc1_weight", "fc1_bias", 0)
+        if m.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        else:
+            act = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}[m.activation](h)
+        return self.gemm(m, act, "fc2_weight", "fc2_bias", 1)
+
+    def attention(self, m, x):
+        """MultiheadAttention (sbhd, interleaved QKV: per group [its q heads, k, v]; causal)."""
+        qkv = self.layernorm_linear(m.layernorm_qkv, x) if m.input_layernorm else self.linear(m.qkv, x)
+        s, b = qkv.shape[:2]
+        per_group = qkv.view(s, b, m.groups, m.heads // m.groups + 2, m.head_dim)
+        q = per_group[..., :-2, :].reshape(s, b, m.heads, m.head_dim)
+        k, v = per_group[..., -2, :], per_group[..., -1, :]
+        context = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True,
+                                                 enable_gqa=True)
+        return self.linear(m.proj, context.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+    def forward(self, x):
+        m = self.module
+        if isinstance(m, te.TransformerLayer):
+            hidden = x + self.attention(m.self_attention, x)
+            return hidden + self.layernorm_mlp(m.layernorm_mlp, hidden)
+        run = {te.Linear: self.linear, te.LayerNormLinear: self.layernorm_linear,
+               te.LayerNormMLP: self.layernorm_mlp, te.MultiheadAttention: self.attention}[type(m)]
+        return run(m, x)
+
+    def step(self, x, dy):
+        """One forward (then the forward update) and backward (then the gradient update) of the model."""
+        out = self.forward(x.detach().double().requires_grad_())
+        for fwd, _ in self.states.values():
+            fwd.update()
+        out.backward(dy.double())
+        for _, bwd in self.states.values():
+            bwd.update()
+
+
+def _p(m, name):
+    p = getattr(m, name)
+    return None if p is None else p.detach().double()
+
+
+def _norm(m, x):
+    gamma = _p(m, "layer_norm_weight") + (1 if m.zero_centered_gamma else 0)
+    if m.normalization == "LayerNorm":
+        return F.layer_norm(x, x.shape[-1:], gamma, _p(m, "layer_norm_bias"), m.eps)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.eps) * gamma
+
+
+def _roles(m):
+    if type(m) in ROLES:
+        return ROLES[type(m)]
+    raise AssertionError(f"no slot roles known for {type(m).__name__}: add it to ROLES")
+
+
+def assert_slots_match(module, model, step):
+    """Every FP8 sub-module's amax history, scale and scale_inv equal the model's, slot by slot."""
+    names = {m: name or type(m).__name__ for name, m in module.named_modules()}
+    for m, (fwd_model, bwd_model) in model.states.items():
+        fwd_roles, bwd_roles = _roles(m)
+        for kind, state, slots, roles in (("forward", m.fp8_fwd, fwd_model, fwd_roles),
+                                          ("backward", m.fp8_bwd, bwd_model, bwd_roles)):
+            assert state is not None, f"{names[m]}: no {kind} scaling state after an FP8 step"
+            assert state.scale.numel() == len(roles), f"{names[m]} {kind}: {state.scale.numel()} slots, roles {roles}"
+            want = {"amax_history": slots.history, "scale": torch.tensor(slots.scale, dtype=torch.float64),
+                    "scale_inv": torch.tensor(slots.scale_inv(), dtype=torch.float64)}
+            for what, expected in want.items():
+                got = getattr(state, what).double()
+                assert got.shape == expected.shape, f"{names[m]} {kind} {what}: shape {tuple(got.shape)}"
+                for i, role in enumerate(roles):
+                    g, e = got[..., i], expected[..., i]
+                    ok = torch.allclose(g, e, rtol=RTOL, atol=0)
+                    assert ok, (f"step {step}, {names[m]} {kind} slot {i} ({role}): {what} {g.tolist()}, the recipe "
+                                f"model says {e.tolist()}")
+
+
+def _build(kind, activation="gelu"):
+    common = dict(params_dtype=torch.float32, device="cpu")
+    if kind == "Linear":
+        return te.Linear(HIDDEN, FFN, **common)
+    if kind == "LayerNormLinear":
+        return te.LayerNormLinear(HIDDEN, FFN, **common)
+    if kind == "LayerNormMLP":
+        return te.LayerNormMLP(HIDDEN, FFN, activation=activation, **common)
+    if kind == "MultiheadAttention":
+        return te.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0, **common)
+    return te.TransformerLayer(HIDDEN, FFN, HEADS, num_gqa_groups=GROUPS, hidden_dropout=0.0, attention_dropout=0.0,
+                               **common)
+
+
+def _randomize(module):
+    """Random biases and norm weights (zeros and ones would hide a mixed-up slot), fc2's weight larger than fc1's."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif "fc2" in name or "proj" in name:
+                p.mul_(3.0)
+
+
+def run_and_check(module, fp8_recipe, out_width):
+    """STEPS training steps of module and of its recipe model, checking every slot after each."""
+    _randomize(module)
+    weights = [p for p in module.parameters() if p.dim() == 2]
+    model = RecipeModel(module, fp8_recipe)
+    for step, (x_mag, dy_mag, w_factor) in enumerate(STEPS):
+        with torch.no_grad():
+            for w in weights:  # (weights whose amax changes from step to step, as training moves them)
+                w.mul_(w_factor)
+        x = (torch.randn(S, B, HIDDEN) * x_mag).requires_grad_()
+        dy = torch.randn(S, B, out_width) * dy_mag
+        module.zero_grad(set_to_none=True)
+        with te.fp8_autocast(fp8_recipe=fp8_recipe):
+            out = module(x)
+        out.backward(dy)
+        model.step(x, dy)
+        assert_slots_match(module, model, step)
+
+
+MODULES = [("Linear", "gelu", FFN), ("LayerNormLinear", "gelu", FFN), ("LayerNormMLP", "gelu", HIDDEN),
+           ("LayerNormMLP", "swiglu", HIDDEN), ("MultiheadAttention", "gelu", HIDDEN),
+           ("TransformerLayer", "gelu", HIDDEN)]
+
+
+@pytest.mark.parametrize("label", RECIPES)
+@pytest.mark.parametrize("kind, activation, out_width", MODULES,
+                         ids=[k if k != "LayerNormMLP" else f"{k}-{a}" for k, a, _ in MODULES])
+def test_every_slot_follows_the_recipe_model(kind, activation, out_width, label):
+    run_and_check(_build(kind, activation), RECIPES[label], out_width)
+
+
+def test_the_check_catches_fc2_weight_cast_in_fc1s_slot(monkeypatch):
+    """A planted bookkeeping bug, LayerNormMLP casting its fc2 weight with fc1's weight slot (1 instead of 3), must
+    fail the check, naming the slot (the bug leaves the outputs plausible: fc2's weight is cast with a valid scale)."""
+    original = FP8ModuleBase._fp8_weight
+
+    def fc2_in_fc1s_slot(self, name, weight, slot, *args):
+        return original(self, name, weight, 1 if name == "fc2_weight" else slot, *args)
+
+    monkeypatch.setattr(FP8ModuleBase, "_fp8_weight", fc2_in_fc1s_slot)
+    for label in ("delayed-max-margin1-HYBRID", "current-HYBRID"):
+        with pytest.raises(AssertionError, match=r"forward slot [13] \(fc[12] weight\)"):
+            run_and_check(_build("LayerNormMLP"), RECIPES[label], HIDDEN)
