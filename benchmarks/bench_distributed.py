@@ -36,7 +36,7 @@ import transformer_fp8 as te  # noqa: E402
 from transformer_fp8 import distributed as tpd  # noqa: E402
 from transformer_fp8 import recipe  # noqa: E402
 from transformer_fp8.module import base  # noqa: E402
-from timing import gpu_time_ms, loop_time_ms  # noqa: E402  (benchmarks/timing.py: the script's folder is on sys.path)
+from timing import loop_time_ms, step_alone_ms  # noqa: E402  (benchmarks/timing.py: the script's folder is on sys.path)
 
 CONFIGS = {
     "guide": dict(hidden=4096, ffn=16384, heads=32, seq=2048, batch=4),
@@ -92,7 +92,7 @@ def step_ms(step, device, warmup, iters):
     """(median ms of step() timed alone, mean ms of `iters` steps back to back): CUDA events on a GPU (timing.py),
     wall clock on CPU."""
     if device.type == "cuda":
-        return gpu_time_ms(step, warmup, iters), loop_time_ms(step, warmup=0, iters=iters, repeats=1)
+        return step_alone_ms(step, warmup, iters), loop_time_ms(step, warmup=0, iters=iters, repeats=1)
     for _ in range(warmup):
         step()
     times = []

@@ -1,16 +1,25 @@
-"""FP8 modules vs their BF16 PyTorch equivalents on one GPU, in one run.
+"""FP8 modules vs their BF16 PyTorch equivalents on one GPU, in one run. Every table's variants are measured in turn,
+round after round (a seeded new order each round: timing.run_rounds), so that the GPU clock's drift under its power
+cap and the host's speed drift land on all of them alike; tables print the median and the range over the rounds, and
+the JSON keeps every round's value.
 
 1. Training: Linear / LayerNormLinear / LayerNormMLP forward+backward time and peak memory at M = 8192 tokens,
    (hidden, ffn) = (4096, 16384) and (2048, 8192); ours in FP8 (DelayedScaling, HYBRID) vs torch BF16 eager and
-   torch.compile.
+   torch.compile. Each step starts with the gradients set to None (zero_grad(set_to_none=True), as a training loop
+   does), so no accumulation adds are timed and the memory is that of a real step. Time: GPU time per step, CUDA
+   events around 10 steps back to back (timing.gpu_time_ms), per round; peak GiB above what was allocated before.
 2. Inference grid: forward under no_grad with cached FP8 weights (is_first_microbatch=False), M in {128, 256, 512},
    K, N in {1280, 5120, 10240, 20480}, vs BF16 nn.Linear: the FP8 path forced (fp8_min_gemm_size=0) and the default
    (small-shape automatic path: high precision below base.FP8_MIN_GEMM_SIZE). Time per call of 100 back-to-back calls
-   inside one no_grad + fp8_autocast context, as in a model's forward; the three timed in turn over GRID_ROUNDS
+   inside one no_grad + fp8_autocast context, as in a model's forward; the variants timed in turn over --grid-rounds
    rounds, the median time of each and the median of the per-round ratios reported. A second nn.Linear of the same
    shape is timed with them as a control: its ratio to the first is the measurement's noise at that point.
-3. Host (CPU) time of one Linear forward+backward at a tiny shape vs nn.Linear, the FP8 path forced.
+3. Host (CPU) time of one Linear forward+backward at a tiny shape vs nn.Linear, the FP8 path forced; --native-node-ab
+   adds our Linear with its C++ autograd node switched off (linear.NATIVE_NODE = False) as a variant of the same rounds.
+4. Host time per forward call at 128x1280x1280 under no_grad + fp8_autocast (--rounds rounds of 1000 calls):
+   nn.Linear, ours (with and without is_first_microbatch=False) and F.linear alone.
 Prints tables and writes JSON (--json).
+Usage: python benchmarks/bench_modules.py [--rounds 7] [--grid-rounds 21] [--skip training inference host host-call]
 """
 import argparse
 import json
@@ -21,9 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import transformer_fp8 as te
-from timing import gpu_time_ms, host_time_us, interleaved, loop_time_ms, peak_gib
+from timing import fmt_spread, gpu_time_ms, host_time_us, interleaved, loop_time_ms, peak_gib, run_rounds, spread
 from transformer_fp8 import recipe
 from transformer_fp8.module import base
+from transformer_fp8.module import linear as linear_module
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -50,14 +60,19 @@ def module_pairs(hidden, ffn):
 
 
 def train_step(module, x, dy, fp8, fp8_recipe=recipe.DelayedScaling()):
+    """One training step of `module`: gradients set to None first (module's and the input's, as
+    optimizer.zero_grad(set_to_none=True) and a fresh batch would leave them), forward (under fp8_autocast when fp8),
+    backward of dy."""
     def step():
+        module.zero_grad(set_to_none=True)
+        x.grad = None
         with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe):
             y = module(x)
         y.backward(dy)
     return step
 
 
-def bench_training(tokens=8192):
+def bench_training(rounds, tokens=8192):
     rows = []
     for hidden, ffn in [(4096, 16384), (2048, 8192)]:
         for name, ours, ref in module_pairs(hidden, ffn):
@@ -71,17 +86,25 @@ def bench_training(tokens=8192):
                 "bf16_compile": train_step(compiled, x, dy, False),
             }
             row = {"module": name, "tokens": tokens, "hidden": hidden, "ffn": ffn}
-            for case, fn in cases.items():
-                row[f"{case}_ms"] = gpu_time_ms(fn)
-                row[f"{case}_gib"] = peak_gib(fn)
-            row["speedup_vs_eager"] = row["bf16_eager_ms"] / row["fp8_ms"]
-            row["speedup_vs_compile"] = row["bf16_compile_ms"] / row["fp8_ms"]
+            for case, fn in cases.items():  # (memory is not timing: once each; also the compile and the warm-up)
+                row[f"{case}_gib"] = round(peak_gib(fn), 3)
+            measures = {case: (lambda fn=fn: gpu_time_ms(fn, warmup=2, iters=10)) for case, fn in cases.items()}
+            times = run_rounds(measures, rounds, seed=hidden)
+            for case in cases:
+                row[f"{case}_ms"] = times[case]
+            if all("error" not in times[c] for c in cases):
+                ratios = {ref_case: spread([r / f for r, f in zip(times[ref_case]["rounds"], times["fp8"]["rounds"])])
+                          for ref_case in ("bf16_eager", "bf16_compile")}  # per-round ratios: drift cancels
+                row["speedup_vs_eager"], row["speedup_vs_compile"] = ratios["bf16_eager"], ratios["bf16_compile"]
+                print(f"{name:16s} M={tokens} h={hidden} ffn={ffn}: fp8 {fmt_spread(times['fp8'], 3)} ms "
+                      f"{row['fp8_gib']:.2f} GiB | bf16 {fmt_spread(times['bf16_eager'], 3)} ms "
+                      f"{row['bf16_eager_gib']:.2f} GiB | compiled {fmt_spread(times['bf16_compile'], 3)} ms | "
+                      f"x{fmt_spread(ratios['bf16_eager'])} / x{fmt_spread(ratios['bf16_compile'])}", flush=True)
+            else:
+                print(f"{name:16s} h={hidden}: " + "; ".join(f"{c} {fmt_spread(times[c], 3)}" for c in cases),
+                      flush=True)
             rows.append(row)
-            print(f"{name:16s} M={tokens} h={hidden} ffn={ffn}: fp8 {row['fp8_ms']:.3f} ms {row['fp8_gib']:.2f} GiB | "
-                  f"bf16 {row['bf16_eager_ms']:.3f} ms {row['bf16_eager_gib']:.2f} GiB | "
-                  f"compiled {row['bf16_compile_ms']:.3f} ms | x{row['speedup_vs_eager']:.2f} / "
-                  f"x{row['speedup_vs_compile']:.2f}", flush=True)
-            del ours, ref, compiled
+            del ours, ref, compiled, cases
             torch.cuda.empty_cache()
     return rows
 
@@ -91,12 +114,18 @@ def median_ratio(times, ref_times):
     return statistics.median(t / r for t, r in zip(times, ref_times))
 
 
+def ratio_range(times, ref_times):
+    """[min, max] over the rounds of the per-round time ratio."""
+    ratios = [t / r for t, r in zip(times, ref_times)]
+    return [round(min(ratios), 3), round(max(ratios), 3)]
+
+
 # Rounds per grid point: most points are host-bound calls of 17-100 µs whose per-round ratios move by ~10% (the A/A
 # column shows it); the median of 21 rounds moves ~sqrt(3) less than the median of 7.
 GRID_ROUNDS = 21
 
 
-def bench_inference_grid():
+def bench_inference_grid(rounds=GRID_ROUNDS):
     rows = []
     sizes = [1280, 5120, 10240, 20480]
     for k in sizes:
@@ -115,36 +144,55 @@ def bench_inference_grid():
                     with torch.no_grad(), te.fp8_autocast():
                         module(x, is_first_microbatch=True)
                 # As in a model's forward, one no_grad + fp8_autocast context covers many layer calls (nn.Linear
-                # ignores it). The four are timed in turn, round after round: the host speed drifts, and at the
-                # host-bound points a drift between two separate measurements would read as a ratio.
+                # ignores it). The four are timed in turn, round after round, in a new seeded order each round: the
+                # host speed drifts, and at the host-bound points a drift between two separate measurements would
+                # read as a ratio.
                 with torch.no_grad(), te.fp8_autocast():
                     t_fp8, t_auto, t_bf16, t_twin = interleaved(
                         lambda fn: loop_time_ms(fn, warmup=5, iters=100, repeats=1),
                         [fwd(forced, is_first_microbatch=False), fwd(auto, is_first_microbatch=False), fwd(ref),
-                         fwd(twin)], GRID_ROUNDS)
+                         fwd(twin)], rounds, shuffle=True, seed=m * k * n)
                 rows.append({"M": m, "K": k, "N": n, "MKN": m * k * n, "fp8_ms": statistics.median(t_fp8),
                              "auto_ms": statistics.median(t_auto), "bf16_ms": statistics.median(t_bf16),
                              "ratio": median_ratio(t_fp8, t_bf16), "auto_ratio": median_ratio(t_auto, t_bf16),
-                             "control_ratio": median_ratio(t_twin, t_bf16)})
+                             "control_ratio": median_ratio(t_twin, t_bf16),
+                             "ratio_range": ratio_range(t_fp8, t_bf16), "auto_ratio_range": ratio_range(t_auto, t_bf16),
+                             "control_ratio_range": ratio_range(t_twin, t_bf16),
+                             "rounds_ms": {"fp8": t_fp8, "auto": t_auto, "bf16": t_bf16, "twin": t_twin}})
             del forced, auto, ref, twin
     print(f"{'M':>5} {'K':>6} {'N':>6} {'M*K*N':>9} {'fp8 ms':>8} {'auto ms':>8} {'bf16 ms':>8} {'fp8/bf16':>8} "
-          f"{'auto/bf16':>9} {'twin/bf16':>9}")
+          f"{'auto/bf16 (range)':>18} {'twin/bf16 (range)':>18}")
     for r in sorted(rows, key=lambda r: r["MKN"]):
         print(f"{r['M']:5d} {r['K']:6d} {r['N']:6d} {r['MKN']:9.2e} {r['fp8_ms']:8.4f} {r['auto_ms']:8.4f} "
-              f"{r['bf16_ms']:8.4f} {r['ratio']:8.2f} {r['auto_ratio']:9.2f} {r['control_ratio']:9.2f}")
+              f"{r['bf16_ms']:8.4f} {r['ratio']:8.2f} {r['auto_ratio']:6.2f} ({r['auto_ratio_range'][0]:.2f}-"
+              f"{r['auto_ratio_range'][1]:.2f}) {r['control_ratio']:6.2f} ({r['control_ratio_range'][0]:.2f}-"
+              f"{r['control_ratio_range'][1]:.2f})")
     for key, what in (("ratio", "FP8 forced"), ("auto_ratio", f"default (threshold {base.FP8_MIN_GEMM_SIZE:.2e})"),
                       ("control_ratio", "control (a second nn.Linear)")):
         worst = max(rows, key=lambda r: r[key])
-        print(f"worst {what} / bf16 time ratio: {worst[key]:.2f} at M={worst['M']} K={worst['K']} N={worst['N']}")
+        print(f"worst {what} / bf16 time ratio (median of {rounds} rounds): {worst[key]:.2f} at M={worst['M']} "
+              f"K={worst['K']} N={worst['N']}")
     return rows
 
 
-def bench_host_overhead(tokens=16, hidden=64, layers=(1, 8)):
+def without_native_node(step):
+    """step() with our Linear's C++ autograd node switched off (linear.NATIVE_NODE = False) for its duration."""
+    def run():
+        saved, linear_module.NATIVE_NODE = linear_module.NATIVE_NODE, False
+        try:
+            step()
+        finally:
+            linear_module.NATIVE_NODE = saved
+    return run
+
+
+def bench_host_overhead(rounds, native_node_ab=False, tokens=16, hidden=64, layers=(1, 8)):
     """Host time per Linear forward+backward, the FP8 path forced: one Linear per training step (the per-step work —
     autocast exit, the two scale updates, the backward callback — all charged to it), and a stack of 8 Linears per
     step (per-step work shared, as in a model). Divided by the number of layers; medians over interleaved rounds and
     the median of the per-round ratios. Also our stack captured with te.make_graphed_callables (FP8 inside the graphs;
-    the remedy for host-bound small models, as with TE), against the same eager nn.Linear."""
+    the remedy for host-bound small models, as with TE), against the same eager nn.Linear. native_node_ab: also ours
+    with the C++ autograd node off (the node on/off table)."""
     rows = []
     for n in layers:
         def stack():
@@ -158,40 +206,72 @@ def bench_host_overhead(tokens=16, hidden=64, layers=(1, 8)):
         train_step(graphed, x, dy, False)()  # (its first step calibrates the FP8 scales eagerly, then graphs replay)
         # (each variant its own input leaf: a leaf's gradient accumulator made while the graphs were captured runs on
         # the capture's stream, and other variants' backwards into it would synchronise on every step)
-        x_ours, x_ref = (x.detach().clone().requires_grad_() for _ in range(2))
-        t_fp8, t_bf16, t_graphed = interleaved(
-            lambda step: host_time_us(step, iters=200),
-            [train_step(ours, x_ours, dy, True), train_step(ref, x_ref, dy, False), train_step(graphed, x, dy, False)],
-            7)
-        row = {"tokens": tokens, "hidden": hidden, "layers": n, "fp8_us": statistics.median(t_fp8) / n,
-               "bf16_us": statistics.median(t_bf16) / n, "fp8_graphed_us": statistics.median(t_graphed) / n,
-               "ratio": median_ratio(t_fp8, t_bf16), "graphed_ratio": median_ratio(t_graphed, t_bf16),
-               "ratio_range": [round(min(a / b for a, b in zip(t_fp8, t_bf16)), 2),
-                               round(max(a / b for a, b in zip(t_fp8, t_bf16)), 2)],
-               "rounds_us": {"fp8": [round(t / n, 1) for t in t_fp8], "bf16": [round(t / n, 1) for t in t_bf16]}}
-        print(f"host time per Linear fwd+bwd ({tokens}x{hidden}, {n} Linear per step): fp8 {row['fp8_us']:.1f} us, "
-              f"nn.Linear {row['bf16_us']:.1f} us, ratio {row['ratio']:.2f} (rounds {row['ratio_range'][0]:.2f}-"
-              f"{row['ratio_range'][1]:.2f}); fp8 CUDA-graphed {row['fp8_graphed_us']:.1f} us, ratio "
-              f"{row['graphed_ratio']:.2f}")
+        x_ours, x_ref, x_off = (x.detach().clone().requires_grad_() for _ in range(3))
+        steps = {"fp8": train_step(ours, x_ours, dy, True), "bf16": train_step(ref, x_ref, dy, False),
+                 "fp8_graphed": train_step(graphed, x, dy, False)}
+        if native_node_ab:
+            steps["fp8_no_native_node"] = without_native_node(train_step(ours, x_off, dy, True))
+        names = list(steps)
+        per_round = interleaved(lambda step: host_time_us(step, iters=200), [steps[k] for k in names], rounds,
+                                shuffle=True, seed=n)
+        t = {k: [v / n for v in vals] for k, vals in zip(names, per_round)}
+        row = {"tokens": tokens, "hidden": hidden, "layers": n}
+        for k in names:
+            row[f"{k}_us"] = spread(t[k], 1)
+            if k != "bf16":
+                row[f"{k}_ratio"] = spread([a / b for a, b in zip(t[k], t["bf16"])], 3)
+        print(f"host time per Linear fwd+bwd ({tokens}x{hidden}, {n} Linear per step; medians of {rounds} rounds, "
+              f"range): nn.Linear {fmt_spread(row['bf16_us'], 1)} us; " + "; ".join(
+                  f"{k} {fmt_spread(row[k + '_us'], 1)} us, ratio {fmt_spread(row[k + '_ratio'])}"
+                  for k in names if k != "bf16"), flush=True)
         rows.append(row)
     return rows
+
+
+def bench_host_call(rounds, m=128, k=1280, n=1280, iters=1000):
+    """Host time per forward call at one small shape under no_grad + fp8_autocast (the default, high-precision path
+    there): nn.Linear, ours with is_first_microbatch=False (as the grid calls it) and without, F.linear alone;
+    `rounds` interleaved rounds of `iters` calls each (medians, ranges)."""
+    ours = te.Linear(k, n, params_dtype=DT, device=DEV)
+    ref = nn.Linear(k, n, device=DEV, dtype=DT)
+    x = torch.randn(m, k, device=DEV, dtype=DT)
+    calls = {"nn.Linear": lambda: ref(x), "ours, is_first_microbatch=False": lambda: ours(x, is_first_microbatch=False),
+             "ours": lambda: ours(x), "F.linear": lambda: F.linear(x, ref.weight, ref.bias)}
+    with torch.no_grad(), te.fp8_autocast():
+        result = run_rounds({name: (lambda fn=fn: host_time_us(fn, iters=iters)) for name, fn in calls.items()},
+                            rounds, seed=1)
+    print(f"host time per forward call, {m}x{k}x{n}, no_grad + fp8_autocast, {rounds} rounds of {iters} calls (us, "
+          f"median (range)): " + "; ".join(f"{name} {fmt_spread(v)}" for name, v in result.items()), flush=True)
+    return {"M": m, "K": k, "N": n, "iters": iters, "us": result}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="bench_modules.json")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["training", "inference", "host"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["training", "inference", "host", "host-call"])
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of the training, host and host-call tables")
+    parser.add_argument("--grid-rounds", type=int, default=GRID_ROUNDS, help="rounds per inference grid point")
+    parser.add_argument("--native-node-ab", action="store_true",
+                        help="host table: also ours with the C++ autograd node off (linear.NATIVE_NODE = False)")
     args = parser.parse_args()
+    for name in ("rounds", "grid_rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected at least 1, got {getattr(args, name)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_modules.py needs a CUDA GPU")
     torch.manual_seed(0)
-    result = {"device": torch.cuda.get_device_name()}
-    if "training" not in args.skip:
-        result["training"] = bench_training()
-    if "inference" not in args.skip:
-        result["inference_grid"] = bench_inference_grid()
-    if "host" not in args.skip:
-        result["host_overhead"] = bench_host_overhead()
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
+              "grid_rounds": args.grid_rounds}
+    parts = (("training", "training", lambda: bench_training(args.rounds)),
+             ("inference", "inference_grid", lambda: bench_inference_grid(args.grid_rounds)),
+             ("host", "host_overhead", lambda: bench_host_overhead(args.rounds, args.native_node_ab)),
+             ("host-call", "host_call", lambda: bench_host_call(2 * args.rounds + 1)))
+    for part, key, run in parts:
+        if part not in args.skip:
+            result[key] = run()
+            with open(args.json, "w") as f:  # after each part: a run cut short keeps what it measured
+                json.dump(result, f, indent=1)
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -5,16 +5,20 @@ side also on the other's layout (ours with qkv_format "bhsd"). Prints
 tables and writes JSON (--json).
 
 Each step starts with the gradients set to None, as after optimizer.zero_grad() (no accumulation adds).
-Two times per layer step: "ms", each step alone (synchronised before it: the host's launch latency at the start of
-the step counts), and "ms b2b", steps back to back (10 between two CUDA events, as a training loop issues them: the
-host runs ahead while the GPU works). The attention table has both too (b2b: 20 steps), and TFLOP/s from b2b; its
-variants are timed in turn over ATTENTION_ROUNDS rounds, in a new order each round (medians over the rounds).
+Every table's variants are timed in turn, round after round, in a seeded new order each round (--rounds for the layer
+table, --attention-rounds for the attention table), so that the GPU clock's drift under its power cap lands on all of
+them alike; the tables print the median and the range over the rounds, the JSON keeps every round. Two times per
+step: "ms b2b", GPU time per step (CUDA events around 10 layer steps, 20 attention steps, issued back to back as a
+training loop issues them: the host runs ahead while the GPU works), and "ms alone", one step from an idle,
+synchronised GPU (timing.step_alone_ms: the host's launch latency before the first kernel counts; not GPU time).
+TFLOP/s from b2b. Peak GiB: above what was allocated before a step, measured once per variant.
+--kernels adds, per attention variant, the GPU kernel time of one step (torch.profiler, mean of 10 steps) split by
+kernel: whether two variants differ in their kernels or only in the host time around them.
 Configs (no mask, no dropout, sbhd): guide = hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4;
 gqa = the same with 8 GQA groups, kv_channels 128, seq 1024, batch 32, bias.
 """
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +26,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_fp8 as te
-from timing import gpu_time_ms, interleaved, loop_time_ms, peak_gib
+from timing import gpu_time_ms, interleaved, peak_gib, spread, step_alone_ms
 from transformer_fp8 import recipe
 from transformer_fp8.module.attention import DotProductAttention
 from transformer_fp8.module.attention_cudnn import cudnn_attention_built
@@ -34,6 +38,7 @@ CONFIGS = {
     "guide": dict(hidden=4096, ffn=16384, heads=32, groups=32, d=128, seq=2048, batch=4),
     "gqa": dict(hidden=4096, ffn=16384, heads=32, groups=8, d=128, seq=1024, batch=32),
 }
+LAYER_ROUNDS = 5  # per round and variant: 3 steps alone, 10 back to back
 ATTENTION_ROUNDS = 9  # per round and variant: 5 steps alone, 20 back to back
 
 
@@ -61,19 +66,20 @@ def train_step(layer, x, dy, fp8=False, fp8_dpa=False, attention_backend=None):
     """One training step's forward and backward, gradients starting from None (optimizer.zero_grad's default).
     attention_backend: set on the layer's DotProductAttention for this step ("torch" / "cudnn"); None keeps it."""
     attentions = [m for m in layer.modules() if isinstance(m, DotProductAttention)]
+    fp8_recipe = recipe.DelayedScaling(fp8_dpa=fp8_dpa)  # (one recipe for the run, as a training loop holds one)
 
     def step():
         for m in attentions:
             m.attention_backend = attention_backend or m.attention_backend
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe.DelayedScaling(fp8_dpa=fp8_dpa)):
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe):
             y = layer(x)
         y.backward(dy)
     return step
 
 
-def layer_rows(name, c, compile_torch):
+def layer_rows(name, c, compile_torch, rounds):
     x = torch.randn(c["seq"], c["batch"], c["hidden"], device=DEV, dtype=DT, requires_grad=True)
     dy = torch.randn_like(x)
     ours = TransformerLayer(c["hidden"], c["ffn"], c["heads"], num_gqa_groups=c["groups"], kv_channels=c["d"],
@@ -88,19 +94,46 @@ def layer_rows(name, c, compile_torch):
                  ("torch BF16 eager", train_step(plain, x, dy))]
     if compile_torch:
         variants.append(("torch BF16 compile", train_step(torch.compile(plain), x, dy)))
-    rows = []
-    for variant, step in variants:
-        try:
-            ms, b2b, gib = gpu_time_ms(step), loop_time_ms(step, warmup=3, iters=10, repeats=3), peak_gib(step)
-            rows.append(dict(config=name, variant=variant, ms=round(ms, 2), ms_b2b=round(b2b, 2),
-                             peak_gib=round(gib, 2)))
-        except Exception as err:  # report and go on with the other variants
-            rows.append(dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300]))
-        print(rows[-1], flush=True)
+    rows = timed_rows(name, variants, rounds, alone_iters=3, b2b_iters=10, memory=True)
+    for row in rows:
+        print(row_text(row), flush=True)
     return rows
 
 
-def attention_rows(name, c):
+def timed_rows(name, variants, rounds, alone_iters, b2b_iters, memory=False, flops=None):
+    """Rows of (variant, step) timed in turn over `rounds` rounds in a seeded new order each round: per round and
+    variant `alone_iters` steps alone (median) and `b2b_iters` steps back to back. A variant whose first step fails is
+    reported with its error. memory: also the peak GiB of one step (once per variant, before the rounds)."""
+    rows, runnable = {}, []
+    for variant, step in variants:
+        try:
+            step()
+            row = dict(config=name, variant=variant)
+            if memory:
+                row["peak_gib"] = round(peak_gib(step), 2)
+            rows[variant] = row
+            runnable.append((variant, step))
+        except Exception as err:  # report and go on with the other variants
+            rows[variant] = dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300])
+    times = interleaved(lambda step: (step_alone_ms(step, warmup=1, iters=alone_iters),
+                                      gpu_time_ms(step, warmup=1, iters=b2b_iters)),
+                        [step for _, step in runnable], rounds, shuffle=True)
+    for (variant, _), per_round in zip(runnable, times):
+        alone, b2b = spread([t for t, _ in per_round], 3), spread([t for _, t in per_round], 3)
+        rows[variant].update(ms=alone["median"], ms_range=[alone["min"], alone["max"]], ms_b2b=b2b["median"],
+                             ms_b2b_range=[b2b["min"], b2b["max"]], rounds_ms=alone["rounds"],
+                             rounds_ms_b2b=b2b["rounds"])
+        if flops:
+            rows[variant]["tflops"] = round(flops / b2b["median"] / 1e9, 1)
+    return [rows[variant] for variant, _ in variants]
+
+
+def row_text(row):
+    """One row as printed while the benchmark runs (the round lists left out)."""
+    return str({k: v for k, v in row.items() if not k.startswith("rounds")})
+
+
+def attention_rows(name, c, rounds, variant_filter=None, kernels=False):
     """fwd+bwd of attention alone at the config's shape: ours (sbhd in, [s, b, h*d] out; and qkv_format "bhsd" on the
     torch rows' tensors) vs torch SDPA (bhsd; and its cuDNN backend on ours' sbhd views)."""
     s, b, h, g, d = c["seq"], c["batch"], c["heads"], c["groups"], c["d"]
@@ -148,60 +181,121 @@ def attention_rows(name, c):
     variants += [(f"torch SDPA {bk.name}", torch_sdpa(bk)) for bk in
                  (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
     variants.append(("torch SDPA CUDNN_ATTENTION, sbhd", torch_cudnn_sbhd))
+    if variant_filter:
+        unknown = set(variant_filter) - {v for v, _ in variants}
+        if unknown:
+            raise ValueError(f"--attention-variants: unknown {sorted(unknown)}; expected some of "
+                             f"{[v for v, _ in variants]}")
+        variants = [(v, step) for v, step in variants if v in variant_filter]
     flops = 4 * b * h * s * s * d * 3.5  # fwd 2 GEMMs, bwd 5: 3.5x the forward's 4*b*h*s*s*d
-    rows, runnable = {}, []
-    for variant, step in variants:
-        try:
-            step()
-            runnable.append((variant, step))
-        except Exception as err:
-            rows[variant] = dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300])
-    # (the variants within a few % of each other: timed in turn over rounds, in a new order each round, so that the
-    # GPU clock's drift under its power cap lands on all of them alike)
-    times = interleaved(lambda step: (gpu_time_ms(step, warmup=2, iters=5), loop_time_ms(step, 2, 20, 1)),
-                        [step for _, step in runnable], ATTENTION_ROUNDS, shuffle=True)
-    for (variant, _), per_round in zip(runnable, times):
-        ms = statistics.median(t for t, _ in per_round)
-        ms_b2b = statistics.median(t for _, t in per_round)
-        rows[variant] = dict(config=name, variant=variant, ms=round(ms, 3), ms_b2b=round(ms_b2b, 3),
-                             tflops=round(flops / ms_b2b / 1e9, 1))
-    rows = [rows[variant] for variant, _ in variants]
+    rows = timed_rows(name, variants, rounds, alone_iters=5, b2b_iters=20, flops=flops)
+    if kernels:
+        for row, (_, step) in zip(rows, variants):
+            if "error" not in row:
+                row["kernel_us"], row["kernels"] = kernel_split(step)
     for row in rows:
-        print(row, flush=True)
+        print(row_text(row), flush=True)
     return rows
+
+
+def kernel_split(step, steps=10):
+    """GPU kernel time of one step() under torch.profiler, mean of `steps` steps -> (total µs per step, {kernel name:
+    µs per step}, the longest first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name[:100]] = per_kernel.get(e.name[:100], 0.0) + e.time_range.elapsed_us() / steps
+    ordered = dict(sorted(((k, round(v, 1)) for k, v in per_kernel.items()), key=lambda kv: -kv[1]))
+    return round(sum(per_kernel.values()), 1), ordered
+
+
+def cell(row, col):
+    """A table cell: "median (min-max)" for a timed column with its range, else the value."""
+    if col in row and f"{col}_range" in row:
+        low, high = row[f"{col}_range"]
+        return f"{row[col]:.3f} ({low:.3f}-{high:.3f})"
+    return str(row.get(col, "-"))
 
 
 def print_table(title, rows, cols):
     print(f"\n{title}")
-    widths = [8 if c == "config" else 30 if c == "variant" else 9 for c in cols]
+    widths = [8 if c == "config" else 32 if c == "variant" else 23 if c.startswith("ms") else 9 for c in cols]
     print(" | ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     for r in rows:
-        print(" | ".join(f"{str(r.get(c, '-')):>{w}}" for c, w in zip(cols, widths)))
+        print(" | ".join(f"{cell(r, c):>{w}}" for c, w in zip(cols, widths)))
         if "error" in r:
             print(f"    error: {r['error']}")
 
 
+def print_kernels(rows, top=8):
+    for r in rows:
+        if "kernels" in r:
+            print(f"\n{r['config']} {r['variant']}: {r['kernel_us']} us of kernels per step (profiler, mean of 10)")
+            for name, us in list(r["kernels"].items())[:top]:
+                print(f"  {us:9.1f} us  {name}")
+
+
+def names(text):
+    """A comma-separated list -> its non-empty items."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--configs", default="guide,gqa")
+    parser.add_argument("--configs", default="guide,gqa", help=f"comma-separated, from {sorted(CONFIGS)}")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--attention-only", action="store_true", help="only the attention-alone table")
+    parser.add_argument("--no-attention", action="store_true", help="skip the attention-alone table")
+    parser.add_argument("--rounds", type=int, default=LAYER_ROUNDS, help="rounds of the layer table")
+    parser.add_argument("--attention-rounds", type=int, default=ATTENTION_ROUNDS, help="rounds of the attention table")
+    parser.add_argument("--attention-variants", type=names, default=None,
+                        help="comma-separated attention variant names to time (an A/B); default all")
+    parser.add_argument("--kernels", action="store_true",
+                        help="per attention variant, the GPU kernel time of a step split by kernel (torch.profiler)")
     args = parser.parse_args()
+    unknown = set(names(args.configs)) - set(CONFIGS)
+    if unknown:
+        parser.error(f"--configs: unknown {sorted(unknown)}; expected some of {sorted(CONFIGS)}")
+    for flag in ("rounds", "attention_rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: expected at least 1, got {getattr(args, flag)}")
+    if args.attention_only and args.no_attention:
+        parser.error("--attention-only and --no-attention: nothing left to run")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_transformer_layer.py needs a CUDA GPU")
     torch.manual_seed(0)
     layers, attention = [], []
-    for name in args.configs.split(","):
+    for name in names(args.configs):
         if not args.attention_only:
-            layers += layer_rows(name, CONFIGS[name], not args.no_compile)
+            layers += layer_rows(name, CONFIGS[name], not args.no_compile, args.rounds)
             torch.cuda.empty_cache()
-        attention += attention_rows(name, CONFIGS[name])
-        torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
-    print_table("TransformerLayer fwd+bwd", layers, ["config", "variant", "ms", "ms_b2b", "peak_gib"])
-    print_table("Attention alone fwd+bwd", attention, ["config", "variant", "ms", "ms_b2b", "tflops"])
+        if not args.no_attention:
+            attention += attention_rows(name, CONFIGS[name], args.attention_rounds, args.attention_variants,
+                                        args.kernels)
+            torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; "
+          f"medians (min-max) over {args.rounds} (layer) / {args.attention_rounds} (attention) interleaved rounds")
+    if layers:
+        print_table("TransformerLayer fwd+bwd", layers, ["config", "variant", "ms", "ms_b2b", "peak_gib"])
+    if attention:
+        print_table("Attention alone fwd+bwd", attention, ["config", "variant", "ms", "ms_b2b", "tflops"])
+        print_kernels(attention)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "layer": layers, "attention": attention}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "rounds": args.rounds, "attention_rounds": args.attention_rounds, "layer": layers,
+                       "attention": attention}, f, indent=1)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
