@@ -38,8 +38,10 @@ RECIPES = {
     "current-HYBRID": recipe.Float8CurrentScaling(),
 }
 # The model's tensors differ from the module's by float32 rounding only (both cast with the same float32 scales, so
-# the FP8 values agree); amaxes of downstream tensors (after FP8 GEMMs, attention) differ by ~1e-6 relative.
-RTOL = 1e-4
+# the FP8 values agree); amaxes of downstream tensors (after FP8 GEMMs, attention) differ by up to 4e-7 relative
+# (measured on the CPU). On CUDA the forward GEMMs accumulate with FP8 fast accumulation and attention runs in BF16
+# (float32 inputs are cast around it): ~1e-3 there. A mixed-up slot is off by tens of percent.
+RTOL = {"cpu": 1e-4, "cuda": 3e-2}
 # Role of each slot: (forward slots, backward slots), as module/base.py and the module docstrings lay them out.
 ROLES = {
     te.Linear: (("input", "weight"), ("grad_output",)),
@@ -179,7 +181,7 @@ class RecipeModel:
 
 def _p(m, name):
     p = getattr(m, name)
-    return None if p is None else p.detach().double()
+    return None if p is None else p.detach().cpu().double()
 
 
 def _norm(m, x):
@@ -195,8 +197,8 @@ def _roles(m):
     raise AssertionError(f"no slot roles known for {type(m).__name__}: add it to ROLES")
 
 
-def assert_slots_match(module, model, step):
-    """Every FP8 sub-module's amax history, scale and scale_inv equal the model's, slot by slot."""
+def assert_slots_match(module, model, step, rtol):
+    """Every FP8 sub-module's amax history, scale and scale_inv equal the model's (to rtol), slot by slot."""
     names = {m: name or type(m).__name__ for name, m in module.named_modules()}
     for m, (fwd_model, bwd_model) in model.states.items():
         fwd_roles, bwd_roles = _roles(m)
@@ -207,17 +209,17 @@ def assert_slots_match(module, model, step):
             want = {"amax_history": slots.history, "scale": torch.tensor(slots.scale, dtype=torch.float64),
                     "scale_inv": torch.tensor(slots.scale_inv(), dtype=torch.float64)}
             for what, expected in want.items():
-                got = getattr(state, what).double()
+                got = getattr(state, what).detach().cpu().double()
                 assert got.shape == expected.shape, f"{names[m]} {kind} {what}: shape {tuple(got.shape)}"
                 for i, role in enumerate(roles):
                     g, e = got[..., i], expected[..., i]
-                    ok = torch.allclose(g, e, rtol=RTOL, atol=0)
+                    ok = torch.allclose(g, e, rtol=rtol, atol=0)
                     assert ok, (f"step {step}, {names[m]} {kind} slot {i} ({role}): {what} {g.tolist()}, the recipe "
                                 f"model says {e.tolist()}")
 
 
-def _build(kind, activation="gelu"):
-    common = dict(params_dtype=torch.float32, device="cpu")
+def _build(kind, activation="gelu", device="cpu"):
+    common = dict(params_dtype=torch.float32, device=device)
     if kind == "Linear":
         return te.Linear(HIDDEN, FFN, **common)
     if kind == "LayerNormLinear":
@@ -240,8 +242,8 @@ def _randomize(module):
                 p.mul_(3.0)
 
 
-def run_and_check(module, fp8_recipe, out_width):
-    """STEPS training steps of module and of its recipe model, checking every slot after each."""
+def run_and_check(module, fp8_recipe, out_width, device="cpu"):
+    """STEPS training steps of module (on device) and of its recipe model, checking every slot after each."""
     _randomize(module)
     weights = [p for p in module.parameters() if p.dim() == 2]
     model = RecipeModel(module, fp8_recipe)
@@ -249,14 +251,14 @@ def run_and_check(module, fp8_recipe, out_width):
         with torch.no_grad():
             for w in weights:  # (weights whose amax changes from step to step, as training moves them)
                 w.mul_(w_factor)
-        x = (torch.randn(S, B, HIDDEN) * x_mag).requires_grad_()
+        x = torch.randn(S, B, HIDDEN) * x_mag
         dy = torch.randn(S, B, out_width) * dy_mag
         module.zero_grad(set_to_none=True)
         with te.fp8_autocast(fp8_recipe=fp8_recipe):
-            out = module(x)
-        out.backward(dy)
+            out = module(x.to(device).requires_grad_())
+        out.backward(dy.to(device))
         model.step(x, dy)
-        assert_slots_match(module, model, step)
+        assert_slots_match(module, model, step, RTOL[device])
 
 
 MODULES = [("Linear", "gelu", FFN), ("LayerNormLinear", "gelu", FFN), ("LayerNormMLP", "gelu", HIDDEN),
@@ -264,11 +266,12 @@ MODULES = [("Linear", "gelu", FFN), ("LayerNormLinear", "gelu", FFN), ("LayerNor
            ("TransformerLayer", "gelu", HIDDEN)]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("label", RECIPES)
 @pytest.mark.parametrize("kind, activation, out_width", MODULES,
                          ids=[k if k != "LayerNormMLP" else f"{k}-{a}" for k, a, _ in MODULES])
-def test_every_slot_follows_the_recipe_model(kind, activation, out_width, label):
-    run_and_check(_build(kind, activation), RECIPES[label], out_width)
+def test_every_slot_follows_the_recipe_model(kind, activation, out_width, label, device):
+    run_and_check(_build(kind, activation, device), RECIPES[label], out_width, device)
 
 
 def test_the_check_catches_fc2_weight_cast_in_fc1s_slot(monkeypatch):
