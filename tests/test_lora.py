@@ -403,6 +403,109 @@ def test_frozen_base_weights_get_no_wgrad_gemm_nor_input_transposes(fp8_weights)
         assert len(norms) == 2 * 2 + 1  # each norm once (the adapters read its output), the final norm
 
 
+def fp8_lora_steps(model, batches, between=None):
+    """A training step (fp8_autocast forward, backward) of model per batch; returns, per step, the number of
+    fp8_transpose calls and the adapters' gradients (zeroed after each step). between(step) runs before each step."""
+    transposes, grads = [], []
+    for step, ids in enumerate(batches):
+        if between is not None:
+            between(step)
+        recorder = RecordedOps()
+        with recorder:
+            with te.fp8_autocast(fp8_recipe=RECIPE):
+                loss = causal_lm_loss(model, ids)
+            recorder.phase = "backward"
+            loss.backward()
+        check_no_weight_gradient_work(recorder.calls, fp8_weights=True)
+        transposes.append(sum(name == "fp8_transpose" for _, name, _ in recorder.calls))
+        grads.append([p.grad.clone() for p in lora_parameters(model)])
+        model.zero_grad(set_to_none=True)
+    return transposes, grads
+
+
+def frozen_fp8_weights(model):
+    return [p for p in model.parameters() if isinstance(p, Float8Tensor)]
+
+
+@pytest.mark.parametrize("targets", [ALL, ["q_proj", "v_proj"]])  # (v_proj only: the fused MLP and o_proj too)
+def test_cached_weight_transposes_make_no_transpose_after_the_first_step(targets):
+    """One byte transpose per frozen FP8 weight per step without the option; with it, the first step's are kept (one
+    more byte per weight element) and no later step transposes; the gradients are the same bit for bit."""
+    hf = tiny_llama(torch.bfloat16)
+    plain = adapted(hf, targets, fp8_weights=True).train()
+    cached = copy.deepcopy(plain)
+    cast_frozen_weights_to_fp8(cached, cache_weight_transpose=True)  # (the weights are FP8 already: flags only)
+    weights = frozen_fp8_weights(cached)
+    assert len(weights) == 2 * 4 and all(w._kept_transpose is None for w in weights)  # (made by the first backward)
+    batches = [token_ids() for _ in range(3)]
+    plain_counts, plain_grads = fp8_lora_steps(plain, batches)
+    cached_counts, cached_grads = fp8_lora_steps(cached, batches)
+    dgrads = len(weights) - 1  # (the first QKV GEMM's input, the frozen embedding's output, needs no gradient)
+    assert plain_counts == [dgrads] * 3
+    assert cached_counts == [dgrads, 0, 0]
+    first_qkv = cached.model.layers[0].layer.self_attention.layernorm_qkv.weight
+    assert first_qkv._kept_transpose is None
+    for w in (w for w in weights if w is not first_qkv):
+        kept = w._kept_transpose[2]
+        assert kept.dtype == w._data.dtype and kept.shape == w.shape[::-1] and kept.numel() == w._data.numel()
+        assert torch.equal(kept.float(), w._data.float().t())
+    for a, b in zip(plain_grads, cached_grads):
+        for p, q in zip(a, b):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+WRITES = {  # in-place writes of an FP8 weight (to -0.5 times its value)
+    "copy_": lambda module, w: w.copy_(w.dequantize() * -0.5),
+    "mul_": lambda module, w: w.mul_(-0.5),
+    "quantize_": lambda module, w: w.quantize_(w.dequantize() * -0.5),
+    "load_state_dict": lambda module, w: module.load_state_dict({"fc2_weight": w.dequantize() * -0.5}, strict=False),
+    "_data": lambda module, w: write_fp8_data(w, Float8Tensor.from_hp(w.dequantize() * -0.5)),
+}
+
+
+def write_fp8_data(weight, new):
+    weight._data.copy_(new._data)
+    weight._scale_inv.copy_(new._scale_inv)
+
+
+@pytest.mark.parametrize("write", WRITES)
+def test_cached_weight_transpose_follows_in_place_writes(write):
+    """A weight written in place (copy_, load_state_dict, quantize_, ops, its data itself) gets a fresh transpose,
+    once."""
+    hf = tiny_llama(torch.bfloat16)
+    plain = adapted(hf, fp8_weights=True).train()
+    cached = adapted(hf, fp8_weights=True, cache_weight_transpose=True).train()
+    cached.load_state_dict(plain.state_dict())  # (the same adapters: `adapted` draws new ones)
+    batches = [token_ids()] * 4
+
+    def rescale_one_weight(model):
+        def act(step):
+            if step == 2:
+                with torch.no_grad():
+                    mlp = model.model.layers[1].layer.layernorm_mlp
+                    WRITES[write](mlp, mlp.fc2_weight)
+        return act
+
+    plain_counts, plain_grads = fp8_lora_steps(plain, batches, rescale_one_weight(plain))
+    cached_counts, cached_grads = fp8_lora_steps(cached, batches, rescale_one_weight(cached))
+    assert plain_counts == [7] * 4 and cached_counts == [7, 0, 1, 0]  # (7 dgrads: see the test above)
+    assert not torch.equal(plain_grads[1][0], plain_grads[2][0])  # (the write changed the gradients)
+    for a, b in zip(plain_grads, cached_grads):
+        for p, q in zip(a, b):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("drop", [merge_lora, remove_lora])
+def test_merge_and_remove_drop_the_cached_transposes(drop):
+    model = adapted(tiny_llama(torch.bfloat16), ["q_proj"], fp8_weights=True, cache_weight_transpose=True).train()
+    fp8_lora_steps(model, [token_ids()])
+    assert sum(w._kept_transpose is not None for w in frozen_fp8_weights(model)) == 2 * 4 - 1
+    drop(model)
+    weights = frozen_fp8_weights(model)  # (merge_lora: the weights without adapters stay FP8)
+    assert len(weights) == (2 * 4 if drop is remove_lora else 2 * 4 - 2)
+    assert all(w._kept_transpose is None and not w._keep_transpose for w in weights)
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     hf = tiny_llama(torch.bfloat16)
     plain, checkpointed = adapted(hf, fp8_weights=True).train(), None
@@ -562,6 +665,8 @@ def test_dropout_acts_in_training_only():
     (dict(use_rslora="yes"), TypeError, "use_rslora: expected a bool"),
     (dict(dtype=torch.float8_e4m3fn), TypeError, "dtype: expected None or a high-precision"),
     (dict(fp8_weights=True, freeze_base=False), ValueError, "fp8_weights=True needs freeze_base=True"),
+    (dict(cache_weight_transpose=True), ValueError, "cache_weight_transpose=True needs fp8_weights=True"),
+    (dict(fp8_weights=True, cache_weight_transpose=1), TypeError, "cache_weight_transpose: expected a bool"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, error, match):
     model = convert_llama(tiny_llama())
@@ -606,12 +711,15 @@ def test_load_lora_refuses_what_it_cannot_honour(tmp_path):
 # --- CUDA ------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_weights", [False, True])
-def test_cuda_fp8_lora_step_tracks_bf16_and_skips_wgrad(fp8_weights):
+@pytest.mark.parametrize("fp8_weights, cache_weight_transpose", [(False, False), (True, False), (True, True)])
+def test_cuda_fp8_lora_step_tracks_bf16_and_skips_wgrad(fp8_weights, cache_weight_transpose):
     hf = tiny_llama(torch.bfloat16, "cuda", hidden=256, ffn=704, heads=8)  # (head_dim 32, as the other GPU tests)
     model = adapted(hf, fp8_weights=fp8_weights).train()
     reference = copy.deepcopy(model)
+    if cache_weight_transpose:
+        cast_frozen_weights_to_fp8(model, cache_weight_transpose=True)
     ids = token_ids("cuda")
+    transposes = []
     for step in range(3):
         recorder = RecordedOps()
         with recorder:
@@ -620,6 +728,9 @@ def test_cuda_fp8_lora_step_tracks_bf16_and_skips_wgrad(fp8_weights):
             recorder.phase = "backward"
             loss.backward()
         check_no_weight_gradient_work(recorder.calls, fp8_weights)
+        transposes.append(sum(name == "fp8_transpose" for _, name, _ in recorder.calls))
+    if fp8_weights:  # (one per frozen FP8 weight whose dgrad runs: all 8 but the first QKV's)
+        assert transposes == ([7, 0, 0] if cache_weight_transpose else [7, 7, 7])
     bf16_loss = causal_lm_loss(reference, ids)
     bf16_loss.backward()
     assert abs(loss.item() - bf16_loss.item()) < 0.02 * bf16_loss.item()
@@ -629,3 +740,21 @@ def test_cuda_fp8_lora_step_tracks_bf16_and_skips_wgrad(fp8_weights):
         assert_close_rel(ours, want, 0.25, name)
     assert_close_rel(torch.cat([o.flatten() for _, o, _ in pairs_]), torch.cat([w.flatten() for _, _, w in pairs_]),
                      0.12, "all adapter gradients")  # (CPU emulation: 0.06-0.08)
+
+
+@pytest.mark.gpu
+def test_cuda_cached_weight_transposes_give_the_same_gradients():
+    """On the CUDA kernels: the kept transposes (made once, by fp8_transpose) give the dgrads that the per-step
+    transposes give, bit for bit, and no step after the first transposes a frozen weight."""
+    hf = tiny_llama(torch.bfloat16, "cuda", hidden=256, ffn=704, heads=8)
+    for targets in (ALL, ["q_proj", "v_proj"]):  # (the unfused LoRA MLP and the fused one)
+        plain = adapted(hf, targets, fp8_weights=True).train()
+        cached = copy.deepcopy(plain)
+        cast_frozen_weights_to_fp8(cached, cache_weight_transpose=True)
+        batches = [token_ids("cuda") for _ in range(3)]
+        plain_counts, plain_grads = fp8_lora_steps(plain, batches)
+        cached_counts, cached_grads = fp8_lora_steps(cached, batches)
+        assert plain_counts == [7] * 3 and cached_counts == [7, 0, 0], targets
+        for a, b in zip(plain_grads, cached_grads):
+            for p, q in zip(a, b):
+                torch.testing.assert_close(q, p, rtol=0, atol=0)

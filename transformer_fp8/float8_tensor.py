@@ -26,6 +26,9 @@ aten = torch.ops.aten
 
 
 class Float8Tensor(torch.Tensor):
+    _keep_transpose = False  # (see transpose_data)
+    _kept_transpose = None
+
     @staticmethod
     def __new__(cls, data, scale_inv, dtype, requires_grad=False):
         if data.dtype not in FP8_MAX:
@@ -61,11 +64,32 @@ class Float8Tensor(torch.Tensor):
     def quantize_(self, src):
         """Re-quantize `src` (high precision, same shape) into this tensor with scale = fp8_max / amax(src)."""
         src = src.to(device=self.device)
+        self._kept_transpose = None  # (stale from here: see transpose_data)
         amax = src.detach().abs().amax().float().reshape(1) if src.numel() else torch.zeros(1, device=self.device)
         fp8_max = FP8_MAX[self._data.dtype]
         usable = torch.isfinite(amax) & (amax > 0)
         scale = torch.where(usable, fp8_max / amax, torch.reciprocal(self._scale_inv))
         self._data.copy_(tfp8.quantize(src.contiguous(), scale, self._data.dtype, None, self._scale_inv))
+        return self
+
+    def transpose_data(self):
+        """FP8 bytes of this 2-D tensor's transpose [K, N] (a dgrad GEMM's operand: Hopper's FP8 GEMMs take K-major
+        operands only). With keep_transpose_(True) the first call's transpose is kept on the tensor and returned
+        while its data is unchanged (in-place ops, copy_ and quantize_ drop it, and so does a write to _data itself:
+        its version changes); else every call transposes."""
+        if not self._keep_transpose:
+            return tfp8.fp8_transpose(self._data)
+        kept = self._kept_transpose
+        if kept is None or kept[0] is not self._data or kept[1] != self._data._version:
+            kept = self._kept_transpose = (self._data, self._data._version, tfp8.fp8_transpose(self._data))
+        return kept[2]
+
+    def keep_transpose_(self, keep=True):
+        """Keep (True) the transpose that transpose_data makes, one more byte an element for no transpose per call
+        (frozen weights trained around, e.g. LoRA's base); False drops a kept one. Returns self."""
+        self._keep_transpose = bool(keep)
+        if not keep:
+            self._kept_transpose = None
         return self
 
     def narrow(self, dim, start, length):
@@ -111,6 +135,7 @@ class Float8Tensor(torch.Tensor):
             if isinstance(src, Float8Tensor) and src._data.dtype == dst._data.dtype:
                 dst._data.copy_(src._data)
                 dst._scale_inv.copy_(src._scale_inv)
+                dst._kept_transpose = None
                 return dst
             return dst.quantize_(_plain(src))
         plain_args, plain_kwargs = tree_map(_plain, args), tree_map(_plain, kwargs)

@@ -56,10 +56,10 @@ def test_backward_frees_ffn_sized_tensors_after_their_last_use(device, monkeypat
     seen, alive_at_gemm, wgrad_inputs, alive_at_dact = [], [], [], []
     dact, gemm_grads = layernorm_mlp._dact_to_fp8, layernorm_mlp.gemm_grads
 
-    def recording_dact(module, d_act, fc1_out, with_dbias):
+    def recording_dact(module, d_act, fc1_out, *flags):
         alive_at_dact.append([ref() is not None for ref in wgrad_inputs])
         seen.extend(weakref.ref(t) for t in (d_act, fc1_out))
-        return dact(module, d_act, fc1_out, with_dbias)
+        return dact(module, d_act, fc1_out, *flags)
 
     def checking_gemm_grads(module, weight, dy_fp8, w_t, x_t, *args):
         alive_at_gemm.append([ref() is not None for ref in seen])

@@ -14,6 +14,8 @@ the fine-tuned model: merge_lora(model), then model.save_pretrained(dir).
 Adapters are named and targeted by Hugging Face module names (PEFT's LoraConfig). On our fused GEMMs (q|k|v in the
 QKV LayerNormLinear, gate|up in the MLP's FC1) each adapter adds to its own rows of the output. Frozen base weights
 get no weight gradient (no wgrad GEMM, no FP8 transpose of the GEMM input) and, with fp8_weights, are stored in FP8.
+Their dgrad GEMMs read Wᵀ: one FP8 byte transpose per weight per backward, or none after the first with
+add_lora(..., cache_weight_transpose=True), which keeps each transpose (one more byte per frozen parameter).
 """
 from .adapter import LoraAdapter
 from .layers import LoraLayerNormLinear, LoraLayerNormMLP, LoraLinear

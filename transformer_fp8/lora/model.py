@@ -52,7 +52,8 @@ def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def add_lora(model: nn.Module, r: int = 16, alpha: float = 32, dropout: float = 0.0,
              target_modules=DEFAULT_TARGETS, use_rslora: bool = False, fp8_weights: bool = False,
-             freeze_base: bool = True, dtype: torch.dtype | None = None) -> nn.Module:
+             freeze_base: bool = True, dtype: torch.dtype | None = None,
+             cache_weight_transpose: bool = False) -> nn.Module:
     """Add LoRA adapters to the projections of a converted model named as in Hugging Face (PEFT's LoraConfig).
 
     Each adapted projection gets A [r, in] (Kaiming-uniform) and B [out, r] (zeros), and its output gains
@@ -72,6 +73,10 @@ def add_lora(model: nn.Module, r: int = 16, alpha: float = 32, dropout: float = 
             cast_frozen_weights_to_fp8). Needs freeze_base.
         freeze_base: set requires_grad False on every parameter of the model but the adapters (PEFT does too).
         dtype: the adapters' dtype (default: each adapted module's params_dtype).
+        cache_weight_transpose: with fp8_weights, keep each frozen FP8 weight's transpose (made by the first backward
+            that needs it) for the dgrad GEMMs of the later steps: one more byte per frozen GEMM parameter (the FP8
+            base then takes what a BF16 one takes) for no weight transpose per step. Default False: minimal memory,
+            one FP8 transpose per frozen weight per backward. See cast_frozen_weights_to_fp8.
     Returns:
         `model`, changed in place. Its save_pretrained (a transformers model's) now writes the adapters in PEFT's
         format, as PeftModel.save_pretrained does (see save_route.py), until merge_lora or remove_lora.
@@ -85,6 +90,10 @@ def add_lora(model: nn.Module, r: int = 16, alpha: float = 32, dropout: float = 
         raise TypeError(f"fp8_weights, freeze_base: expected bools, got {fp8_weights!r}, {freeze_base!r}")
     if fp8_weights and not freeze_base:
         raise ValueError("fp8_weights=True needs freeze_base=True (FP8 weights are for frozen base weights)")
+    _check_cache_weight_transpose(cache_weight_transpose)
+    if cache_weight_transpose and not fp8_weights:
+        raise ValueError("cache_weight_transpose=True needs fp8_weights=True (it keeps the transposes of FP8 base "
+                         "weights; high-precision ones are cast, with their transpose, in every step)")
     projections = select_projections(model, target_modules)
     existing = lora_adapters(model)
     taken = [p.hf_name for p in projections if p.hf_name in existing]
@@ -104,7 +113,7 @@ def add_lora(model: nn.Module, r: int = 16, alpha: float = 32, dropout: float = 
             if id(param) not in adapter_params:
                 param.requires_grad_(False)
     if fp8_weights:
-        cast_frozen_weights_to_fp8(model)
+        cast_frozen_weights_to_fp8(model, cache_weight_transpose=cache_weight_transpose)
     route_save_pretrained(model)
     return model
 
@@ -124,22 +133,49 @@ def _base_type(module):
     return next(cls for cls in GEMM_WEIGHTS if isinstance(module, cls))
 
 
+def _check_cache_weight_transpose(value):
+    if not isinstance(value, bool):
+        raise TypeError(f"cache_weight_transpose: expected a bool, got {value!r}")
+
+
+def _frozen_fp8_weights(model: nn.Module) -> list[Float8Tensor]:
+    """The frozen FP8 GEMM weights of our modules in `model`."""
+    return [w for m in model.modules() if is_fp8_gemm_module(m) for w in
+            (getattr(m, name) for name in GEMM_WEIGHTS[_base_type(m)])
+            if isinstance(w, Float8Tensor) and not w.requires_grad]
+
+
+def _drop_weight_transposes(model: nn.Module) -> None:
+    """Stop keeping (and free) the FP8 weight transposes that cache_weight_transpose kept."""
+    for weight in _frozen_fp8_weights(model):
+        weight.keep_transpose_(False)
+
+
 @torch.no_grad()
-def cast_frozen_weights_to_fp8(model: nn.Module, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> int:
+def cast_frozen_weights_to_fp8(model: nn.Module, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                               cache_weight_transpose: bool = False) -> int:
     """Store every frozen GEMM weight of our modules (requires_grad False) as an FP8 Float8Tensor, in place.
 
     Each weight is quantized with one scale from its own amax (Float8Tensor.from_hp): one byte an element instead
-    of two, and no cast of it in any step (inside fp8_autocast the GEMMs read the FP8 bytes; the backward's dgrad
-    takes their byte transpose). Outside fp8_autocast the modules compute with the dequantized weight.
+    of two, and no cast of it in any step (inside fp8_autocast the GEMMs read the FP8 bytes). The backward's dgrad
+    GEMM needs Wᵀ (Hopper's FP8 GEMMs take K-major operands only): by default each backward makes it with one byte
+    transpose per weight (fp8_transpose), freed after use; cache_weight_transpose=True keeps the first one on the
+    weight (Float8Tensor.keep_transpose_) for every later step, made again only if the weight is written in place.
+    The trade-off: one more byte per frozen parameter (FP8 weight + its transpose take what the BF16 weight took)
+    against one read and one write of each weight per step. merge_lora and remove_lora free the kept transposes.
+    Outside fp8_autocast the modules compute with the dequantized weight.
 
     Args:
         model: any model holding transformer_fp8 Linear / LayerNormLinear / LayerNormMLP modules.
         fp8_dtype: torch.float8_e4m3fn (default) or torch.float8_e5m2.
+        cache_weight_transpose: keep the transposes of every frozen FP8 GEMM weight (those cast now and those that
+            were FP8 already); False leaves each weight as it is (weights cast now keep none).
     Returns:
         The number of weights cast.
     """
     if fp8_dtype not in FP8_MAX:
         raise TypeError(f"fp8_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    _check_cache_weight_transpose(cache_weight_transpose)
     count = 0
     for module in model.modules():
         if not is_fp8_gemm_module(module):
@@ -154,6 +190,9 @@ def cast_frozen_weights_to_fp8(model: nn.Module, fp8_dtype: torch.dtype = torch.
             changed, count = True, count + 1
         if changed:
             _refresh_fp8_flags(module)
+    if cache_weight_transpose:
+        for weight in _frozen_fp8_weights(model):
+            weight.keep_transpose_(True)
     return count
 
 
@@ -188,12 +227,14 @@ def merge_lora(model: nn.Module) -> nn.Module:
                 rows.copy_((rows.float() + adapter.delta_weight().to(rows.device)).to(weight.dtype))
         detach_adapters(module)
         _refresh_fp8_flags(module)
+    _drop_weight_transposes(model)
     restore_save_pretrained(model)
     return model
 
 
 def remove_lora(model: nn.Module) -> nn.Module:
-    """Remove every adapter without merging (the base model again), in place.
+    """Remove every adapter without merging (the base model again), in place; FP8 base weights stay FP8, without
+    the transposes cache_weight_transpose kept.
 
     Args:
         model: a model with or without adapters.
@@ -202,5 +243,6 @@ def remove_lora(model: nn.Module) -> nn.Module:
     """
     for module in [m for m in model.modules() if is_lora_module(m)]:
         detach_adapters(module)
+    _drop_weight_transposes(model)
     restore_save_pretrained(model)
     return model

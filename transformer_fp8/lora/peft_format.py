@@ -110,7 +110,8 @@ def read_lora_config(directory) -> dict:
     return config
 
 
-def load_lora(model: nn.Module, directory, fp8_weights: bool = False) -> nn.Module:
+def load_lora(model: nn.Module, directory, fp8_weights: bool = False,
+              cache_weight_transpose: bool = False) -> nn.Module:
     """Load a PEFT LoRA folder (save_lora's, or PEFT's save_pretrained) into a converted model, in place.
 
     Without adapters the model first gets them, as the config says (add_lora with its r, lora_alpha, lora_dropout,
@@ -120,6 +121,7 @@ def load_lora(model: nn.Module, directory, fp8_weights: bool = False) -> nn.Modu
         model: a converted model (see add_lora), with or without adapters.
         directory: the folder with adapter_config.json and adapter_model.safetensors.
         fp8_weights: when adding the adapters, store the frozen base weights in FP8 (see add_lora).
+        cache_weight_transpose: when adding the adapters, keep the FP8 base weights' transposes (see add_lora).
     Returns:
         `model`.
     Raises:
@@ -135,7 +137,7 @@ def load_lora(model: nn.Module, directory, fp8_weights: bool = False) -> nn.Modu
     if not lora_adapters(model):
         add_lora(model, r=config["r"], alpha=config.get("lora_alpha", 8), dropout=config.get("lora_dropout", 0.0),
                  target_modules=config["target_modules"], use_rslora=config.get("use_rslora", False),
-                 fp8_weights=fp8_weights)
+                 fp8_weights=fp8_weights, cache_weight_transpose=cache_weight_transpose)
     params = {name[len(KEY_PREFIX):]: t for name, t in lora_state_dict(model).items()}
     saved = {}
     for name, tensor in load_file(str(weights)).items():

@@ -339,7 +339,7 @@ class FP8ModuleBase(nn.Module):
         need_transpose = need_transpose and keeps_weight_transpose(weight, is_first_microbatch)
         if isinstance(weight, Float8Tensor):
             q, scale_inv = weight._data, weight._scale_inv
-            qt = tfp8.fp8_transpose(q) if need_transpose else None
+            qt = weight.transpose_data() if need_transpose else None  # (kept on it: see keep_transpose_)
         else:
             q, qt, scale_inv = cast_transpose(weight, self.fp8_fwd, slot, self.fwd_dtype, self.fp8_current,
                                               transpose=need_transpose)
@@ -354,7 +354,7 @@ class FP8ModuleBase(nn.Module):
         if qt is not None:
             return qt
         if isinstance(weight, Float8Tensor):
-            return tfp8.fp8_transpose(weight._data)
+            return weight.transpose_data()
         return tfp8.cast_transpose(weight, torch.reciprocal(scale_inv), self.fwd_dtype, False, True)[1]
 
     def _main_grad(self, weight):

@@ -65,13 +65,13 @@ def _take(stash, key):
     return stash[key] if torch.compiler.is_compiling() else stash.pop(key)
 
 
-def _dact_to_fp8(module, d_act, fc1_out, with_dbias):
+def _dact_to_fp8(module, d_act, fc1_out, with_dbias, need_wgrad):
     """d(fc1_out) = act'(fc1_out) * d_act into FP8 backward slot 0: (q, qT or None, scale_inv, dbias or None).
     Delayed scaling writes q only: qT (for the FC1 wgrad) is made from q after the FC1 dgrad, once fc1_out and d_act
     are gone, so that the backward's peak (here) holds half the FP8 bytes."""
     if module.fp8_current or not module.fp8_bwd.calibrated:  # (unfused: the cast's scale comes from d_fc1)
         d_fc1 = tfp8.activation_bwd(d_act, fc1_out, module.activation)
-        return cast_grad_output(d_fc1, module, 0, with_dbias, True, True)
+        return cast_grad_output(d_fc1, module, 0, with_dbias, True, need_wgrad)  # (qT: the FC1 wgrad's only)
     scale, fp8_dtype, amax, scale_inv = fp8_output_args(module.fp8_bwd, 0, module.bwd_dtype)
     q, _, dbias = tfp8.dact_cast_transpose(d_act, fc1_out, module.activation, scale, fp8_dtype, amax, scale_inv,
                                            with_dbias, False)
@@ -158,7 +158,7 @@ class _FP8LayerNormMLP(torch.autograd.Function):
             del dq, w2t
             d_fc1 = None
             if d_act is not None:
-                d_fc1 = _dact_to_fp8(module, d_act, _take(stash, "fc1_out"), needs[4])
+                d_fc1 = _dact_to_fp8(module, d_act, _take(stash, "fc1_out"), needs[4], needs[3])
                 del d_act
             if d_fc1 is not None:
                 dq1, dqt1, dsinv1, dbias1 = d_fc1
