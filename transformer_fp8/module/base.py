@@ -11,6 +11,8 @@ Snapshots share one buffer (and so one autograd version counter): autograd Funct
 through save_for_backward, whose version check would trip on writes to the other slots.
 """
 import math
+import os
+import warnings
 
 import torch
 import torch.nn as nn
@@ -21,12 +23,55 @@ from ..ops import tfp8
 from ._compiled_backward import file_backward_state
 from ..recipe import FP8_MAX, Float8CurrentScaling
 
+
+def _threshold_from_env(default):
+    """The environment variable TFP8_MIN_GEMM_SIZE as an int >= 0, or `default` when unset."""
+    text = os.environ.get("TFP8_MIN_GEMM_SIZE")
+    if text is None or not text.strip():
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"TFP8_MIN_GEMM_SIZE: expected an int >= 0 (GEMM work M*K*N), got {text!r}")
+    return value
+
+
 # Small-shape automatic path: inside fp8_autocast, a module on a CUDA input whose GEMM work M*K*N (summed over its
 # GEMMs) is below this runs its high-precision path instead: there FP8's extra casts and launches cost more than the
 # GEMM saves. H100, no_grad Linear with cached FP8 weights vs BF16 nn.Linear (benchmarks/bench_modules.py): FP8 takes
 # 1.0-1.5x the time at M*K*N ~ 1.3e10, 0.8-1.2x at 2.7e10, 0.70-0.93x at 5.4e10, ~0.7x from 1.1e11.
-# Set per module with `fp8_min_gemm_size=` (0 always uses FP8), or change this default.
-FP8_MIN_GEMM_SIZE = 2 ** 35
+# Set per module with `fp8_min_gemm_size=` (0 always uses FP8), or change this default: set_fp8_min_gemm_size(n), or
+# the environment variable TFP8_MIN_GEMM_SIZE (read at import). Read at each call. The first fallback of the process
+# warns (FP8FallbackWarning); every module counts its FP8 and high-precision calls (see _runs_fp8).
+FP8_MIN_GEMM_SIZE = _threshold_from_env(2 ** 35)
+
+
+def set_fp8_min_gemm_size(size: int) -> None:
+    """Set the default small-shape threshold: inside fp8_autocast, a module on a CUDA input whose GEMM work M*K*N is
+    below it runs high precision (modules with their own `fp8_min_gemm_size` keep theirs).
+
+    Args:
+        size: an int >= 0; 0 runs FP8 at every size. The default is 2**35 (or TFP8_MIN_GEMM_SIZE at import).
+    """
+    global FP8_MIN_GEMM_SIZE
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"size: expected an int >= 0, got {size!r}")
+    FP8_MIN_GEMM_SIZE = size
+
+
+def get_fp8_min_gemm_size() -> int:
+    """Returns:
+        The default small-shape threshold on M*K*N (see set_fp8_min_gemm_size)."""
+    return FP8_MIN_GEMM_SIZE
+
+
+class FP8FallbackWarning(UserWarning):
+    """A module inside fp8_autocast ran its high-precision path because its GEMMs are small (once per process)."""
+
+
+_fallback_warned = False  # (one warning per process: see FP8ModuleBase._note_small_shape)
 
 # A weight of at least this many elements has its FP8 Wᵀ cast in the backward (from the weight, with the forward's
 # scale) rather than kept from the forward: that frees one byte per element for the whole step (Llama 1.1B, batch
@@ -223,6 +268,9 @@ class FP8ModuleBase(nn.Module):
         self._fp8_recipe = None
         self._weight_cache = {}
         self._last_forward_fp8 = False  # (see _check_recompute_precision)
+        # forwards inside fp8_autocast: [FP8, high precision] (a list: an increment costs no nn.Module.__setattr__)
+        self._fp8_call_counts = [0, 0]
+        self.fp8_disabled = False  # True: the high-precision path even inside fp8_autocast (debug.disable_fp8)
         self.register_load_state_dict_pre_hook(_allow_missing_extra_state)
 
     # --- parameters ---
@@ -246,12 +294,38 @@ class FP8ModuleBase(nn.Module):
     # --- per-call FP8 setup ---
     def _runs_fp8(self, inp, rows_factor=1):
         """Inside fp8_autocast (the caller checks): False when the small-shape automatic path applies (CUDA input,
-        high-precision weights, inp.numel() * rows_factor * gemm_n < fp8_min_gemm_size), True otherwise.
+        high-precision weights, inp.numel() * rows_factor * gemm_n < fp8_min_gemm_size) or fp8_disabled is set, True
+        otherwise; counts the call in _fp8_call_counts.
         rows_factor: GEMM rows per input row (the TP size where the module all-gathers a sequence-parallel input)."""
-        if self._fp8_params or not inp.is_cuda:
-            return True
+        if self.fp8_disabled:
+            self._fp8_call_counts[1] += 1
+            return False
+        if not self._fp8_params and inp.is_cuda:
+            threshold = FP8_MIN_GEMM_SIZE if self.fp8_min_gemm_size is None else self.fp8_min_gemm_size
+            work = inp.numel() * rows_factor * self._gemm_n
+            if work < threshold:
+                self._note_small_shape(work)
+                return False
+        self._fp8_call_counts[0] += 1
+        return True
+
+    def _note_small_shape(self, work):
+        """Count a high-precision call inside fp8_autocast, and warn at the process's first small-shape fallback
+        (M*K*N = work below the threshold)."""
+        global _fallback_warned
+        self._fp8_call_counts[1] += 1
+        if _fallback_warned or self.fp8_disabled:
+            return
+        _fallback_warned = True
+        name = getattr(self, "_tfp8_name", None)
         threshold = FP8_MIN_GEMM_SIZE if self.fp8_min_gemm_size is None else self.fp8_min_gemm_size
-        return inp.numel() * rows_factor * self._gemm_n >= threshold
+        warnings.warn(
+            f"{type(self).__name__}{f' {name!r}' if name else ''} ({self.extra_repr()}) ran in high precision inside "
+            f"fp8_autocast: its GEMM work M*K*N = {work:.3g} is below the small-shape threshold {threshold:.3g}, "
+            "where FP8's casts cost more than its GEMM saves. To run FP8 at every size pass fp8_min_gemm_size=0 to "
+            "the module, or call transformer_fp8.set_fp8_min_gemm_size(0) (environment: TFP8_MIN_GEMM_SIZE=0). "
+            "Warned once per process; transformer_fp8.debug.report(model) counts each module's FP8 and "
+            "high-precision calls (docs/small_shapes.md).", FP8FallbackWarning, stacklevel=2)
 
     def _fp8_begin(self, state):
         """Adopt the active recipe and queue the forward state for the update (delayed scaling); inside a checkpoint

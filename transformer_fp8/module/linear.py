@@ -138,6 +138,8 @@ class Linear(FP8ModuleBase):
                     base.FP8_MIN_GEMM_SIZE if self.fp8_min_gemm_size is None else self.fp8_min_gemm_size)):
             if self._last_forward_fp8:
                 self._check_recompute_precision()
+            if autocast.STATE.enabled:  # the small-shape path: counted, and warned about once per process
+                self._note_small_shape(inp.numel() * self._gemm_n)
             if autocast.STATE.calibrating:
                 self._calibrate(inp, self.weight)
             # (the parameters straight from _parameters: nn.Module.__getattr__ costs ~0.4 µs per name, as much as the
