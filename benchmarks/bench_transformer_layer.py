@@ -11,7 +11,9 @@ them alike; the tables print the median and the range over the rounds, the JSON 
 step: "ms b2b", GPU time per step (CUDA events around 10 layer steps, 20 attention steps, issued back to back as a
 training loop issues them: the host runs ahead while the GPU works), and "ms alone", one step from an idle,
 synchronised GPU (timing.step_alone_ms: the host's launch latency before the first kernel counts; not GPU time).
-TFLOP/s from b2b. Peak GiB: above what was allocated before a step, measured once per variant.
+TFLOP/s from b2b. "host ms": the host's time to issue one step (3 issued without waiting, timing.host_time_us): a
+step whose host ms is below its b2b ms is GPU-bound. Peak GiB: above what was allocated before a step, once per variant.
+--graphed adds ours FP8 captured with te.make_graphed_callables to the layer table.
 --kernels adds, per attention variant, the GPU kernel time of one step (torch.profiler, mean of 10 steps) split by
 kernel: whether two variants differ in their kernels or only in the host time around them.
 Configs (no mask, no dropout, sbhd): guide = hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4;
@@ -26,7 +28,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_fp8 as te
-from timing import gpu_time_ms, interleaved, peak_gib, spread, step_alone_ms
+from timing import gpu_time_ms, host_time_us, interleaved, peak_gib, spread, step_alone_ms
 from transformer_fp8 import recipe
 from transformer_fp8.module.attention import DotProductAttention
 from transformer_fp8.module.attention_cudnn import cudnn_attention_built
@@ -79,7 +81,18 @@ def train_step(layer, x, dy, fp8=False, fp8_dpa=False, attention_backend=None):
     return step
 
 
-def layer_rows(name, c, compile_torch, rounds):
+def graphed_variant(c, x, dy):
+    """("ours FP8, make_graphed_callables", step): a second layer of ours captured with te.make_graphed_callables (FP8
+    and its scaling updates inside the graphs), stepped on its own input leaf."""
+    layer = TransformerLayer(c["hidden"], c["ffn"], c["heads"], num_gqa_groups=c["groups"], kv_channels=c["d"],
+                             hidden_dropout=0.0, attention_dropout=0.0, self_attn_mask_type="no_mask",
+                             params_dtype=DT, device=DEV)
+    x_graphed = x.detach().clone().requires_grad_()
+    graphed = te.make_graphed_callables(layer, (x_graphed,), fp8_enabled=True, fp8_recipe=recipe.DelayedScaling())
+    return "ours FP8, make_graphed_callables", train_step(graphed, x_graphed, dy)
+
+
+def layer_rows(name, c, compile_torch, rounds, graphed=False):
     x = torch.randn(c["seq"], c["batch"], c["hidden"], device=DEV, dtype=DT, requires_grad=True)
     dy = torch.randn_like(x)
     ours = TransformerLayer(c["hidden"], c["ffn"], c["heads"], num_gqa_groups=c["groups"], kv_channels=c["d"],
@@ -94,6 +107,15 @@ def layer_rows(name, c, compile_torch, rounds):
                  ("torch BF16 eager", train_step(plain, x, dy))]
     if compile_torch:
         variants.append(("torch BF16 compile", train_step(torch.compile(plain), x, dy)))
+    if graphed:
+        try:
+            variants.append(graphed_variant(c, x, dy))
+        except Exception as err:  # reported as the variant's error
+            message = f"{type(err).__name__}: {err}"[:300]
+
+            def failed():
+                raise RuntimeError(f"make_graphed_callables failed: {message}")
+            variants.append(("ours FP8, make_graphed_callables", failed))
     rows = timed_rows(name, variants, rounds, alone_iters=3, b2b_iters=10, memory=True)
     for row in rows:
         print(row_text(row), flush=True)
@@ -103,7 +125,8 @@ def layer_rows(name, c, compile_torch, rounds):
 def timed_rows(name, variants, rounds, alone_iters, b2b_iters, memory=False, flops=None):
     """Rows of (variant, step) timed in turn over `rounds` rounds in a seeded new order each round: per round and
     variant `alone_iters` steps alone (median) and `b2b_iters` steps back to back. A variant whose first step fails is
-    reported with its error. memory: also the peak GiB of one step (once per variant, before the rounds)."""
+    reported with its error. memory: also the peak GiB of one step (once per variant, before the rounds). Also per round
+    "host_ms": the host's time to issue one step (3 steps issued without waiting for the GPU, wall time / 3)."""
     rows, runnable = {}, []
     for variant, step in variants:
         try:
@@ -116,10 +139,12 @@ def timed_rows(name, variants, rounds, alone_iters, b2b_iters, memory=False, flo
         except Exception as err:  # report and go on with the other variants
             rows[variant] = dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300])
     times = interleaved(lambda step: (step_alone_ms(step, warmup=1, iters=alone_iters),
-                                      gpu_time_ms(step, warmup=1, iters=b2b_iters)),
+                                      gpu_time_ms(step, warmup=1, iters=b2b_iters),
+                                      host_time_us(step, iters=3, warmup=1) / 1e3),
                         [step for _, step in runnable], rounds, shuffle=True)
     for (variant, _), per_round in zip(runnable, times):
-        alone, b2b = spread([t for t, _ in per_round], 3), spread([t for _, t in per_round], 3)
+        alone, b2b, host = (spread([t[i] for t in per_round], 3) for i in range(3))
+        rows[variant].update(host_ms=host["median"], rounds_host_ms=host["rounds"])
         rows[variant].update(ms=alone["median"], ms_range=[alone["min"], alone["max"]], ms_b2b=b2b["median"],
                              ms_b2b_range=[b2b["min"], b2b["max"]], rounds_ms=alone["rounds"],
                              rounds_ms_b2b=b2b["rounds"])
@@ -258,8 +283,10 @@ def main():
     parser.add_argument("--no-attention", action="store_true", help="skip the attention-alone table")
     parser.add_argument("--rounds", type=int, default=LAYER_ROUNDS, help="rounds of the layer table")
     parser.add_argument("--attention-rounds", type=int, default=ATTENTION_ROUNDS, help="rounds of the attention table")
-    parser.add_argument("--attention-variants", type=names, default=None,
-                        help="comma-separated attention variant names to time (an A/B); default all")
+    parser.add_argument("--attention-variants", nargs="+", default=None, metavar="NAME",
+                        help="attention variant names to time (an A/B; each name one argument, quoted); default all")
+    parser.add_argument("--graphed", action="store_true",
+                        help="layer table: also ours FP8 captured with te.make_graphed_callables")
     parser.add_argument("--kernels", action="store_true",
                         help="per attention variant, the GPU kernel time of a step split by kernel (torch.profiler)")
     args = parser.parse_args()
@@ -277,7 +304,7 @@ def main():
     layers, attention = [], []
     for name in names(args.configs):
         if not args.attention_only:
-            layers += layer_rows(name, CONFIGS[name], not args.no_compile, args.rounds)
+            layers += layer_rows(name, CONFIGS[name], not args.no_compile, args.rounds, args.graphed)
             torch.cuda.empty_cache()
         if not args.no_attention:
             attention += attention_rows(name, CONFIGS[name], args.attention_rounds, args.attention_variants,
@@ -286,9 +313,9 @@ def main():
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; "
           f"medians (min-max) over {args.rounds} (layer) / {args.attention_rounds} (attention) interleaved rounds")
     if layers:
-        print_table("TransformerLayer fwd+bwd", layers, ["config", "variant", "ms", "ms_b2b", "peak_gib"])
+        print_table("TransformerLayer fwd+bwd", layers, ["config", "variant", "ms", "ms_b2b", "host_ms", "peak_gib"])
     if attention:
-        print_table("Attention alone fwd+bwd", attention, ["config", "variant", "ms", "ms_b2b", "tflops"])
+        print_table("Attention alone fwd+bwd", attention, ["config", "variant", "ms", "ms_b2b", "host_ms", "tflops"])
         print_kernels(attention)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,8 +1,9 @@
 """Host (CPU) cost per call of each op on tiny CUDA tensors: issue many calls, no sync inside, divide (median of
 REPEATS such loops). A diagnostic for the per-call floor of the modules (run on the device): fp8_gemm's variants
 against torch._scaled_mm (same 16x64x64 problem) and against its own early-exit path (M = 0: dispatch, checks and
-output allocation, no cuBLASLt), te.Linear's FP8 path (forced) against nn.Linear, and where the Linear's host time
-goes (cProfile by function, torch.profiler by op)."""
+output allocation, no cuBLASLt), te.Linear's FP8 path (forced) against nn.Linear, an empty torch.autograd.Function's
+forward + backward against a native sum().backward() (the floor of a Python autograd node), and where the Linear's
+host time goes (cProfile by function, torch.profiler by op)."""
 import cProfile
 import pstats
 import statistics
@@ -71,6 +72,19 @@ def main():
             y = auto(xg)
         y.sum().backward()
 
+    class Identity(torch.autograd.Function):
+        """Does nothing: its forward + backward is the host cost of a Python autograd node."""
+
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    cases["empty autograd.Function fwd+bwd"] = lambda: Identity.apply(xg).sum().backward()
+    cases["native sum().backward()"] = lambda: xg.sum().backward()
     cases["te.Linear fwd+bwd"] = linear_fwd_bwd
     cases["te.Linear fwd+bwd auto path"] = auto_fwd_bwd
     cases["te.Linear fwd no_grad"] = linear_fwd_nograd
