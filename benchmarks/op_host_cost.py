@@ -4,6 +4,7 @@ against torch._scaled_mm (same 16x64x64 problem) and against its own early-exit 
 output allocation, no cuBLASLt), te.Linear's FP8 path (forced) against nn.Linear, an empty torch.autograd.Function's
 forward + backward against a native sum().backward() (the floor of a Python autograd node), and where the Linear's
 host time goes (cProfile by function, torch.profiler by op)."""
+import argparse
 import cProfile
 import pstats
 import statistics
@@ -23,6 +24,9 @@ def host_us(fn, iters):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("op_host_cost.py needs a CUDA GPU")
     d, e4 = "cuda", torch.float8_e4m3fn
     x = torch.randn(16, 64, device=d, dtype=torch.bfloat16)
     one = torch.ones(1, device=d)
