@@ -9,7 +9,8 @@ group and must equal the single-process module's), current scaling (amaxes reduc
 cast: the same scales again) and delayed scaling without amax reduction (per-rank scales: the sequence-parallel input
 is gathered in high precision). Also recorded: the collectives transformer_fp8.distributed issues (the
 sequence-parallel all-gathers move FP8 bytes inside fp8_autocast) and the rows every norm runs on (this rank's
-sequence block with sequence_parallel).
+sequence block with sequence_parallel). Every rank's results are checked (tests.dist_utils.RankResults): a failure
+names the rank.
 """
 import traceback
 import types
@@ -22,7 +23,7 @@ import transformer_fp8 as te
 from transformer_fp8 import distributed as tpd
 from transformer_fp8 import recipe
 from transformer_fp8.module import norm as norm_ops
-from tests.dist_utils import DEVICE, WORLD, run_workers
+from tests.dist_utils import DEVICE, WORLD, run_workers_per_rank
 from tests.utils import FP8_RTOL, rel_error
 
 S, B, H, N, FFN = 8, 4, 32, 48, 64  # sequence, batch, hidden, Linear/LayerNormLinear width, MLP ffn width
@@ -182,6 +183,12 @@ def _scales(module):
     return torch.cat([s for m in fp8 for s in (m.fp8_fwd.scale, m.fp8_bwd.scale)])
 
 
+def _amax_histories(module):
+    """{FP8 sub-module name: (forward amax history, backward amax history)} (copies)."""
+    return {name: (m.fp8_fwd.amax_history.clone(), m.fp8_bwd.amax_history.clone())
+            for name, m in module.named_modules() if hasattr(m, "fp8_fwd")}
+
+
 def _step(module, x_full, dy_full, in_split, out_split, sp, rank):
     """One forward and backward: (output, input gradient (full), {name: grad}, forward Recorder, backward Recorder)."""
     module.zero_grad(set_to_none=True)
@@ -236,6 +243,10 @@ def _compare_case(name, rank, results):
         ref_outs[label] = ref_out
         dx_part = _part(ref_dx, in_split if in_split == "last" else None, rank)
         dx_local = _part(dx, in_split if in_split == "last" else None, rank)
+        results[f"{name}/shapes/{label}"] = {  # (rel_error broadcasts: shapes are checked apart)
+            "out": (tuple(out.shape), tuple(_part(ref_out, out_split, rank).shape)),
+            "dx": (tuple(dx_local.shape), tuple(dx_part.shape)),
+            **{f"d{n}": (tuple(g.shape), tuple(p.shape)) for (n, g), p in zip(grads.items(), tp.parameters())}}
         results[f"{name}/{label}/out"] = rel_error(out, _part(ref_out, out_split, rank))
         results[f"{name}/{label}/dx"] = rel_error(dx_local, dx_part)
         for n, g in grads.items():
@@ -248,6 +259,8 @@ def _compare_case(name, rank, results):
             results[f"{name}/scales_vs_single/{label}"] = rel_error(_scales(tp), _scales(ref))
             results[f"{name}/scales_across_ranks/{label}"] = _across_ranks(_scales(tp))
             results[f"{name}/scales_moved/{label}"] = float((_scales(ref) != 1).float().mean())
+            results[f"{name}/amax_histories/{label}"] = _amax_histories(tp)
+            results[f"{name}/single_amax_histories/{label}"] = _amax_histories(ref)
 
 
 def _errors_in_group(rank):
@@ -357,58 +370,71 @@ def _worker(rank):
 
 @pytest.fixture(scope="module")
 def tp_results():
-    """{check: value} merged over the ranks (floats: the worse of the two; anything else: rank 0's)."""
-    per_rank = run_workers(_worker)
-    merged = {}
-    for local in per_rank:
-        for key, value in local.items():
-            if isinstance(value, float):
-                merged[key] = max(merged.get(key, 0.0), value)
-            elif key not in merged:
-                merged[key] = value
-    merged["errors"] = {**per_rank[1]["errors"], **per_rank[0]["errors"]}
-    return merged
+    """Every rank's {check: value} (tests.dist_utils.RankResults): the tests check each rank's."""
+    return run_workers_per_rank(_worker)
 
 
-def _case_results(results, name, label):
-    assert f"{name}/exception" not in results, results[f"{name}/exception"]
-    checks = {k: v for k, v in results.items() if k.startswith(f"{name}/{label}/")}
+def _case_checks(results, name, label):
+    """The relative-error checks of a case and label ("name/label/what"), after asserting no rank raised in it."""
+    results.assert_absent(f"{name}/exception")
+    checks = [k for k in results.keys() if k.startswith(f"{name}/{label}/")]
     assert len(checks) >= 3  # out, dx and at least one parameter gradient
     return checks
 
 
+def _check_errors_below(results, name, label, tol):
+    for check in _case_checks(results, name, label):
+        results.check_each(check, lambda err: err < tol, f"a relative error below {tol:.1e}")
+    results.check_each(f"{name}/shapes/{label}", lambda shapes: all(got == want for got, want in shapes.values()),
+                       "every (got, expected) shape pair equal")
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_weights_are_created_as_the_rank_part_of_the_full_init(tp_results, name):
-    assert f"{name}/exception" not in tp_results, tp_results[f"{name}/exception"]
-    assert tp_results[f"{name}/init"] == 0.0
+    tp_results.assert_absent(f"{name}/exception")
+    tp_results.check_each(f"{name}/init", lambda err: err == 0.0, "0.0")
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_matches_single_process_outside_autocast(tp_results, name):
     tol = (HP_TOL_ATTENTION if "attention" in name or "transformer" in name else HP_TOL)[DEVICE]
-    for check, err in _case_results(tp_results, name, "hp").items():
-        assert err < tol, f"{check}: relative error {err:.2e}"
+    _check_errors_below(tp_results, name, "hp", tol)
 
 
 @pytest.mark.parametrize("label", FP8_LABELS)
 @pytest.mark.parametrize("name", CASES)
 def test_matches_single_process_inside_fp8_autocast(tp_results, name, label):
     """Delayed and current scaling: every rank casts with the single-process module's scales."""
-    for check, err in _case_results(tp_results, name, label).items():
-        assert err < 5e-3, f"{check}: relative error {err:.2e}"
-    assert tp_results[f"{name}/scales_moved/{label}"] > 0.5  # the scales were set from amaxes...
-    assert tp_results[f"{name}/scales_vs_single/{label}"] < 1e-6  # ...TP-reduced: the single-process ones...
-    assert tp_results[f"{name}/scales_across_ranks/{label}"] == 0.0  # ...on every rank
-    assert tp_results[f"{name}/fp8_vs_hp/{label}"] > 1e-3  # (the FP8 path ran: its output differs from float32's)
+    _check_errors_below(tp_results, name, label, 5e-3)
+    # the scales were set from amaxes, TP-reduced: the single-process ones, on every rank
+    tp_results.check_each(f"{name}/scales_moved/{label}", lambda frac: frac > 0.5, "most scales moved from 1")
+    tp_results.check_each(f"{name}/scales_vs_single/{label}", lambda err: err < 1e-6, "the single-process scales")
+    tp_results.check_each(f"{name}/scales_across_ranks/{label}", lambda err: err == 0.0, "one scale on all ranks")
+    # (the FP8 path ran: its output differs from float32's)
+    tp_results.check_each(f"{name}/fp8_vs_hp/{label}", lambda err: err > 1e-3, "FP8 differing from float32")
+
+
+@pytest.mark.parametrize("label", FP8_LABELS)
+@pytest.mark.parametrize("name", CASES)
+def test_amax_histories_agree_across_ranks_and_with_single_process(tp_results, name, label):
+    """With amaxes reduced over the TP group, every rank holds the same amax histories (exactly), and they are the
+    single-process module's (which every rank built alike)."""
+    tp_results.assert_absent(f"{name}/exception")
+    histories = tp_results.same_on_every_rank(f"{name}/amax_histories/{label}")
+    single = tp_results.same_on_every_rank(f"{name}/single_amax_histories/{label}")
+    assert histories.keys() == single.keys()
+    for module_name, pair in histories.items():
+        for kind, got, want in zip(("forward", "backward"), pair, single[module_name]):
+            assert got.shape == want.shape, (module_name, kind)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=lambda m: f"{module_name} {kind}: {m}")
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_per_rank_delayed_scales_stay_within_fp8_tolerance(tp_results, name):
     """reduce_amax=False: sharded tensors get per-rank scales (the gathered input is cast after a high-precision
     gather), so results differ from the single-process module's by FP8 roundings only."""
-    for check, err in _case_results(tp_results, name, "fp8_per_rank").items():
-        assert err < FP8_RTOL[torch.float8_e5m2], f"{check}: relative error {err:.2e}"
-    assert tp_results[f"{name}/fp8_vs_hp/fp8_per_rank"] > 1e-3
+    _check_errors_below(tp_results, name, "fp8_per_rank", FP8_RTOL[torch.float8_e5m2])
+    tp_results.check_each(f"{name}/fp8_vs_hp/fp8_per_rank", lambda err: err > 1e-3, "FP8 differing from float32")
 
 
 @pytest.mark.parametrize("name", GATHERS)
@@ -419,12 +445,21 @@ def test_sequence_parallel_gathers_fp8_inside_autocast(tp_results, name):
     gathered = S * B * H
     expected_forward = {"hp": "float32", "fp8": "uint8", "fp8_current": "uint8", "fp8_per_rank": "float32"}
     for label, dtype in expected_forward.items():
-        forward, backward = tp_results[f"{name}/collectives/{label}"]
-        gathers = [c for c in forward if c[0] == "all_gather_into_tensor"]
-        assert gathers == [("all_gather_into_tensor", dtype, gathered)] * GATHERS[name], (label, forward)
-        scatters = [c for c in backward if c[0] == "reduce_scatter_tensor"]
-        assert scatters.count(("reduce_scatter_tensor", "float32", gathered)) >= GATHERS[name], (label, backward)
-        assert not any(c[1] == "uint8" for c in backward), (label, backward)
+        for rank, (forward, backward) in tp_results.each(f"{name}/collectives/{label}"):
+            gathers = [c for c in forward if c[0] == "all_gather_into_tensor"]
+            assert gathers == [("all_gather_into_tensor", dtype, gathered)] * GATHERS[name], (rank, label, forward)
+            scatters = [c for c in backward if c[0] == "reduce_scatter_tensor"]
+            assert scatters.count(("reduce_scatter_tensor", "float32", gathered)) >= GATHERS[name], (
+                rank, label, backward)
+            assert not any(c[1] == "uint8" for c in backward), (rank, label, backward)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_rank_issues_the_same_collectives(tp_results, name):
+    """The ranks of a group must issue the same collectives in the same order (else they would hang or mix up
+    buffers): the recorded lists agree across ranks, for every label."""
+    for label in RECIPES:
+        tp_results.same_on_every_rank(f"{name}/collectives/{label}")
 
 
 # FP8 backward: the collectives that sum a column-parallel input's dgrad, started before the wgrad GEMM (overlapping it)
@@ -439,22 +474,27 @@ DGRAD_SUMS = {"column": [], "row": [], "row_sp": [], "column_sp": ["reduce_scatt
 def test_dgrad_sums_overlap_the_wgrad_gemm_inside_fp8_autocast(tp_results, name):
     """(Linear without SP sums its input gradient outside its Function, after the wgrad: not overlapped.)"""
     for label in FP8_LABELS:
-        assert tp_results[f"{name}/started_async/{label}"] == DGRAD_SUMS[name], label
-    assert tp_results[f"{name}/started_async/hp"] == []
+        tp_results.check_each(f"{name}/started_async/{label}", lambda got: got == DGRAD_SUMS[name],
+                              repr(DGRAD_SUMS[name]))
+    tp_results.check_each(f"{name}/started_async/hp", lambda got: got == [], "[]")
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith(HAS_NORM)])
 def test_norms_run_on_this_ranks_sequence_block(tp_results, name):
     rows = S * B // WORLD if CASES[name][2] else S * B
     for label in RECIPES:
-        norm_rows = tp_results[f"{name}/norm_rows/{label}"]
-        assert norm_rows and set(norm_rows) == {rows}, (label, norm_rows)
+        tp_results.check_each(f"{name}/norm_rows/{label}", lambda norm_rows: bool(norm_rows) and
+                              set(norm_rows) == {rows}, f"every norm on {rows} rows")
 
 
 @pytest.mark.parametrize("check", ["out_features", "in_features", "ffn_hidden_size", "tp_size", "sequence_parallel",
                                    "parallel_mode", "fp8_group", "inp", "residual"])
 def test_bad_arguments_in_a_group_raise_naming_the_argument(tp_results, check):
-    assert tp_results["errors"][check].startswith(f"{check}:"), tp_results["errors"][check]
+    """Every rank raises (fp8_group: checked on rank 0 only, the one rank in the group given)."""
+    ranks = [0] if check == "fp8_group" else range(WORLD)
+    for rank, errors in tp_results.each("errors"):
+        if rank in ranks:
+            assert errors[check].startswith(f"{check}:"), f"rank {rank}: {errors[check]}"
 
 
 @pytest.mark.parametrize("build, match", [
@@ -514,9 +554,29 @@ def test_model_parallel_rng_forks_only_when_active_and_added():
 
 @pytest.mark.parametrize("check", ["grads_equal", "recomputed"])
 def test_checkpointed_sequence_parallel_layer_matches_uncheckpointed(tp_results, check):
-    assert tp_results["checkpoint"][check]
+    tp_results.check_each("checkpoint", lambda flags: flags[check] is True, f"{check} True")
 
 
 @pytest.mark.parametrize("check", ["in_place", "sum", "grad", "view_untouched", "saved_raises"])
 def test_reduce_from_tensor_parallel_region_sums_in_place(tp_results, check):
-    assert tp_results["reduce_from_tp"][check] is True
+    tp_results.check_each("reduce_from_tp", lambda flags: flags[check] is True, f"{check} True")
+
+
+def test_rank_results_check_every_rank_and_name_the_one_that_fails():
+    """The harness itself (no processes): a value wrong on rank 1 only fails, naming rank 1, for floats, flags,
+    lists and tensors alike."""
+    from tests.dist_utils import RankResults
+    results = RankResults([{"err": 0.0, "flags": {"ok": True}, "rows": [16], "hist": torch.ones(2, 3)},
+                           {"err": 0.5, "flags": {"ok": False}, "rows": [32], "hist": torch.ones(2, 3) * 2}])
+    with pytest.raises(AssertionError, match=r"^rank 1: err = 0\.5"):
+        results.check_each("err", lambda err: err == 0.0)
+    with pytest.raises(AssertionError, match=r"^rank 1: flags"):
+        results.check_each("flags", lambda flags: flags["ok"] is True)
+    for key in ("rows", "hist"):
+        with pytest.raises(AssertionError, match=rf"(?s){key}: differs across ranks: rank 0: .*rank 1: "):
+            results.same_on_every_rank(key)
+    with pytest.raises(AssertionError, match=r"missing on rank\(s\) \[0\]"):
+        RankResults([{}, {"err": 0.0}]).each("err")
+    with pytest.raises(AssertionError, match="rank 1:\nboom"):
+        RankResults([{}, {"case/exception": "boom"}]).assert_absent("case/exception")
+    assert RankResults([{"t": torch.tensor([float("nan")])}] * 2).same_on_every_rank("t").isnan().all()
