@@ -1,12 +1,25 @@
-"""fp8_autocast, fp8_model_init and the global FP8 state.
+"""fp8_autocast, fp8_model_init and the FP8 state they set, per thread.
 
 Inside `fp8_autocast` our modules run their GEMMs in FP8. Delayed scaling: each module registers its forward scaling
 state once per (outermost) autocast; at the outermost exit the newest amaxes are all-reduced (MAX) over `fp8_group`
 (one collective) and ONE `delayed_scaling_update` launch per recipe updates every registered state. Gradient states
 are registered by the modules' backward; the first one queues an autograd-engine callback that does the same after the
 backward. Nothing here synchronises with the device.
+
+Threads (as torch.autocast): the settings (enabled, calibrating, recipe, group, nesting depth, fp8_model_init's) are
+the calling thread's own; a new thread starts outside fp8_autocast. What a backward needs (recipe, group) is taken
+from the graph: the forward saves it in its autograd ctx or C++ node, so a backward on autograd's device threads, or
+called from another thread, updates with its forward's recipe and never reads these settings.
+Update queues, the rule: a thread's outermost fp8_autocast exit updates exactly the forward states that its own
+thread registered inside it; a backward's end updates exactly the gradient states that this backward (its autograd
+graph task) registered. Neither ever updates or drops another thread's or another backward's queue, so concurrent
+steps on different modules in different threads are independent. A module's scaling state itself is not
+thread-safe: one module run by two threads' steps at the same time shares its amaxes and scales between them (its
+state is queued, and updated, by whichever step registered it first).
 """
 import contextlib
+import threading
+import weakref
 
 import torch
 
@@ -16,8 +29,13 @@ from .recipe import FP8_MAX, DelayedScaling, Float8CurrentScaling
 DEFAULT_RECIPE = DelayedScaling()
 
 
-class _FP8GlobalState:
-    """What the modules read on every call (plain attributes: cheap)."""
+class _FP8ThreadState(threading.local):
+    """What the modules read on every call, the calling thread's own (as torch.autocast's state). A threading.local
+    rather than a contextvars.ContextVar: the modules read plain attributes (`autocast.STATE.enabled`, ~30-40 ns on
+    a threading.local against ~10 ns on a plain object; a ContextVar would need a .get() at every read site, and a
+    mutable object in it is shared by the contexts copied from it (asyncio tasks, threads started with an inherited
+    context), which would share the queue below); and per-thread is torch.autocast's rule, which users expect.
+    __init__ runs once in each thread, at its first access."""
 
     def __init__(self):
         self.enabled = False
@@ -27,20 +45,22 @@ class _FP8GlobalState:
         self.depth = 0
         self.model_init = False
         self.preserve_init_val = False  # (see fp8_model_init)
-        self.forward_states = []  # (ScalingState, recipe, group) used in the current outermost autocast
-        self.backward_states = []  # the same for gradients, in the running backward
-        self.backward_task = None  # id of the backward whose callback is queued
-        self.checkpoint = None  # the checkpoint region (checkpoint.py) whose forward or recompute is running
+        self.forward_states = []  # (ScalingState, recipe, group) used in this thread's current outermost autocast
+        self.checkpoint = None  # the checkpoint region (checkpoint.py) whose forward or recompute runs in this thread
 
 
-STATE = _FP8GlobalState()
+STATE = _FP8ThreadState()
 
 
-def is_fp8_enabled():
+def is_fp8_enabled() -> bool:
+    """Returns:
+        Whether the calling thread is inside an fp8_autocast(enabled=True) (the innermost one decides)."""
     return STATE.enabled
 
 
 def get_fp8_recipe():
+    """Returns:
+        The recipe of the calling thread's innermost fp8_autocast (DEFAULT_RECIPE outside any)."""
     return STATE.recipe
 
 
@@ -63,19 +83,27 @@ class fp8_autocast(contextlib.ContextDecorator):
         if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
             raise TypeError(f"fp8_recipe: expected DelayedScaling or Float8CurrentScaling, got {fp8_recipe!r}")
         self.settings = (enabled, calibrating, fp8_recipe, fp8_group)
-        self.saved = []
+        # thread id -> the settings each enter replaced, innermost last: one instance (say a decorator) may be
+        # entered by several threads at once, and each exit must restore its own thread's settings
+        self.saved = {}
 
     def __enter__(self):
-        self.saved.append((STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group))
-        STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group = self.settings
-        STATE.depth += 1
+        state = STATE  # (the calling thread's)
+        self.saved.setdefault(threading.get_ident(), []).append(
+            (state.enabled, state.calibrating, state.recipe, state.group))
+        state.enabled, state.calibrating, state.recipe, state.group = self.settings
+        state.depth += 1
         return self
 
     def __exit__(self, *exc):
-        STATE.enabled, STATE.calibrating, STATE.recipe, STATE.group = self.saved.pop()
-        STATE.depth -= 1
-        if STATE.depth == 0 and STATE.forward_states:
-            entries, STATE.forward_states = STATE.forward_states, []
+        state, thread = STATE, threading.get_ident()
+        stack = self.saved[thread]
+        state.enabled, state.calibrating, state.recipe, state.group = stack.pop()
+        if not stack:
+            del self.saved[thread]
+        state.depth -= 1
+        if state.depth == 0 and state.forward_states:
+            entries, state.forward_states = state.forward_states, []
             update_scaling_states(entries, forward=True)
         return False
 
@@ -93,36 +121,74 @@ def fp8_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=F
         raise TypeError(f"recipe: expected None, DelayedScaling or Float8CurrentScaling, got {recipe!r}")
     if not isinstance(preserve_high_precision_init_val, bool):
         raise TypeError(f"preserve_high_precision_init_val: expected a bool, got {preserve_high_precision_init_val!r}")
-    saved = STATE.model_init, STATE.preserve_init_val
-    STATE.model_init, STATE.preserve_init_val = enabled, enabled and preserve_high_precision_init_val
+    state = STATE  # (the calling thread's: fp8_model_init is per thread too)
+    saved = state.model_init, state.preserve_init_val
+    state.model_init, state.preserve_init_val = enabled, enabled and preserve_high_precision_init_val
     try:
         yield
     finally:
-        STATE.model_init, STATE.preserve_init_val = saved
+        state.model_init, state.preserve_init_val = saved
 
 
 def register_forward(scaling_state, recipe, group):
-    """Queue a module's forward state for the update at the outermost autocast exit (once per autocast)."""
+    """Queue a module's forward state for the update at the calling thread's outermost autocast exit (once per
+    autocast)."""
     scaling_state.pending = True
     STATE.forward_states.append((scaling_state, recipe, group))
 
 
+class _BackwardQueue(list):
+    """The (state, recipe, group) entries that one backward (autograd graph task) registered, and their ids. Only
+    its end-of-backward callback holds it: when the graph task ends, normally or by an error (the callback then
+    never runs), the queue goes with it, and so does its entry in _backward_queues."""
+
+    __slots__ = ("ids", "__weakref__")
+
+    def __init__(self):
+        super().__init__()
+        self.ids = set()
+
+
+# graph task id -> weak reference to its _BackwardQueue. Keyed by graph task, not by thread: a backward's nodes run
+# on the thread that called it (CPU) or on autograd's device threads, which serve every thread's backwards; task ids
+# are unique in the process. Weak: a failed backward's queue disappears with its graph task (the reference's callback
+# removes the key). (A dict of weak references, not a WeakValueDictionary: its get() is Python code, ~4x slower.)
+_backward_queues = {}
+_backward_queues_lock = threading.Lock()  # (the first registration of a task: at most one queue and one callback)
+
+
 def register_backward(scaling_state, recipe, group):
-    """Queue a module's gradient state for the update at the end of the running backward (call from backward)."""
+    """Queue a module's gradient state for the update at the end of the running backward (call from backward, with
+    the recipe and group its forward saved). Once per state and backward; nested backwards (torch.autograd.grad
+    inside a backward) keep their own queues."""
     task = torch._C._current_graph_task_id()
-    if task != STATE.backward_task:  # the first of our modules in this backward (a failed one left no callback)
-        for stale, _, _ in STATE.backward_states:
-            stale.pending = False
-        STATE.backward_states, STATE.backward_task = [], task
-        torch.autograd.Variable._execution_engine.queue_callback(_finish_backward)
-    if not scaling_state.pending:
-        scaling_state.pending = True
-        STATE.backward_states.append((scaling_state, recipe, group))
+    ref = _backward_queues.get(task)
+    queue = ref() if ref is not None else None
+    if queue is None:
+        queue = _new_backward_queue(task)
+    if id(scaling_state) not in queue.ids:
+        queue.ids.add(id(scaling_state))
+        queue.append((scaling_state, recipe, group))
 
 
-def _finish_backward():
-    entries, STATE.backward_states, STATE.backward_task = STATE.backward_states, [], None
-    update_scaling_states(entries, forward=False)
+def _new_backward_queue(task):
+    """The queue of graph task `task`, made (with its end-of-backward callback) unless another thread just did."""
+    with _backward_queues_lock:
+        ref = _backward_queues.get(task)
+        queue = ref() if ref is not None else None
+        if queue is None:
+            queue = _BackwardQueue()
+            _backward_queues[task] = weakref.ref(queue, lambda _, task=task: _backward_queues.pop(task, None))
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_backward(queue))
+    return queue
+
+
+def _finish_backward(queue):
+    entries = list(queue)
+    queue.clear()
+    queue.ids.clear()
+    if entries:
+        update_scaling_states(entries, forward=False)
 
 
 class _UpdatePlan:

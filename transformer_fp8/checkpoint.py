@@ -9,11 +9,12 @@ contexts:
   tensor-parallel attention draws from them; torch.utils.checkpoint restores only the default random states) and,
   the first time each FP8 module of the region runs, a copy of its forward scales and scale_invs and whether they
   were calibrated (one small copy per module);
-- the recompute restores those settings and tracker states and gives each recorded module a replay scaling state: the
-  recorded
-  scales, scratch amaxes and scale_inv snapshots, nothing queued for an update. So the recompute quantizes exactly as
-  the forward did (the gradients equal those without checkpointing, bit for bit) and leaves the modules' scaling
-  state (amax histories, scales, snapshots held by saved or cached tensors) untouched.
+- the recompute restores those settings (on the thread that runs it: autograd's, or the one that called the
+  backward, whatever that thread's own fp8_autocast settings are; see autocast.py) and tracker states and gives each
+  recorded module a replay scaling state: the recorded scales, scratch amaxes and scale_inv snapshots, nothing
+  queued for an update. So the recompute quantizes exactly as the forward did (the gradients equal those without
+  checkpointing, bit for bit) and leaves the modules' scaling state (amax histories, scales, snapshots held by saved
+  or cached tensors) untouched.
 Inside both contexts the modules pass everything their backward needs through save_for_backward (LayerNormMLP's
 stash included), so that the region keeps only its inputs between the forward and the backward.
 """
@@ -50,7 +51,7 @@ class _Region:
 
     @contextlib.contextmanager
     def forward(self):
-        state = autocast.STATE
+        state = autocast.STATE  # (the forward thread's settings: what the recompute will restore)
         self.settings = (state.enabled, state.recipe, state.group)
         self.tracker_states = self.tracker.get_states()
         self.outer, state.checkpoint = state.checkpoint, self
@@ -62,7 +63,7 @@ class _Region:
 
     @contextlib.contextmanager
     def recompute(self):
-        state = autocast.STATE
+        state = autocast.STATE  # (the settings of the thread running the backward: replaced here, then restored)
         saved = (state.enabled, state.calibrating, state.recipe, state.group, state.checkpoint)
         state.enabled, state.recipe, state.group = self.settings
         state.calibrating, state.checkpoint = False, self  # (a recompute records no amaxes)
