@@ -13,7 +13,9 @@ act'(fc1 out) * (dy_fp8 @ fc2_weight_fp8)).
 After every step, each slot's amax history, scale and scale_inv of every FP8 sub-module must equal the model's, slot
 by slot, with the role named in the failure (the slot layout is the one module/base.py and the module docstrings
 give: forward (input, weight) per GEMM, backward (grad_output) per GEMM). A bookkeeping mistake that keeps the
-numerics plausible, such as casting LayerNormMLP's fc2 weight with fc1's slot, fails here (see the last test).
+numerics plausible, such as casting LayerNormMLP's fc2 weight with fc1's slot, fails here (see the last test). The
+same runs with cached FP8 weights over micro-batches (is_first_microbatch True / False: no weight cast, no weight
+amax on the False steps).
 (FP8 attention's own slots are checked step by step in tests/ops/test_attention_fp8.py.)
 """
 import math
@@ -102,16 +104,15 @@ class SlotsModel:
 
 
 class _ModelGemm(torch.autograd.Function):
-    """y = cast(x) cast(w)ᵀ + bias in float64; backward casts dy into the gradient slot (x [..., K], w [N, K])."""
+    """y = cast(x) wqᵀ + bias in float64 (wq: the weight as cast, [N, K]); backward casts dy into the gradient slot."""
 
     @staticmethod
-    def forward(ctx, x, w, bias, fwd, bwd, slots):
-        x2 = x.reshape(-1, x.shape[-1])
-        xq, wq = fwd.cast(x2, slots[0]), fwd.cast(w, slots[1])
+    def forward(ctx, x, wq, bias, fwd, bwd, slots):
+        xq = fwd.cast(x.reshape(-1, x.shape[-1]), slots[0])
         ctx.save_for_backward(xq, wq)
-        ctx.bwd, ctx.grad_slot, ctx.x_shape = bwd, slots[2], x.shape
+        ctx.bwd, ctx.grad_slot, ctx.x_shape = bwd, slots[1], x.shape
         out = xq @ wq.t() + (0 if bias is None else bias)
-        return out.view(*x.shape[:-1], w.shape[0])
+        return out.view(*x.shape[:-1], wq.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
@@ -127,12 +128,18 @@ class RecipeModel:
         self.module = module
         self.states = {m: (SlotsModel(m._n_fwd, fp8_recipe, True), SlotsModel(m._n_bwd, fp8_recipe, False))
                        for m in module.modules() if isinstance(m, FP8ModuleBase)}
+        self.is_first_microbatch, self.weight_cache = None, {}
 
     def gemm(self, m, x, weight_name, bias_name, gemm_index):
-        """FP8 GEMM number gemm_index of FP8 module m (its slots: forward 2i, 2i + 1, backward i)."""
+        """FP8 GEMM number gemm_index of FP8 module m (its slots: forward 2i, 2i + 1, backward i). The weight is
+        cast, or with is_first_microbatch False taken as cast at the last True (no cast, no amax)."""
         fwd, bwd = self.states[m]
-        w, b = _p(m, weight_name), _p(m, bias_name)
-        return _ModelGemm.apply(x, w, b, fwd, bwd, (2 * gemm_index, 2 * gemm_index + 1, gemm_index))
+        wq = self.weight_cache.get((m, weight_name)) if self.is_first_microbatch is False else None
+        if wq is None:
+            wq = fwd.cast(_p(m, weight_name), 2 * gemm_index + 1)
+            if self.is_first_microbatch is not None:
+                self.weight_cache[m, weight_name] = wq
+        return _ModelGemm.apply(x, wq, _p(m, bias_name), fwd, bwd, (2 * gemm_index, gemm_index))
 
     def linear(self, m, x):
         return self.gemm(m, x, "weight", "bias", 0)
@@ -169,8 +176,9 @@ class RecipeModel:
                te.LayerNormMLP: self.layernorm_mlp, te.MultiheadAttention: self.attention}[type(m)]
         return run(m, x)
 
-    def step(self, x, dy):
+    def step(self, x, dy, is_first_microbatch=None):
         """One forward (then the forward update) and backward (then the gradient update) of the model."""
+        self.is_first_microbatch = is_first_microbatch
         out = self.forward(x.detach().double().requires_grad_())
         for fwd, _ in self.states.values():
             fwd.update()
@@ -242,12 +250,14 @@ def _randomize(module):
                 p.mul_(3.0)
 
 
-def run_and_check(module, fp8_recipe, out_width, device="cpu"):
-    """STEPS training steps of module (on device) and of its recipe model, checking every slot after each."""
+def run_and_check(module, fp8_recipe, out_width, device="cpu", steps=STEPS):
+    """Training steps of module (on device) and of its recipe model, checking every slot after each.
+    steps: [(input magnitude, output-gradient magnitude, weight factor[, is_first_microbatch])]."""
     _randomize(module)
     weights = [p for p in module.parameters() if p.dim() == 2]
     model = RecipeModel(module, fp8_recipe)
-    for step, (x_mag, dy_mag, w_factor) in enumerate(STEPS):
+    for step, (x_mag, dy_mag, w_factor, *micro) in enumerate(steps):
+        micro = dict(is_first_microbatch=micro[0]) if micro else {}
         with torch.no_grad():
             for w in weights:  # (weights whose amax changes from step to step, as training moves them)
                 w.mul_(w_factor)
@@ -255,9 +265,9 @@ def run_and_check(module, fp8_recipe, out_width, device="cpu"):
         dy = torch.randn(S, B, out_width) * dy_mag
         module.zero_grad(set_to_none=True)
         with te.fp8_autocast(fp8_recipe=fp8_recipe):
-            out = module(x.to(device).requires_grad_())
+            out = module(x.to(device).requires_grad_(), **micro)
         out.backward(dy.to(device))
-        model.step(x, dy)
+        model.step(x, dy, **micro)
         assert_slots_match(module, model, step, RTOL[device])
 
 
@@ -272,6 +282,18 @@ MODULES = [("Linear", "gelu", FFN), ("LayerNormLinear", "gelu", FFN), ("LayerNor
                          ids=[k if k != "LayerNormMLP" else f"{k}-{a}" for k, a, _ in MODULES])
 def test_every_slot_follows_the_recipe_model(kind, activation, out_width, label, device):
     run_and_check(_build(kind, activation, device), RECIPES[label], out_width, device)
+
+
+# Gradient accumulation with cached FP8 weights: True casts and caches, False reuses the cache (no weight cast, so no
+# weight amax that step); the weights change only at a True step, as an optimizer step would change them.
+MICROBATCH_STEPS = [(1.0, 1.0, 1.0, True), (3.0, 0.25, 1.0, False), (0.5, 4.0, 1.0, False), (2.0, 0.5, 0.5, True),
+                    (1.5, 2.0, 1.0, False)]
+
+
+@pytest.mark.parametrize("label", RECIPES)
+@pytest.mark.parametrize("kind, out_width", [("Linear", FFN), ("LayerNormMLP", HIDDEN), ("TransformerLayer", HIDDEN)])
+def test_cached_weights_over_microbatches_follow_the_recipe_model(kind, out_width, label):
+    run_and_check(_build(kind), RECIPES[label], out_width, steps=MICROBATCH_STEPS)
 
 
 def test_the_check_catches_fc2_weight_cast_in_fc1s_slot(monkeypatch):
