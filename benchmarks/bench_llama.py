@@ -246,6 +246,9 @@ def run_together(variants, args, config, device):
             except Exception as err:  # report and go on with the other variants
                 rows[variant] = dict(variant=variant, error=f"{type(err).__name__}: {err}"[:300])
             print(f"built {variant}", flush=True)
+        for runner in runners.values():  # (one untimed step each with all built: do they fit together?)
+            runner.step()
+        synchronize(device)
     except torch.cuda.OutOfMemoryError:
         for runner in runners.values():
             runner.free()

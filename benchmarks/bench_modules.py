@@ -72,9 +72,12 @@ def train_step(module, x, dy, fp8, fp8_recipe=recipe.DelayedScaling()):
     return step
 
 
-def bench_training(rounds, tokens=8192):
+TRAINING_SIZES = ((4096, 16384), (2048, 8192))  # (hidden, ffn)
+
+
+def bench_training(rounds, tokens=8192, sizes=TRAINING_SIZES):
     rows = []
-    for hidden, ffn in [(4096, 16384), (2048, 8192)]:
+    for hidden, ffn in sizes:
         for name, ours, ref in module_pairs(hidden, ffn):
             x = torch.randn(tokens, hidden, device=DEV, dtype=DT, requires_grad=True)
             out_features = ours(x.detach()).shape[-1]
