@@ -2,7 +2,8 @@
 
 Inputs: q [2048, 4, 32, 128] BF16 "sbhd" (64 MiB, larger than L2), contiguous and as a strided view of a fused QKV
 output (32 query + 2 * 8 key/value heads); k [2048, 4, 8, 128] as such a view. Angles from RotaryPositionEmbedding.
-Times are medians of CUDA-event timed calls: forward alone, and forward + backward (d(input) by torch.autograd.grad).
+Times are GPU time per call (timing.gpu_time_ms: CUDA events around --iters calls back to back, median of 5 such
+loops): forward alone, and forward + backward (d(input) by torch.autograd.grad).
 GB/s counts the fused forward's bytes (read t, write out); "copy" is t.clone() (the same bytes moved, no math).
 
 Usage: python benchmarks/bench_rope.py [--json bench_rope.json] [--iters 50]
@@ -42,8 +43,8 @@ def inputs():
 def time_pair(rope, t, freqs, grad, iters):
     """(forward ms, forward + backward ms)."""
     with torch.no_grad():
-        fwd = gpu_time_ms(lambda: rope(t, freqs), iters=iters)
-    fwd_bwd = gpu_time_ms(lambda: torch.autograd.grad(rope(t, freqs), t, grad), iters=iters)
+        fwd = gpu_time_ms(lambda: rope(t, freqs), iters=iters, repeats=5)
+    fwd_bwd = gpu_time_ms(lambda: torch.autograd.grad(rope(t, freqs), t, grad), iters=iters, repeats=5)
     return fwd, fwd_bwd
 
 
@@ -60,7 +61,7 @@ def main():
     for name, t in inputs():
         grad = torch.randn(t.shape, device="cuda", dtype=t.dtype)
         with torch.no_grad():
-            copy = gpu_time_ms(t.clone, iters=args.iters)
+            copy = gpu_time_ms(t.clone, iters=args.iters, repeats=5)
         torch_fwd, torch_fb = time_pair(torch_rope, t, freqs, grad, args.iters)
         fused_fwd, fused_fb = time_pair(apply_rotary_pos_emb, t, freqs, grad, args.iters)
         gbps = 2 * t.numel() * t.element_size() / fused_fwd / 1e6
