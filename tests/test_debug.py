@@ -17,6 +17,8 @@ from transformer_fp8.module import base
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # half the smallest subnormal, written out independently of debug.FLUSH_BOUND: E4M3 2**-6 * 2**-3, E5M2 2**-14 * 2**-2
 HALF_MIN_SUBNORMAL = {torch.float8_e4m3fn: 2.0 ** -9 / 2, torch.float8_e5m2: 2.0 ** -16 / 2}
+# the max plus half the step below it: E4M3 1.75 * 2**8 + 2**(8 - 3) / 2, E5M2 1.75 * 2**15 + 2**(15 - 2) / 2
+CLAMPED_ABOVE = {torch.float8_e4m3fn: 448.0 + 2.0 ** 5 / 2, torch.float8_e5m2: 57344.0 + 2.0 ** 13 / 2}
 SMALL = {
     "Linear": lambda **kw: te.Linear(64, 48, **kw),
     "LayerNormLinear": lambda **kw: te.LayerNormLinear(64, 48, **kw),
@@ -46,13 +48,13 @@ def small_input(device, dtype=torch.bfloat16, rows=8, features=64):
 
 def expected_stats(x, scale, fp8_dtype):
     """amax, flushed and saturated fractions of casting x with `scale` (float32), in float64: the product of two
-    float32 numbers is exact in float64, then rounded to float32 as the cast kernels' float32 multiply rounds it
-    (the largest element under a scale of its own amax lands on fp8_max, not above)."""
+    float32 numbers is exact in float64, then rounded to float32 as the cast kernels' float32 multiply rounds it.
+    Saturated: clamped by more than rounding would move it (beyond the max by more than half a step)."""
     x64 = x.detach().double()
     scale = float(torch.as_tensor(scale).detach().float())
     scaled = (x64 * scale).float().double().abs()
     flushed = ((scaled <= HALF_MIN_SUBNORMAL[fp8_dtype]) & (x64 != 0)).double().mean().item()
-    saturated = (scaled > FP8_MAX[fp8_dtype]).double().mean().item()
+    saturated = (scaled > CLAMPED_ABOVE[fp8_dtype]).double().mean().item()
     return x64.abs().max().item(), flushed, saturated
 
 
@@ -190,6 +192,9 @@ def test_linear_stats_match_float64(device, recipe_name):
         scale = own_scale(fp8_dtype, t1 if recipe_name.startswith("delayed") else t)
         smallest = 2 * HALF_MIN_SUBNORMAL[fp8_dtype] / scale.item()  # (x * scale = the smallest subnormal)
         t[1, :7], t[3, :6], t[4, :4] = 1e-3 * smallest, 0.4 * smallest, 0.7 * smallest  # flushed, flushed, kept
+        if recipe_name.startswith("delayed"):  # just above the max (rounds onto it: kept), beyond rounding (clamped)
+            top, clamped = FP8_MAX[fp8_dtype], CLAMPED_ABOVE[fp8_dtype]
+            t[5, :3], t[6, :2] = (top + clamped) / 2 / scale.item(), 1.01 * clamped / scale.item()
         scales.append(scale)
     with te.fp8_autocast(fp8_recipe=recipe):
         module(x2.requires_grad_()).backward(g2)
@@ -367,3 +372,16 @@ def test_gpu_bf16_stats_match_float64():
     row = debug.stats(module)["Linear"]["input"]
     flushed, saturated = check_role(row, x2, own_scale(torch.float8_e4m3fn, x1), torch.float8_e4m3fn)
     assert flushed >= 16 / x2.numel() and saturated >= 9 / x2.numel()
+
+
+@pytest.mark.gpu
+def test_gpu_fallback_inside_torch_compile_fullgraph(fresh_warning):
+    """The fallback's warning is skipped while Dynamo traces (it cannot trace one); the count still happens."""
+    module = te.Linear(64, 48, params_dtype=torch.bfloat16, device="cuda")
+    compiled = torch.compile(module, fullgraph=True, backend="eager")
+    x = torch.randn(8, 64, dtype=torch.bfloat16, device="cuda")
+    with te.fp8_autocast():
+        out = compiled(x)
+        compiled(x)
+    assert torch.equal(out, module(x))
+    assert debug.call_counts(module) == {"fp8": 0, "high_precision": 2}

@@ -10,7 +10,8 @@ normalised input), `weight`, `grad_output`; LayerNormMLP `fc1_input`, `fc1_weigh
 `fc1_grad_output`, `fc2_grad_output`. Per role: FP8 calls and high-precision calls (forwards inside an enabled
 fp8_autocast; backward roles: the backwards of those forwards), and from the last FP8 cast its amax, its scale
 (q = saturate(x * scale)), the fraction of its elements flushed to zero (x != 0 but |x * scale| at most half the
-smallest subnormal: they round to 0) and the fraction saturated (|x * scale| > the format's max). These are computed
+smallest subnormal: they round to 0) and the fraction saturated (|x * scale| beyond the format's max by more than
+half its step: clamped by more than rounding would move them). These are computed
 with a few torch ops on the device from the high-precision tensor the module casts, seen at the module's boundary:
 the weights, the input (the norm recomputed for the fused-norm modules), the output gradient. `fc2_input` and
 `fc1_grad_output` live inside LayerNormMLP's fused kernels and get call counts only. Not covered: FP8 attention
@@ -46,6 +47,10 @@ ROLES = {
 
 # Half the smallest subnormal: |x * scale| at or below it rounds to 0 (a tie rounds to the even 0).
 FLUSH_BOUND = {torch.float8_e4m3fn: 2.0 ** -10, torch.float8_e5m2: 2.0 ** -17}
+# The max plus half its step (E4M3 448 + 32 / 2, E5M2 57344 + 8192 / 2): |x * scale| above it is changed by the
+# saturation more than rounding would change it. (Not the max itself: under delayed scaling with a steady amax, the
+# largest element lands on max * (1 + 2**-24) as often as not, and loses nothing to the clamp.)
+SATURATION_BOUND = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
 
 STAT_NAMES = ("amax", "scale", "flushed", "saturated")
 
@@ -58,12 +63,13 @@ def cast_stats(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> 
         scale: the cast's scale, a float32 tensor of one element (q = saturate(x * scale)).
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
     Returns:
-        float32 [4]: amax(|x|), the scale, the fraction of elements flushed to zero, the fraction saturated.
+        float32 [4]: amax(|x|), the scale, the fraction of elements flushed to zero, the fraction saturated (see
+        FLUSH_BOUND, SATURATION_BOUND).
     """
     x = x.detach()
     scaled = (x.float() * scale.reshape(())).abs()  # (float32, as the cast kernels multiply)
     flushed = (scaled <= FLUSH_BOUND[fp8_dtype]) & (x != 0)
-    saturated = scaled > FP8_MAX[fp8_dtype]
+    saturated = scaled > SATURATION_BOUND[fp8_dtype]
     return torch.stack([x.abs().amax().float(), scale.reshape(()).float(), flushed.float().mean(),
                         saturated.float().mean()])
 

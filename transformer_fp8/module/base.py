@@ -314,7 +314,7 @@ class FP8ModuleBase(nn.Module):
         (M*K*N = work below the threshold)."""
         global _fallback_warned
         self._fp8_call_counts[1] += 1
-        if _fallback_warned or self.fp8_disabled:
+        if _fallback_warned or self.fp8_disabled or torch.compiler.is_compiling():  # (Dynamo cannot trace a warning)
             return
         _fallback_warned = True
         name = getattr(self, "_tfp8_name", None)
