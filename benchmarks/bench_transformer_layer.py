@@ -40,6 +40,9 @@ CONFIGS = {
     "guide": dict(hidden=4096, ffn=16384, heads=32, groups=32, d=128, seq=2048, batch=4),
     "gqa": dict(hidden=4096, ffn=16384, heads=32, groups=8, d=128, seq=1024, batch=32),
 }
+ATTENTION_VARIANTS = ("ours, PyTorch SDPA inside", "ours DotProductAttention", "ours, bhsd", "torch SDPA default",
+                      "torch SDPA CUDNN_ATTENTION", "torch SDPA FLASH_ATTENTION", "torch SDPA EFFICIENT_ATTENTION",
+                      "torch SDPA CUDNN_ATTENTION, sbhd")  # (the two "ours" cuDNN rows need the attention family)
 LAYER_ROUNDS = 5  # per round and variant: 3 steps alone, 10 back to back
 ATTENTION_ROUNDS = 9  # per round and variant: 5 steps alone, 20 back to back
 
@@ -296,6 +299,9 @@ def main():
     for flag in ("rounds", "attention_rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: expected at least 1, got {getattr(args, flag)}")
+    unknown = set(args.attention_variants or ()) - set(ATTENTION_VARIANTS)
+    if unknown:
+        parser.error(f"--attention-variants: unknown {sorted(unknown)}; expected some of {list(ATTENTION_VARIANTS)}")
     if args.attention_only and args.no_attention:
         parser.error("--attention-only and --no-attention: nothing left to run")
     if not torch.cuda.is_available():
