@@ -18,7 +18,10 @@ layers (weights cast once per step); --fuse-wgrad makes those layers accumulate 
 `weight.main_grad`, which the optimizer reads. --activation-checkpointing recomputes each decoder layer in the
 backward (both runs; transformer_fp8.checkpoint in the FP8 one). Prints loss, tokens/s and peak GPU memory of each
 run; writes loss.png and summary.json under --out; --save-hf OUT writes each trained model as a plain Hugging Face
-checkpoint (OUT/bf16, OUT/fp8). Needs transformers (and optionally tqdm, matplotlib).
+checkpoint (OUT/bf16, OUT/fp8). After training each run writes a greedy sample (--sample-tokens new tokens, default 60,
+0: none) after a prompt from the held-out data with `model.generate` (KV cache): the BF16 run with its BF16 weights,
+the FP8 run with its trained weights cast to FP8 (`cast_frozen_weights_to_fp8`: Float8Tensor weights, one byte each,
+cast after --save-hf) inside fp8_autocast. Needs transformers (and optionally tqdm, matplotlib).
 Bad arguments (a --model folder that does not exist, non-positive counts, --device cuda without a GPU) are refused
 before anything loads, with a message naming the flag.
 """
@@ -35,6 +38,7 @@ import torch
 import transformer_fp8 as te
 from transformer_fp8.integrations import (causal_lm_loss, convert_linear_layers, convert_llama,
                                           gradient_checkpointing_enable, microbatch, save_hf_pretrained)
+from transformer_fp8.lora import cast_frozen_weights_to_fp8
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 PARAMS_DTYPE = torch.bfloat16
@@ -43,6 +47,7 @@ GPU_DEFAULTS = (dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=
                      intermediate_size=5632), 1024, 16, 200)
 CPU_DEFAULTS = (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=176), 64, 4, 20)
+SAMPLE_PROMPT_TOKENS = 32  # the samples' prompt: the first held-out tokens
 
 
 # --- data ------------------------------------------------------------------------------------------------------------
@@ -55,6 +60,10 @@ class ByteTokenizer:
 
     def encode(self, text, add_special_tokens=False):
         return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens=True):
+        """The text of the byte tokens of ids (BOS/EOS left out; broken UTF-8 sequences as U+FFFD)."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 def read_documents(path):
@@ -106,7 +115,8 @@ def build_model(args, model_config, vocab_size, device):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=PARAMS_DTYPE)
     else:
         torch.manual_seed(args.seed)
-        config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=args.seq_len, **model_config,
+        positions = max(args.seq_len, SAMPLE_PROMPT_TOKENS + args.sample_tokens)  # (the sample's, too)
+        config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=positions, **model_config,
                              bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id)
         model = LlamaForCausalLM(config)
     model.config.use_cache = False
@@ -269,6 +279,47 @@ def save_hf_checkpoint(model, tokenizer, folder):
     print(f"Hugging Face checkpoint: {folder}")
 
 
+def sample_prompt(train_tokens, eval_tokens):
+    """The samples' prompt: the first SAMPLE_PROMPT_TOKENS held-out tokens (training tokens when fewer are held
+    out)."""
+    tokens = eval_tokens if eval_tokens.numel() >= SAMPLE_PROMPT_TOKENS else train_tokens
+    return tokens[:SAMPLE_PROMPT_TOKENS]
+
+
+@torch.no_grad()
+def generate_sample(model, fp8, prompt, tokenizer, new_tokens, device):
+    """A greedy continuation of `prompt` (1-D token ids) by `model.generate` with the KV cache: exactly `new_tokens`
+    tokens (EOS suppressed until then). The FP8 run first stores its trained GEMM weights as FP8 Float8Tensors
+    (cast_frozen_weights_to_fp8, in place: the model is done training) and generates inside fp8_autocast, so every
+    GEMM of its decoder layers reads FP8 weights; the BF16 run generates as trained.
+
+    Returns:
+        {"weights", "fp8_weight_tensors" (how many were cast), "prompt", "prompt_ids", "text" (the new tokens'
+        text), "token_ids" (the new tokens), "new_tokens", "tokens_per_s"}.
+    """
+    model.eval()
+    fp8_weight_tensors = 0
+    if fp8:
+        for param in model.parameters():
+            param.requires_grad_(False)
+        fp8_weight_tensors = cast_frozen_weights_to_fp8(model)
+    ids = prompt.view(1, -1).to(device)
+    pad = getattr(tokenizer, "pad_token_id", None)  # (one prompt: no padding, but generate wants an id)
+    pad = pad if pad is not None else tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    synchronize(device)
+    start = time.perf_counter()
+    with fp8_context(fp8):
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=pad)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    new = out[0, ids.shape[1]:].tolist()
+    return {"weights": "fp8" if fp8 else "bf16", "fp8_weight_tensors": fp8_weight_tensors,
+            "prompt": tokenizer.decode(prompt.tolist(), skip_special_tokens=True), "prompt_ids": prompt.tolist(),
+            "text": tokenizer.decode(new, skip_special_tokens=True), "token_ids": new, "new_tokens": len(new),
+            "tokens_per_s": len(new) / seconds}
+
+
 def checkpoint_path(folder, precision, step):
     return Path(folder) / f"{precision}-step{step:06d}.pt"
 
@@ -281,7 +332,8 @@ def latest_checkpoint(folder, precision):
 
 
 def train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, device):
-    """One run (precision "bf16" or "fp8"); returns its summary (losses per step, tokens/s, peak memory, ...)."""
+    """One run (precision "bf16" or "fp8"); returns its summary (losses per step, tokens/s, peak memory, the sample,
+    ...)."""
     fp8 = precision == "fp8"
     cuda = device.type == "cuda"
     if cuda:
@@ -344,7 +396,11 @@ def train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, d
     }
     if args.save_hf:
         save_hf_checkpoint(model, tokenizer, Path(args.save_hf) / precision)
-    del model, optimizer
+    del optimizer
+    if args.sample_tokens:  # (after --save-hf: the FP8 run's sample casts its weights to FP8 in place)
+        summary["sample"] = generate_sample(model, fp8, sample_prompt(train_tokens, eval_tokens), tokenizer,
+                                            args.sample_tokens, device)
+    del model
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -374,6 +430,15 @@ def plot_losses(runs, path):
     print(f"loss curves: {path}")
 
 
+def print_samples(runs):
+    for run in runs.values():
+        sample = run.get("sample")
+        if sample is not None:
+            print(f"[{run['precision']}] greedy sample, {sample['new_tokens']} tokens with {sample['weights'].upper()} "
+                  f"weights ({sample['tokens_per_s']:.1f} tokens/s):\n  prompt: {sample['prompt']!r}\n"
+                  f"  continuation: {sample['text']!r}")
+
+
 def print_table(runs):
     def fmt(value, spec):
         return "n/a" if value is None else format(value, spec)
@@ -394,6 +459,17 @@ def positive_int(text):
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text):
+    """argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -478,6 +554,9 @@ def parse_args(argv):
     p.add_argument("--save-every", type=positive_int, default=100)
     p.add_argument("--save-hf", metavar="OUT", help="after training, write each run as a plain Hugging Face checkpoint "
                    "to OUT/<precision> (loads with transformers' from_pretrained, no transformer_fp8 needed)")
+    p.add_argument("--sample-tokens", type=non_negative_int, default=60, metavar="N",
+                   help="after training, generate N tokens greedily from a held-out prompt with each run (FP8 run: "
+                        "FP8 weights inside fp8_autocast) into summary.json; 0: no sample")
     p.add_argument("--resume", help="folder of --save checkpoints: each run continues from its latest one up to "
                                     "--steps (pass the same arguments as the first run)")
     p.add_argument("--out", default="finetune_out", help="folder for summary.json and loss.png")
@@ -523,6 +602,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print_table(runs)
+    print_samples(runs)
     plot_losses(runs, out / "loss.png")
     summary = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "args": {k: v for k, v in vars(args).items()}, "runs": runs}

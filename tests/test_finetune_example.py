@@ -1,6 +1,7 @@
 """examples/finetune_llama.py end to end on the CPU with a tiny model: summary, losses, grad accumulation with fused
-wgrad, checkpoint resume, .jsonl data, the chunked loss against the model's own; bad arguments refused by the
-parser with the flag named."""
+wgrad, checkpoint resume, .jsonl data, the chunked loss against the model's own, the greedy samples (BF16 weights, FP8
+weights inside fp8_autocast) against the saved checkpoints' choices; bad arguments refused by the parser with the
+flag named."""
 import importlib.util
 import json
 import math
@@ -14,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_llama.py"
-TINY = ["--device", "cpu", "--seq-len", "32", "--batch-size", "2"]
+TINY = ["--device", "cpu", "--seq-len", "32", "--batch-size", "2", "--sample-tokens", "0"]  # (samples: tested below)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,38 @@ def test_runs_both_precisions_and_writes_its_summary(example, tmp_path):
         assert abs(a - b) < 0.02 * a
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "loss.png").stat().st_size > 0
+    for run, cast in ((bf16, 0), (fp8, 2 * 4)):  # (FP8: qkv, proj, fc1, fc2 of each layer as Float8Tensors)
+        sample = run["sample"]  # (the default: 60 new tokens after the first 32 held-out tokens)
+        assert sample["weights"] == run["precision"] and sample["fp8_weight_tensors"] == cast
+        assert len(sample["prompt_ids"]) == 32 and isinstance(sample["prompt"], str) and sample["prompt"]
+        assert sample["new_tokens"] == len(sample["token_ids"]) == 60 and all(0 <= t < 258 for t in sample["token_ids"])
+        assert isinstance(sample["text"], str) and sample["text"] == bytes(
+            t for t in sample["token_ids"] if t < 256).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("fp8_layers", ["transformer", "linear"])
+def test_samples_are_the_greedy_choices_of_the_saved_models(example, tmp_path, fp8_layers):
+    """Each run's sample, read back by plain transformers from the run's --save-hf checkpoint (its trained weights,
+    saved before the FP8 run cast them): at every new token, the token sampled is the model's greedy choice up to
+    BF16 roundings (BF16 run: KV-cache decode vs one full forward) or FP8 roundings (FP8 weights and activations)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    summary = example.main(TINY + ["--fp8-layers", fp8_layers, "--steps", "3", "--sample-tokens", "24",
+                                   "--save-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")])
+    for precision, tolerance in (("bf16", 0.02), ("fp8", 0.1)):
+        sample = summary["runs"][precision]["sample"]
+        assert sample["new_tokens"] == len(sample["token_ids"]) == 24
+        assert sample["fp8_weight_tensors"] == (0 if precision == "bf16" else 8 if fp8_layers == "transformer" else 14)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / precision, dtype=torch.bfloat16).eval()
+        prompt = len(sample["prompt_ids"])
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([sample["prompt_ids"] + sample["token_ids"]])).logits[0].float()
+        logits = logits[prompt - 1:-1]
+        chosen = logits.gather(-1, torch.tensor(sample["token_ids"])[:, None])[:, 0]
+        gap = logits.max(-1).values - chosen
+        assert (gap <= tolerance * logits.abs().amax()).all(), (precision, gap.max().item())
+        assert len(set(sample["token_ids"])) > 1  # (not one token repeated: the comparison means something)
 
 
 @pytest.mark.parametrize("fp8_layers", ["transformer", "linear"])
@@ -78,6 +111,7 @@ def test_jsonl_documents_are_wrapped_in_bos_eos(example, tmp_path):
     summary = example.main(TINY + ["--data", str(data), "--precision", "bf16", "--steps", "2",
                                    "--out", str(tmp_path / "out")])
     assert list(summary["runs"]) == ["bf16"] and len(summary["runs"]["bf16"]["losses"]) == 2
+    assert "sample" not in summary["runs"]["bf16"]  # (--sample-tokens 0)
 
 
 def test_chunked_loss_trains_as_the_models_own_loss(example, tmp_path):
@@ -116,10 +150,13 @@ def test_local_checkpoint_and_its_tokenizer(example, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     save_tiny_checkpoint(tmp_path / "ckpt", example.DEFAULT_DATA.read_text(encoding="utf-8"))
     summary = example.main(TINY + ["--model", str(tmp_path / "ckpt"), "--steps", "2", "--lr", "1e-3",
-                                   "--out", str(tmp_path / "out")])
+                                   "--sample-tokens", "6", "--out", str(tmp_path / "out")])
     assert summary["runs"]["fp8"]["fp8_modules"]["TransformerLayer"] == 1
     for run in summary["runs"].values():
         assert all(math.isfinite(x) for x in run["losses"])
+        sample = run["sample"]  # (through the checkpoint's word-level tokenizer)
+        assert sample["new_tokens"] == len(sample["token_ids"]) == 6 and isinstance(sample["text"], str)
+        assert len(sample["prompt_ids"]) == 32 and isinstance(sample["prompt"], str)
 
 
 # --- bad arguments are refused by the parser, naming the flag ---------------------------------------------------------
@@ -137,6 +174,12 @@ def refusal(example, capsys, argv):
 def test_non_positive_or_non_integer_counts_are_refused(example, capsys, flag, value):
     err = refusal(example, capsys, [f"{flag}={value}"])
     assert f"argument {flag}: expected a positive integer" in err
+
+
+@pytest.mark.parametrize("value", ["-1", "2.5", "many"])
+def test_negative_or_non_integer_sample_tokens_are_refused(example, capsys, value):
+    err = refusal(example, capsys, [f"--sample-tokens={value}"])
+    assert "argument --sample-tokens: expected an integer >= 0" in err
 
 
 @pytest.mark.parametrize("flag", ["--lr", "--max-grad-norm"])
