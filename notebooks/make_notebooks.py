@@ -305,8 +305,9 @@ LLAMA = [
 `convert_llama` replaces each Hugging Face `LlamaDecoderLayer` by our `TransformerLayer` (RMSNorm, SwiGLU, GQA,
 RoPE) with the same weights; training then runs its GEMMs in FP8 inside `fp8_autocast`. Here a small Llama is
 initialised locally (no download) and trained on the public-domain text shipped in `examples/data`, in BF16 and in
-FP8 from the same initial weights. `examples/finetune_llama.py` is the full script (checkpoints, gradient
-accumulation, local Hugging Face checkpoints)."""),
+FP8 from the same initial weights, then exported as a plain Hugging Face checkpoint and used to generate text.
+`examples/finetune_llama.py` is the full script (checkpoints, gradient accumulation, local Hugging Face
+checkpoints)."""),
     new_code_cell(SETUP),
     new_code_cell('''import copy
 from pathlib import Path
@@ -370,8 +371,9 @@ def finetune(model, fp8):
     return losses, tokens_per_s
 
 
+fp8_model = convert_llama(copy.deepcopy(base_model))  # (kept: exported and generating below)
 runs = {"BF16 (Hugging Face)": finetune(copy.deepcopy(base_model), fp8=False),
-        "FP8 (transformer_fp8)": finetune(convert_llama(copy.deepcopy(base_model)), fp8=True)}
+        "FP8 (transformer_fp8)": finetune(fp8_model, fp8=True)}
 for name, (losses, tokens_per_s) in runs.items():
     print(f"{name:<22} loss {losses[0]:.3f} -> {losses[-1]:.3f}   {tokens_per_s:,.0f} tokens/s")'''),
     new_code_cell('''fig, ax = plt.subplots(figsize=(7, 4))
@@ -381,6 +383,59 @@ ax.set_xlabel("step")
 ax.set_ylabel("training loss")
 ax.legend()
 plt.show()'''),
+    new_markdown_cell("""## The way back: a plain Hugging Face checkpoint
+
+`save_pretrained` of a converted model writes a standard transformers checkpoint (it calls
+`transformer_fp8.integrations.save_hf_pretrained`): our fused weights are split back into the Hugging Face tensors
+(q/k/v, gate/up) and our FP8 scaling state is left out. Plain transformers loads it with `from_pretrained`, without
+transformer_fp8, and computes what the FP8-trained model computes outside `fp8_autocast` (BF16)."""),
+    new_code_cell('''import tempfile
+
+from transformers import AutoModelForCausalLM
+
+export_dir = Path(tempfile.mkdtemp()) / "llama-fp8-finetuned"
+fp8_model.config.use_cache = True  # (off for training; the checkpoint's users generate with the KV cache)
+fp8_model.save_pretrained(export_dir)
+print(sorted(p.name for p in export_dir.iterdir()))
+hf_model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=DTYPE).to(DEVICE).eval()
+fp8_model.eval()
+with torch.no_grad():
+    ours = fp8_model(input_ids=ids).logits.float()  # outside fp8_autocast: BF16
+    theirs = hf_model(input_ids=ids).logits.float()
+err = ((theirs - ours).norm() / ours.norm()).item()
+print(f"plain transformers from the checkpoint vs our converted model: relative logit difference {err:.4f}")
+assert err < 0.02, err  # (BF16 roundings of two implementations)'''),
+    new_markdown_cell("""## Generation
+
+`generate()` runs on the converted model: its layers keep the KV cache in transformers' `Cache` objects. For
+inference the fine-tuned weights can be stored in FP8 (frozen, then `cast_frozen_weights_to_fp8`: one byte each, no
+weight cast per token) and the model generates inside `fp8_autocast`. Next to it, plain transformers generates from
+the exported checkpoint (BF16). Greedy decoding; where an FP8 rounding changes a choice the texts part ways."""),
+    new_code_cell('''from transformer_fp8.lora import cast_frozen_weights_to_fp8
+
+for param in fp8_model.parameters():
+    param.requires_grad_(False)
+print("GEMM weights stored in FP8:", cast_frozen_weights_to_fp8(fp8_model))
+start = max(bytes(tokens[:4096].tolist()).find(b"From fairest"), 0)
+prompt = tokens[start:start + 24].view(1, -1).to(DEVICE)  # (24 + 32 tokens: within the model's 64 positions)
+settings = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, use_cache=True,
+                attention_mask=torch.ones_like(prompt), pad_token_id=0)
+with torch.no_grad():
+    with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+        fp8_tokens = fp8_model.generate(input_ids=prompt, **settings)
+    hf_tokens = hf_model.generate(input_ids=prompt, **settings)
+
+
+def text_of(ids):
+    return bytes(ids.tolist()).decode("utf-8", errors="replace")
+
+
+new = prompt.shape[1]
+print("prompt:                  ", repr(text_of(prompt[0])))
+print("converted, FP8 weights:  ", repr(text_of(fp8_tokens[0, new:])))
+print("plain transformers, BF16:", repr(text_of(hf_tokens[0, new:])))
+same = (fp8_tokens[0, new:] == hf_tokens[0, new:]).float().mean().item()
+print(f"same tokens: {same:.0%}" + (" (a few steps of a tiny model: it writes noise)" if TINY else ""))'''),
 ]
 
 LORA = [
