@@ -50,6 +50,7 @@ ROLES = {
     te.LayerNormLinear: (("norm output (GEMM input)", "weight"), ("grad_output",)),
     te.LayerNormMLP: (("fc1 input (norm output)", "fc1 weight", "fc2 input (activation)", "fc2 weight"),
                       ("fc1 grad_output", "fc2 grad_output")),
+    te.DotProductAttention: (("q", "k", "v", "probabilities S", "output O"), ("dO", "dS (DP)", "dq", "dk", "dv")),
 }
 
 
@@ -61,9 +62,11 @@ def _f32(value):
 class SlotsModel:
     """float64 model of one ScalingState (one set of slots: a module's forward or backward slots) under a recipe."""
 
-    def __init__(self, n, fp8_recipe, forward):
+    def __init__(self, n, fp8_recipe, forward, calibrates=True):
         """n: slots; fp8_recipe: DelayedScaling or Float8CurrentScaling; forward: the forward (True) or gradient
-        (False) slots, which pick the format's forward or backward dtype."""
+        (False) slots, which pick the format's forward or backward dtype; calibrates: whether casts before the first
+        update take their scale from the tensor's own amax (the modules' GEMM slots) or keep scale 1 (FP8
+        attention's slots)."""
         self.current = isinstance(fp8_recipe, recipe.Float8CurrentScaling)
         fmt = fp8_recipe.fp8_format
         self.fp8_dtype = fmt.fwd_dtype if forward else fmt.bwd_dtype
@@ -72,20 +75,34 @@ class SlotsModel:
         self.algo = None if self.current else fp8_recipe.amax_compute_algo
         self.history = torch.zeros(1 if self.current else fp8_recipe.amax_history_len, n, dtype=torch.float64)
         self.scale = [1.0] * n
-        self.calibrated = False
+        self.calibrated = not calibrates
         self.used = False
+
+    def record(self, x, i):
+        """Max-accumulate amax(x) into slot i's history row 0 (what a cast, or a kernel making x, does)."""
+        self.history[0, i] = max(self.history[0, i].item(), x.detach().abs().max().item())
+        self.used = True
+
+    def round_trip(self, x, i):
+        """x rounded to FP8 with slot i's current scale and read back (float64); no amax."""
+        scale = torch.tensor(self.scale[i], dtype=torch.float32)
+        q = (x.detach().float() * scale).clamp(-self.fp8_max, self.fp8_max).to(self.fp8_dtype)
+        return q.double() * torch.reciprocal(scale).double()
 
     def cast(self, x, i):
         """x (float64) cast into slot i and dequantized: float64 of the FP8 value times scale_inv."""
         amax = x.detach().abs().max().item()
-        if (self.current or not self.calibrated) and math.isfinite(amax) and amax > 0:
-            self.scale[i] = _f32(self.fp8_max / amax)  # (current scaling, or the first step's calibration: no margin)
+        if self.current and math.isfinite(amax) and amax > 0:
+            self.scale[i] = _f32(self.fp8_max / amax)
+        elif not self.calibrated and math.isfinite(amax) and amax > 0:  # the first step's calibration: no margin
+            # (ScalingState.calibrate_scale's `fp8_max / amax`, a Python number over a tensor, is computed by torch as
+            # fp8_max * (1 / amax), each rounded to float32: up to one float32 ulp off the quotient. Inputs that lie
+            # on FP8 values, such as an FP8 attention's output, land on rounding ties, so the model does the same.)
+            self.scale[i] = _f32(self.fp8_max * _f32(1 / _f32(amax)))
         if not self.current:
-            self.history[0, i] = max(self.history[0, i].item(), amax)
+            self.record(x, i)
         self.used = True
-        scale = torch.tensor(self.scale[i], dtype=torch.float32)
-        q = (x.detach().float() * scale).clamp(-self.fp8_max, self.fp8_max).to(self.fp8_dtype)
-        return q.double() * torch.reciprocal(scale).double()
+        return self.round_trip(x, i)
 
     def update(self):
         """The delayed-scaling update after a forward (or backward) that used these slots."""
@@ -121,6 +138,43 @@ class _ModelGemm(torch.autograd.Function):
         return (dyq @ wq).view(ctx.x_shape), None, None, None, None, None
 
 
+def _expand(t, groups):
+    return t.repeat_interleave(groups, dim=1)
+
+
+class _ModelFP8Attention(torch.autograd.Function):
+    """FP8 attention (causal, [b, h, s, d] float64; k, v with h / groups heads) as docs/numerics.md and
+    transformer_fp8/cpu/attention_fp8.py describe it: q, k, v cast (slots Q, K, V); the probabilities P recorded in S
+    and rounded with S's scale before P v; the output recorded and cast in O. Backward: dO cast (DO); dS recorded in
+    DP and rounded with its scale before the dq, dk products; dq, dk, dv recorded and cast (DQ, DK, DV)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fwd, bwd, scale):
+        groups = q.shape[1] // k.shape[1]
+        qf, kf, vf = fwd.cast(q, 0), fwd.cast(k, 1), fwd.cast(v, 2)
+        scores = (qf @ _expand(kf, groups).transpose(-1, -2)) * scale
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        fwd.record(probs, 3)
+        o = fwd.cast(fwd.round_trip(probs, 3) @ _expand(vf, groups), 4)
+        ctx.save_for_backward(qf, kf, vf, probs, o)
+        ctx.bwd, ctx.scale, ctx.fwd = bwd, scale, fwd
+        return o
+
+    @staticmethod
+    def backward(ctx, grad):
+        qf, kf, vf, probs, o = ctx.saved_tensors
+        bwd, scale, groups = ctx.bwd, ctx.scale, qf.shape[1] // kf.shape[1]
+        g = bwd.cast(grad, 0)
+        dv = (ctx.fwd.round_trip(probs, 3).transpose(-1, -2) @ g).unflatten(1, (kf.shape[1], groups)).sum(2)
+        d_scores = probs * (g @ _expand(vf, groups).transpose(-1, -2) - (g * o).sum(-1, keepdim=True)) * scale
+        bwd.record(d_scores, 1)
+        d_scores = bwd.round_trip(d_scores, 1)
+        dq = d_scores @ _expand(kf, groups)
+        dk = (d_scores.transpose(-1, -2) @ qf).unflatten(1, (kf.shape[1], groups)).sum(2)
+        return bwd.cast(dq, 2), bwd.cast(dk, 3), bwd.cast(dv, 4), None, None, None
+
+
 class RecipeModel:
     """The float64 model of a module tree: SlotsModels for every FP8 sub-module, and its forward written out."""
 
@@ -128,6 +182,10 @@ class RecipeModel:
         self.module = module
         self.states = {m: (SlotsModel(m._n_fwd, fp8_recipe, True), SlotsModel(m._n_bwd, fp8_recipe, False))
                        for m in module.modules() if isinstance(m, FP8ModuleBase)}
+        if getattr(fp8_recipe, "fp8_dpa", False):  # FP8 attention: its own slots, no first-step calibration
+            self.states.update({m: (SlotsModel(5, fp8_recipe, True, calibrates=False),
+                                    SlotsModel(5, fp8_recipe, False, calibrates=False))
+                                for m in module.modules() if isinstance(m, te.DotProductAttention)})
         self.is_first_microbatch, self.weight_cache = None, {}
 
     def gemm(self, m, x, weight_name, bias_name, gemm_index):
@@ -163,8 +221,11 @@ class RecipeModel:
         per_group = qkv.view(s, b, m.groups, m.heads // m.groups + 2, m.head_dim)
         q = per_group[..., :-2, :].reshape(s, b, m.heads, m.head_dim)
         k, v = per_group[..., -2, :], per_group[..., -1, :]
-        context = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True,
-                                                 enable_gqa=True)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if m.core_attention in self.states:
+            context = _ModelFP8Attention.apply(q, k, v, *self.states[m.core_attention], m.core_attention.softmax_scale)
+        else:
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.linear(m.proj, context.permute(2, 0, 1, 3).reshape(s, b, -1))
 
     def forward(self, x):
@@ -210,8 +271,10 @@ def assert_slots_match(module, model, step, rtol):
     names = {m: name or type(m).__name__ for name, m in module.named_modules()}
     for m, (fwd_model, bwd_model) in model.states.items():
         fwd_roles, bwd_roles = _roles(m)
-        for kind, state, slots, roles in (("forward", m.fp8_fwd, fwd_model, fwd_roles),
-                                          ("backward", m.fp8_bwd, bwd_model, bwd_roles)):
+        fwd_state, bwd_state = ((m.fp8_scaling.fwd, m.fp8_scaling.bwd) if isinstance(m, te.DotProductAttention) else
+                                (m.fp8_fwd, m.fp8_bwd))
+        for kind, state, slots, roles in (("forward", fwd_state, fwd_model, fwd_roles),
+                                          ("backward", bwd_state, bwd_model, bwd_roles)):
             assert state is not None, f"{names[m]}: no {kind} scaling state after an FP8 step"
             assert state.scale.numel() == len(roles), f"{names[m]} {kind}: {state.scale.numel()} slots, roles {roles}"
             want = {"amax_history": slots.history, "scale": torch.tensor(slots.scale, dtype=torch.float64),
@@ -250,9 +313,10 @@ def _randomize(module):
                 p.mul_(3.0)
 
 
-def run_and_check(module, fp8_recipe, out_width, device="cpu", steps=STEPS):
+def run_and_check(module, fp8_recipe, out_width, device="cpu", steps=STEPS, rtol=None):
     """Training steps of module (on device) and of its recipe model, checking every slot after each.
-    steps: [(input magnitude, output-gradient magnitude, weight factor[, is_first_microbatch])]."""
+    steps: [(input magnitude, output-gradient magnitude, weight factor[, is_first_microbatch])]; rtol: RTOL[device]
+    unless given."""
     _randomize(module)
     weights = [p for p in module.parameters() if p.dim() == 2]
     model = RecipeModel(module, fp8_recipe)
@@ -268,7 +332,7 @@ def run_and_check(module, fp8_recipe, out_width, device="cpu", steps=STEPS):
             out = module(x.to(device).requires_grad_(), **micro)
         out.backward(dy.to(device))
         model.step(x, dy, **micro)
-        assert_slots_match(module, model, step, RTOL[device])
+        assert_slots_match(module, model, step, RTOL[device] if rtol is None else rtol)
 
 
 MODULES = [("Linear", "gelu", FFN), ("LayerNormLinear", "gelu", FFN), ("LayerNormMLP", "gelu", HIDDEN),
@@ -294,6 +358,22 @@ MICROBATCH_STEPS = [(1.0, 1.0, 1.0, True), (3.0, 0.25, 1.0, False), (0.5, 4.0, 1
 @pytest.mark.parametrize("kind, out_width", [("Linear", FFN), ("LayerNormMLP", HIDDEN), ("TransformerLayer", HIDDEN)])
 def test_cached_weights_over_microbatches_follow_the_recipe_model(kind, out_width, label):
     run_and_check(_build(kind), RECIPES[label], out_width, steps=MICROBATCH_STEPS)
+
+
+FP8_DPA = recipe.DelayedScaling(margin=1, amax_history_len=3, amax_compute_algo="max", fp8_dpa=True)
+# FP8 attention rounds P and dS inside its kernel (float32 there, float64 in the model): an entry that sits within
+# float32 noise of a rounding boundary can round the other way, moving downstream amaxes by up to ~0.6% (measured);
+# a mixed-up slot is off by far more.
+FP8_DPA_RTOL = 2e-2
+
+
+@pytest.mark.parametrize("kind", ["MultiheadAttention", "TransformerLayer"])
+def test_fp8_attention_slots_follow_the_recipe_model(kind):
+    """fp8_dpa=True (CPU: the emulated FP8 attention): the attention's ten slots beside every GEMM slot."""
+    module = _build(kind)
+    run_and_check(module, FP8_DPA, HIDDEN, rtol=FP8_DPA_RTOL)
+    attention = next(m for m in module.modules() if isinstance(m, te.DotProductAttention))
+    assert attention.fp8_scaling.fwd is not None and (attention.fp8_scaling.fwd.scale != 1).all()  # (it ran FP8)
 
 
 def test_the_check_catches_fc2_weight_cast_in_fc1s_slot(monkeypatch):
