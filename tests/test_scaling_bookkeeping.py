@@ -15,8 +15,8 @@ by slot, with the role named in the failure (the slot layout is the one module/b
 give: forward (input, weight) per GEMM, backward (grad_output) per GEMM). A bookkeeping mistake that keeps the
 numerics plausible, such as casting LayerNormMLP's fc2 weight with fc1's slot, fails here (see the last test). The
 same runs with cached FP8 weights over micro-batches (is_first_microbatch True / False: no weight cast, no weight
-amax on the False steps).
-(FP8 attention's own slots are checked step by step in tests/ops/test_attention_fp8.py.)
+amax on the False steps), and with FP8 attention (fp8_dpa=True: the attention's ten slots, emulated as
+transformer_fp8/cpu/attention_fp8.py computes them; no first-step calibration there, the casts start at scale 1).
 """
 import math
 
@@ -42,7 +42,8 @@ RECIPES = {
 # The model's tensors differ from the module's by float32 rounding only (both cast with the same float32 scales, so
 # the FP8 values agree); amaxes of downstream tensors (after FP8 GEMMs, attention) differ by up to 4e-7 relative
 # (measured on the CPU). On CUDA the forward GEMMs accumulate with FP8 fast accumulation and attention runs in BF16
-# (float32 inputs are cast around it): ~1e-3 there. A mixed-up slot is off by tens of percent.
+# (float32 inputs are cast around it): ~1e-3 expected there (not yet measured). A mixed-up slot is off by tens of
+# percent.
 RTOL = {"cpu": 1e-4, "cuda": 3e-2}
 # Role of each slot: (forward slots, backward slots), as module/base.py and the module docstrings lay them out.
 ROLES = {
