@@ -298,7 +298,7 @@ class FP8ModuleBase(nn.Module):
         otherwise; counts the call in _fp8_call_counts.
         rows_factor: GEMM rows per input row (the TP size where the module all-gathers a sequence-parallel input)."""
         if self.fp8_disabled:
-            self._fp8_call_counts[1] += 1
+            self._count_call(fp8=False)
             return False
         if not self._fp8_params and inp.is_cuda:
             threshold = FP8_MIN_GEMM_SIZE if self.fp8_min_gemm_size is None else self.fp8_min_gemm_size
@@ -306,14 +306,20 @@ class FP8ModuleBase(nn.Module):
             if work < threshold:
                 self._note_small_shape(work)
                 return False
-        self._fp8_call_counts[0] += 1
+        self._count_call(fp8=True)
         return True
+
+    def _count_call(self, fp8):
+        """One more forward inside fp8_autocast, FP8 or high precision. Not while torch.compile traces: a counter
+        changed in the graph becomes a guarded constant, which would recompile the graph at every call."""
+        if not torch.compiler.is_compiling():
+            self._fp8_call_counts[0 if fp8 else 1] += 1
 
     def _note_small_shape(self, work):
         """Count a high-precision call inside fp8_autocast, and warn at the process's first small-shape fallback
         (M*K*N = work below the threshold)."""
         global _fallback_warned
-        self._fp8_call_counts[1] += 1
+        self._count_call(fp8=False)
         if _fallback_warned or self.fp8_disabled or torch.compiler.is_compiling():  # (Dynamo cannot trace a warning)
             return
         _fallback_warned = True
