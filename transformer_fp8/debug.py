@@ -263,7 +263,8 @@ def disable_fp8(module: torch.nn.Module, disabled: bool = True) -> None:
 
 
 def call_counts(module: torch.nn.Module) -> dict:
-    """Forwards of an FP8 module inside an enabled fp8_autocast (always counted, on the host).
+    """Forwards of an FP8 module inside an enabled fp8_autocast, counted on the host (eager calls only: calls traced
+    by torch.compile are not counted).
 
     Args:
         module: a Linear, LayerNormLinear or LayerNormMLP.
