@@ -107,17 +107,18 @@ class RandomWindows:
 
 # --- model and optimizer ---------------------------------------------------------------------------------------------
 
-def build_model(args, model_config, vocab_size, device):
-    """The model, BF16, in train mode; the same weights on every call (seeded init or the checkpoint's)."""
+def build_model(args, model_config, vocab_size, device, positions=0):
+    """The model, BF16, in train mode; the same weights on every call (seeded init or the checkpoint's). A random-init
+    model gets max(seq_len, positions) positions (positions: what a generated sample needs beyond training's)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if args.model:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=PARAMS_DTYPE)
     else:
         torch.manual_seed(args.seed)
-        positions = max(args.seq_len, SAMPLE_PROMPT_TOKENS + args.sample_tokens)  # (the sample's, too)
-        config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=positions, **model_config,
-                             bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id)
+        config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=max(args.seq_len, positions),
+                             **model_config, bos_token_id=ByteTokenizer.bos_token_id,
+                             eos_token_id=ByteTokenizer.eos_token_id)
         model = LlamaForCausalLM(config)
     model.config.use_cache = False
     return model.to(device=device, dtype=PARAMS_DTYPE).train()
@@ -338,7 +339,8 @@ def train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, d
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    model = build_model(args, model_config, tokenizer.vocab_size, device)
+    model = build_model(args, model_config, tokenizer.vocab_size, device,
+                        positions=SAMPLE_PROMPT_TOKENS + args.sample_tokens)  # (the sample's positions, too)
     if fp8:
         convert_to_fp8(model, args)
     if args.activation_checkpointing:
