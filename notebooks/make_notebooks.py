@@ -23,6 +23,23 @@ DEVICE = "cuda" if torch.cuda.is_available() and te.cuda_kernels_available() els
 DTYPE = torch.bfloat16
 print(f"device {DEVICE}, tiny sizes: {TINY}")'''
 
+# The notebooks' small Llama (random init) and the byte-level corpus: one definition for the Llama and LoRA notebooks.
+SMALL_LLAMA = '''if TINY:
+    sizes = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    seq_len, batch_size, steps = 64, 4, 8
+else:
+    sizes = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=4)
+    seq_len, batch_size, steps = 1024, 16, 100
+
+text = (Path.cwd().parent / "examples" / "data" / "corpus.txt").read_text(encoding="utf-8")
+tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)  # bytes as token ids: no tokenizer download
+config = LlamaConfig(vocab_size=256, max_position_embeddings=seq_len, use_cache=False, **sizes)
+torch.manual_seed(0)
+base_model = LlamaForCausalLM(config).to(DEVICE, DTYPE)
+print(f"{sum(p.numel() for p in base_model.parameters()) / 1e6:.1f}M parameters, {tokens.numel():,} tokens")'''
+
 TIMER = '''def time_ms(fn, iters=3 if TINY else 20):
     """Mean wall time of fn() in ms after one warm-up call (synchronised on the GPU)."""
     fn()
@@ -317,21 +334,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from transformer_fp8.integrations import convert_llama
 
-if TINY:
-    sizes = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
-    seq_len, batch_size, steps = 64, 4, 8
-else:
-    sizes = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
-                 num_key_value_heads=4)
-    seq_len, batch_size, steps = 1024, 16, 100
-
-text = (Path.cwd().parent / "examples" / "data" / "corpus.txt").read_text(encoding="utf-8")
-tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)  # bytes as token ids: no tokenizer download
-config = LlamaConfig(vocab_size=256, max_position_embeddings=seq_len, use_cache=False, **sizes)
-torch.manual_seed(0)
-base_model = LlamaForCausalLM(config).to(DEVICE, DTYPE)
-print(f"{sum(p.numel() for p in base_model.parameters()) / 1e6:.1f}M parameters, {tokens.numel():,} tokens")'''),
+''' + SMALL_LLAMA),
     new_markdown_cell("""## The conversion
 
 Outside `fp8_autocast` the converted model computes what the Hugging Face model computes (up to BF16 rounding);
@@ -460,21 +463,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformer_fp8.integrations import causal_lm_loss, convert_llama
 from transformer_fp8.lora import add_lora, lora_parameters, merge_lora, save_lora
 
-if TINY:
-    sizes = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
-    seq_len, batch_size, steps = 64, 4, 8
-else:
-    sizes = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
-                 num_key_value_heads=4)
-    seq_len, batch_size, steps = 1024, 16, 100
-
-text = (Path.cwd().parent / "examples" / "data" / "corpus.txt").read_text(encoding="utf-8")
-tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)  # bytes as token ids: no tokenizer download
-config = LlamaConfig(vocab_size=256, max_position_embeddings=seq_len, use_cache=False, **sizes)
-torch.manual_seed(0)
-base_model = LlamaForCausalLM(config).to(DEVICE, DTYPE)
-print(f"{sum(p.numel() for p in base_model.parameters()) / 1e6:.1f}M parameters, {tokens.numel():,} tokens")'''),
+''' + SMALL_LLAMA),
     new_markdown_cell("""## Convert, add adapters, store the base in FP8
 
 `add_lora` freezes every parameter but the adapters. On our fused GEMMs an adapter adds to its own rows only:
