@@ -6,6 +6,7 @@ module 'transformer_fp8' (most likely due to a circular import)", which names ne
 import importlib
 import os
 import re
+from types import ModuleType
 
 # tools/setup.sh (and tools/build_wheel.sh) keep the output of the last build here.
 BUILD_LOG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "tfp8_build.log")
@@ -24,7 +25,7 @@ def _last_build_errors() -> str:
     return "\n".join((errors or lines)[-_LOG_LINES:])
 
 
-def load_extension():
+def load_extension() -> ModuleType:
     """Import and return `transformer_fp8._C` (which registers the op schemas and kernels).
 
     Returns:

@@ -20,11 +20,16 @@ state is queued, and updated, by whichever step registered it first).
 import contextlib
 import threading
 import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .ops import tfp8
 from .recipe import FP8_MAX, DelayedScaling, Float8CurrentScaling
+
+if TYPE_CHECKING:
+    from .module.base import ScalingState
 
 DEFAULT_RECIPE = DelayedScaling()
 
@@ -60,7 +65,7 @@ def is_fp8_enabled() -> bool:
     return STATE.enabled
 
 
-def get_fp8_recipe():
+def get_fp8_recipe() -> DelayedScaling | Float8CurrentScaling:
     """Returns:
         The recipe of the calling thread's innermost fp8_autocast (DEFAULT_RECIPE outside any)."""
     return STATE.recipe
@@ -111,12 +116,22 @@ class fp8_autocast(contextlib.ContextDecorator):
 
 
 @contextlib.contextmanager
-def fp8_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
+def fp8_model_init(enabled: bool = True, recipe: DelayedScaling | Float8CurrentScaling | None = None,
+                   preserve_high_precision_init_val: bool = False) -> Iterator[None]:
     """Weights of our modules created inside are Float8Tensor parameters (E4M3 data + scale_inv from the weight's
     own amax, whatever the recipe: `recipe` is accepted as TE's argument); biases and norm weights stay in high
     precision. preserve_high_precision_init_val=True keeps each weight's high-precision initial values on the CPU,
     for `param.get_high_precision_init_val()` (e.g. to start FP32 master weights from them) until
-    `param.clear_high_precision_init_val()`."""
+    `param.clear_high_precision_init_val()`.
+
+    Args:
+        enabled: whether weights created inside are Float8Tensor parameters.
+        recipe: accepted for TE compatibility (None, DelayedScaling or Float8CurrentScaling); not used.
+        preserve_high_precision_init_val: keep each weight's high-precision initial values on the CPU.
+
+    Returns:
+        A context manager (the settings are the calling thread's, restored on exit).
+    """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected a bool, got {enabled!r}")
     if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
@@ -132,7 +147,7 @@ def fp8_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=F
         state.model_init, state.preserve_init_val = saved
 
 
-def register_forward(scaling_state, recipe, group) -> None:
+def register_forward(scaling_state: "ScalingState", recipe: DelayedScaling, group: Any) -> None:
     """Queue a module's forward state for the update at the calling thread's outermost autocast exit (once per
     autocast).
 
@@ -165,7 +180,7 @@ _backward_queues = {}
 _backward_queues_lock = threading.Lock()  # (the first registration of a task: at most one queue and one callback)
 
 
-def register_backward(scaling_state, recipe, group) -> None:
+def register_backward(scaling_state: "ScalingState", recipe: DelayedScaling, group: Any) -> None:
     """Queue a module's gradient state for the update at the end of the running backward (call from a backward).
     Once per state and backward; nested backwards (torch.autograd.grad inside a backward) keep their own queues.
 
@@ -232,17 +247,25 @@ _plans = {True: None, False: None}
 _DISTRIBUTED_BUILT = torch.distributed.is_available()  # (a property of the torch build: asked once)
 
 
-def distributed_initialized():
+def distributed_initialized() -> bool:
+    """Returns:
+        Whether torch.distributed is built and its default process group initialized."""
     return _DISTRIBUTED_BUILT and torch.distributed.is_initialized()
 
 
-def forget_update_plans():
+def forget_update_plans() -> None:
+    """Drop the cached forward and backward update plans (the next update builds new ones)."""
     _plans[True] = _plans[False] = None
 
 
-def update_scaling_states(entries, forward):
+def update_scaling_states(entries: list[tuple["ScalingState", DelayedScaling, Any]], forward: bool) -> None:
     """Reduce the newest amaxes over each group (if the recipe asks) and run one fused update per recipe and device.
-    A forward update also gives the states new scale_inv snapshots (see renew_scale_inv_snapshots)."""
+    A forward update also gives the states new scale_inv snapshots (see renew_scale_inv_snapshots).
+
+    Args:
+        entries: the registered (scaling_state, recipe, group) triples to update.
+        forward: True for forward states (renews their scale_inv snapshots), False for gradient states.
+    """
     plan = _plans[forward]
     if plan is None or plan.key != entries:
         plan = _plans[forward] = _UpdatePlan(entries, forward)
@@ -258,11 +281,15 @@ def update_scaling_states(entries, forward):
             renew_scale_inv_snapshots(states)
 
 
-def renew_scale_inv_snapshots(states):
+def renew_scale_inv_snapshots(states: Sequence["ScalingState"]) -> None:
     """Give every slot of `states` (ScalingStates on one device) a new scale_inv snapshot: a one-element view, 16 bytes
     from the next (cuBLASLt's scale pointers need that alignment), of one new buffer. The casts write 1/scale into
     it; FP8 tensors saved or cached with an older snapshot keep the scale they were cast with. Two host calls for all
-    states, no launch."""
+    states, no launch.
+
+    Args:
+        states: the ScalingStates (all on one device) whose slots get new snapshots.
+    """
     counts = [len(s.scale_inv_slots) for s in states]
     total = sum(counts)
     views = torch.empty_strided((total,), (4,), dtype=torch.float32, device=states[0].device).split_with_sizes(

@@ -262,7 +262,7 @@ def disable_fp8(module: torch.nn.Module, disabled: bool = True) -> None:
         m.fp8_disabled = disabled
 
 
-def call_counts(module: torch.nn.Module) -> dict:
+def call_counts(module: torch.nn.Module) -> dict[str, int]:
     """Forwards of an FP8 module inside an enabled fp8_autocast, counted on the host (eager calls only: calls traced
     by torch.compile are not counted).
 
@@ -292,7 +292,7 @@ def _tables(model):
     return tables
 
 
-def stats(model: torch.nn.Module) -> dict:
+def stats(model: torch.nn.Module) -> dict[str, dict[str, dict[str, float]]]:
     """The debug numbers of every FP8 module in `model` (reads the device: call between steps, not inside one).
 
     Args:

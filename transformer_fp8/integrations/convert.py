@@ -6,6 +6,7 @@ outside `fp8_autocast`, and run their GEMMs in FP8 inside it.
 import contextlib
 import fnmatch
 import inspect
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -78,18 +79,25 @@ def _weight_from_conv1d_layout(module, state_dict, prefix, *args):
         state_dict[key] = state_dict[key].t()
 
 
-def convert_linear_layers(model, exclude=("lm_head",), params_dtype=None, fuse_wgrad_accumulation=False):
+def convert_linear_layers(model: nn.Module, exclude: str | Sequence[str] = ("lm_head",),
+                          params_dtype: torch.dtype | None = None, fuse_wgrad_accumulation: bool = False) -> nn.Module:
     """Replace every nn.Linear inside `model` (recursively), and every transformers Conv1D (GPT-2's Linear with a
     transposed [in, out] weight), by a transformer_fp8.Linear with the same weights; in place.
-
-    exclude: fnmatch patterns matched against each layer's qualified name (e.g. "model.layers.0.mlp.up_proj") and
-        against its last component, so "lm_head" or "*.mlp.*" both work. Matching layers stay nn.Linear. The default
-        keeps the output head (often tied to the embedding, and its GEMM is the most precision-sensitive) in BF16.
-    params_dtype: dtype of the new parameters (default: each layer's own weight dtype).
-    fuse_wgrad_accumulation: passed to each new Linear (its weight gradient then accumulates into weight.main_grad).
     Layers whose in_features or out_features is not a multiple of 16 stay nn.Linear: the FP8 tensor cores cannot
     take them. Weight tying between a converted layer and another module is not kept (exclude tied layers).
-    Returns `model`.
+
+    Args:
+        model: the module to convert.
+        exclude: fnmatch patterns matched against each layer's qualified name (e.g. "model.layers.0.mlp.up_proj") and
+            against its last component, so "lm_head" or "*.mlp.*" both work. Matching layers stay nn.Linear. The
+            default keeps the output head (often tied to the embedding, and its GEMM is the most
+            precision-sensitive) in BF16.
+        params_dtype: dtype of the new parameters (default: each layer's own weight dtype).
+        fuse_wgrad_accumulation: passed to each new Linear (its weight gradient then accumulates into
+            weight.main_grad).
+
+    Returns:
+        `model`, converted in place.
     """
     exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
     targets = [(name, m) for name, m in model.named_modules()
@@ -108,12 +116,19 @@ def _takes_microbatch_flag(module):
 
 
 @contextlib.contextmanager
-def microbatch(model, is_first):
+def microbatch(model: nn.Module, is_first: bool) -> Iterator[nn.Module]:
     """Inside the block, every transformer_fp8 module of `model` whose forward takes `is_first_microbatch` gets it.
 
     For gradient accumulation through code that calls the layers without that argument (e.g. a Hugging Face model):
     is_first=True on the first micro-batch of a step casts each weight to FP8 and caches it, False on the others
     reuses the cache. An explicit is_first_microbatch= argument at the call site wins.
+
+    Args:
+        model: the module whose transformer_fp8 modules get the flag.
+        is_first: whether this is the first micro-batch of the step.
+
+    Returns:
+        A context manager that yields `model`.
     """
     def pass_flag(module, args, kwargs):
         kwargs.setdefault("is_first_microbatch", is_first)

@@ -9,6 +9,7 @@ Only the hook that makes output_hidden_states see the converted layers comes fro
 """
 import logging
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -126,7 +127,7 @@ def _convert_family(model: nn.Module, family: Family, layers: list, params_dtype
 
 
 def convert_model(model: nn.Module, params_dtype: torch.dtype | None = None, fuse_wgrad_accumulation: bool = False,
-                  fallback: bool = True, exclude=("lm_head",)) -> nn.Module:
+                  fallback: bool = True, exclude: str | Sequence[str] = ("lm_head",)) -> nn.Module:
     """Put a Hugging Face model on transformer_fp8, in place (see the module docstring).
 
     Args:

@@ -6,6 +6,7 @@ Families whose decoder layer does not map exactly are listed in REFUSED with the
 transformers.
 """
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ _GEMMA_DIFFERENCES = ("its norms scale by (1 + weight) and add post-attention an
 REFUSED = {name: _GEMMA_DIFFERENCES for name in ("gemma2", "gemma3", "gemma3_text")}
 
 
-def family_of(config) -> Family | None:
+def family_of(config: Any) -> Family | None:
     """The Family of a Hugging Face config (by config.model_type), or None for models we do not map layer by layer.
 
     Args:
@@ -60,7 +61,7 @@ def family_of(config) -> Family | None:
     return FAMILIES.get(model_type)
 
 
-def has_attention_bias(config, family: Family) -> tuple[bool, bool]:
+def has_attention_bias(config: Any, family: Family) -> tuple[bool, bool]:
     """(q/k/v projections have a bias, o_proj has a bias) for this config of `family`.
 
     Args:

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..autocast import fp8_autocast
+from ..recipe import DelayedScaling, Float8CurrentScaling
 from ..graphs import _fp8_modules, _scale_inv_snapshots
 
 
@@ -33,8 +34,9 @@ class GreedyDecoder:
         shape: (batch, prompt_len) of the first call's prompts, which later calls must have (None before it).
     """
 
-    def __init__(self, model: nn.Module, max_new_tokens: int, fp8_enabled: bool = False, fp8_recipe=None,
-                 cuda_graph: bool = True, warmup_steps: int = 2):
+    def __init__(self, model: nn.Module, max_new_tokens: int, fp8_enabled: bool = False,
+                 fp8_recipe: DelayedScaling | Float8CurrentScaling | None = None, cuda_graph: bool = True,
+                 warmup_steps: int = 2) -> None:
         """Args:
             model: a *ForCausalLM (converted by convert_model, or not), in eval mode.
             max_new_tokens: tokens to generate per sequence (>= 1).
@@ -124,7 +126,8 @@ class GreedyDecoder:
 
 
 def greedy_generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, fp8_enabled: bool = False,
-                    fp8_recipe=None, cuda_graph: bool = True, warmup_steps: int = 2) -> torch.Tensor:
+                    fp8_recipe: DelayedScaling | Float8CurrentScaling | None = None, cuda_graph: bool = True,
+                    warmup_steps: int = 2) -> torch.Tensor:
     """GreedyDecoder(model, max_new_tokens, ...)(input_ids): one call (the capture included).
 
     Args:

@@ -12,6 +12,7 @@ import functools
 import json
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,7 +37,7 @@ def _is_converted_layer(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def to_hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None, device=None,
+def to_hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                      state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The state dict of a converted model under the Hugging Face names of the model it was converted from.
 
@@ -73,7 +74,7 @@ def to_hf_state_dict(model: nn.Module, dtype: torch.dtype | None = None, device=
     return {key: _plain(tensor, dtype if tensor.is_floating_point() else None, device) for key, tensor in out.items()}
 
 
-def save_hf_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> None:
+def save_hf_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:
     """Write a converted Hugging Face model as a plain transformers checkpoint (config + safetensors).
 
     Args:
@@ -111,6 +112,10 @@ def _record_dtype(save_directory, dtype: torch.dtype) -> None:
 
 def route_save_pretrained(model: nn.Module) -> None:
     """Make `model.save_pretrained(...)` write the Hugging Face checkpoint (save_hf_pretrained) for this instance:
-    the class's own would write our parameter names, which transformers cannot load."""
+    the class's own would write our parameter names, which transformers cannot load.
+
+    Args:
+        model: a converted model (models without a save_pretrained are left as they are).
+    """
     if hasattr(type(model), "save_pretrained"):
         model.save_pretrained = functools.partial(save_hf_pretrained, model)

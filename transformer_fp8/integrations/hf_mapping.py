@@ -21,6 +21,7 @@ the exporter (hf_export.py) and the LoRA adapters (rows of q_proj inside the QKV
 """
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -59,7 +60,8 @@ class FusedWeight:
 
     @property
     def rows(self) -> int:
-        """Rows of our parameter (the sum of the parts' rows)."""
+        """Returns:
+            Rows of our parameter (the sum of the parts' rows)."""
         return self.parts[-1].row_end
 
 
@@ -83,7 +85,7 @@ class LayerShape:
     qk_norm: bool = False
 
     @classmethod
-    def from_config(cls, config, family: Family | None = None) -> "LayerShape":
+    def from_config(cls, config: Any, family: Family | None = None) -> "LayerShape":
         """The shape of a Hugging Face config's decoder layers.
 
         Args:
@@ -110,7 +112,7 @@ def _stacked(name: str, parts: list[tuple[str, int]]) -> FusedWeight:
     return FusedWeight(name, tuple(out))
 
 
-def layer_weight_map(config_or_shape) -> list[FusedWeight]:
+def layer_weight_map(config_or_shape: Any) -> list[FusedWeight]:
     """The weight mapping of one decoder layer (see the module docstring).
 
     Args:

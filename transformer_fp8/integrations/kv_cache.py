@@ -7,13 +7,15 @@ returns may be longer than the query (decode) and, for a static cache, include u
 mask of transformers hides; `cached_attention_mask` turns that mask (or its absence) into SDPA's boolean form and
 `cached_attention` attends over the cached keys. Nothing here imports transformers.
 """
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from ..module.attention import scaled_dot_product_attention
 
 
-def pick_cache(cache, past_key_values):
+def pick_cache(cache: Any, past_key_values: Any) -> Any:
     """The Cache object, whichever keyword carried it.
 
     Args:
@@ -34,7 +36,7 @@ def pick_cache(cache, past_key_values):
     return cache
 
 
-def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+def update_cache(cache: Any, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
                  cache_position: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Append this step's key and value [b, g, s, d] to layer `layer_idx` of `cache`.
 

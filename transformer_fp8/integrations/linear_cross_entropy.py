@@ -109,15 +109,23 @@ def _check(hidden, weight, targets, reduction, chunk_size):
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
 
 
-def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, reduction="mean",
-                         chunk_size=DEFAULT_CHUNK_SIZE):
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                         reduction: str = "mean", chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
     """Cross-entropy loss of logits = hidden @ weightᵀ against targets, chunk by chunk (see the module docstring).
 
-    hidden [..., H] and weight [V, H]: one floating dtype (float32, bfloat16, float16), one device. targets [...]
-    (hidden's leading shape), int64 class indices in [0, V) or ignore_index (those tokens count for nothing).
-    reduction: "mean" over the counted tokens (NaN when there are none, as F.cross_entropy) or "sum".
-    -> float32 scalar. Gradients flow to hidden and weight (only to those that require them); dweight is summed over
-    the chunks in weight's dtype (one rounding a chunk for bfloat16). Class indices out of range are not checked.
+    Gradients flow to hidden and weight (only to those that require them); dweight is summed over the chunks in
+    weight's dtype (one rounding a chunk for bfloat16). Class indices out of range are not checked.
+
+    Args:
+        hidden: [..., H], a floating dtype (float32, bfloat16, float16).
+        weight: [V, H], hidden's dtype and device.
+        targets: [...] (hidden's leading shape), int64 class indices in [0, V) or ignore_index.
+        ignore_index: targets equal to it count for nothing.
+        reduction: "mean" over the counted tokens (NaN when there are none, as F.cross_entropy) or "sum".
+        chunk_size: token rows per chunk (a positive int).
+
+    Returns:
+        The loss, a float32 scalar.
     """
     _check(hidden, weight, targets, reduction, chunk_size)
     hidden2d, targets1d = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)

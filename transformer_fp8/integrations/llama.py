@@ -15,6 +15,7 @@ the residual adds in their epilogues.
 `convert_llama` is convert_model (convert_model.py) for these families.
 """
 import warnings
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -24,6 +25,7 @@ from ..module.rope import apply_rotary_pos_emb
 from ..module.transformer import TransformerLayer
 from .hf_mapping import LayerShape, fuse_hf_weights, layer_weight_map
 from .kv_cache import cached_attention, cached_attention_mask, pick_cache, update_cache
+from .rope_angles import RopeAngles
 
 
 _warned = set()
@@ -79,8 +81,8 @@ class LlamaTransformerLayer(nn.Module):
 
     gradient_checkpointing = False
 
-    def __init__(self, config, rope, params_dtype: torch.dtype, device, fuse_wgrad_accumulation: bool = False,
-                 shape: LayerShape | None = None, layer_idx: int = 0):
+    def __init__(self, config: Any, rope: RopeAngles, params_dtype: torch.dtype, device: torch.device | str | None,
+                 fuse_wgrad_accumulation: bool = False, shape: LayerShape | None = None, layer_idx: int = 0) -> None:
         """Args:
             config: the Hugging Face config. rope: the model's RopeAngles (shared by its layers).
             params_dtype, device: of the new parameters. fuse_wgrad_accumulation: see TransformerLayer.
@@ -136,12 +138,28 @@ class LlamaTransformerLayer(nn.Module):
             ours[fused.name].requires_grad_(hf_params[fused.parts[0].hf_name].requires_grad)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, is_first_microbatch: bool | None = None, cache=None,
-                cache_position: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, past_key_values: Any = None, use_cache: bool = False,
+                position_embeddings: Any = None, is_first_microbatch: bool | None = None, cache: Any = None,
+                cache_position: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         """position_embeddings (Hugging Face's cos/sin) is not read: the angles come from position_ids and the
         config's RoPE parameters, the same numbers computed in float32. The KV cache arrives as `cache`
-        (transformers >= 5.2x) or `past_key_values` (earlier, with cache_position): see the module docstring."""
+        (transformers >= 5.2x) or `past_key_values` (earlier, with cache_position): see the module docstring.
+
+        Args:
+            hidden_states: [batch, seq, hidden].
+            attention_mask: transformers' mask (None, 2-D padding mask or 4-D mask).
+            position_ids: [batch or 1, seq] token positions (default: 0, 1, ... or after the cached tokens).
+            past_key_values: the KV cache (transformers < 5.2x), or None.
+            use_cache: accepted for transformers; the cache is used whenever one is passed.
+            position_embeddings: Hugging Face's (cos, sin); not read.
+            is_first_microbatch: see transformer_fp8.Linear (FP8 weight caching over micro-batches).
+            cache: the KV cache (transformers >= 5.2x), or None.
+            cache_position: where the new tokens go in the cache (transformers < 5.2x), or None.
+            **kwargs: other transformers arguments, ignored.
+
+        Returns:
+            The layer's output hidden states [batch, seq, hidden].
+        """
         cache = pick_cache(cache, past_key_values)
         batch, seq_len = hidden_states.shape[:2]
         checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()

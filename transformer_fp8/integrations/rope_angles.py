@@ -8,13 +8,14 @@ partial_rotary_factor are refused. The angles are computed in float32, as transf
 rounding of cos/sin to the model's dtype.
 """
 import math
+from typing import Any
 
 import torch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config: Any) -> dict[str, Any]:
     """The config's RoPE parameters as one dict with rope_type and rope_theta (transformers >= 5 keeps them in
     config.rope_parameters; older versions in rope_theta and rope_scaling).
 
@@ -43,7 +44,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict, config) -> torch.Tensor
     return torch.where(between, (1 - blend) * inv_freq / factor + blend * inv_freq, scaled)
 
 
-def inverse_frequencies(config, head_dim: int) -> torch.Tensor:
+def inverse_frequencies(config: Any, head_dim: int) -> torch.Tensor:
     """RoPE inverse frequencies [head_dim / 2] (float32, CPU) of a Hugging Face config.
 
     Args:
@@ -80,12 +81,23 @@ class RopeAngles:
     the layout MultiheadAttention's rotary_pos_emb takes (one row of positions per sequence).
     """
 
-    def __init__(self, config, head_dim: int):
-        """Args: config: the Hugging Face config. head_dim: channels per head."""
+    def __init__(self, config: Any, head_dim: int) -> None:
+        """Args:
+            config: the Hugging Face config.
+            head_dim: channels per head.
+        """
         self.inv_freq = inverse_frequencies(config, head_dim)
         self._last = ((None, None), None)
 
     def __call__(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> torch.Tensor:
+        """Args:
+            position_ids: [b or 1, s] token positions, or None for 0..seq_len-1.
+            seq_len: the sequence length s.
+            device: where the angles go.
+
+        Returns:
+            freqs [s, b or 1, 1, head_dim], float32 (MultiheadAttention's rotary_pos_emb layout).
+        """
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=device)[None]
         if self.inv_freq.device != device:

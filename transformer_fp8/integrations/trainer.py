@@ -56,7 +56,7 @@ class FP8TrainerMixin:
     """
 
     def __init__(self, *args: Any, fp8_recipe: Any = None, fp8_enabled: bool = True, fp8_group: Any = None,
-                 **kwargs: Any):
+                 **kwargs: Any) -> None:
         if fp8_recipe is not None and not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
             raise TypeError(f"fp8_recipe: expected None, recipe.DelayedScaling or recipe.Float8CurrentScaling, got "
                             f"{fp8_recipe!r}")
@@ -67,7 +67,7 @@ class FP8TrainerMixin:
         _check_checkpointing_options(self.args)
         self.add_callback(_fp8_checkpoint_callback())
 
-    def compute_loss_context_manager(self):
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
         """Trainer's context around each forward (training and evaluation), with fp8_autocast entered last.
 
         Returns:

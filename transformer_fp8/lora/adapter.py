@@ -8,6 +8,7 @@ adapter, each with its own mask as PEFT draws them) and y + h Uᵀ with U [out, 
 [row_start_i, row_end_i) and columns of h_i, zeros elsewhere (one GEMM whose epilogue adds y: torch.addmm).
 """
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -20,7 +21,7 @@ class LoraAdapter(nn.Module):
     under in PEFT's format)."""
 
     def __init__(self, in_features: int, out_features: int, r: int, alpha: float, dropout: float, use_rslora: bool,
-                 row_start: int, gemm: str, hf_name: str, dtype: torch.dtype, device: torch.device):
+                 row_start: int, gemm: str, hf_name: str, dtype: torch.dtype, device: torch.device) -> None:
         """Args:
             in_features / out_features: the GEMM's input features / the rows this adapter writes.
             r: rank. alpha: scaling numerator. dropout: probability on the adapter's input (training only).
@@ -40,10 +41,13 @@ class LoraAdapter(nn.Module):
         self.gemm, self.hf_name = gemm, hf_name
 
     def delta_weight(self) -> torch.Tensor:
-        """scale * B A [out_features, in_features] in float32: what merging adds to the base weight's rows."""
+        """Returns:
+            scale * B A [out_features, in_features] in float32: what merging adds to the base weight's rows."""
         return self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
     def extra_repr(self) -> str:
+        """Returns:
+            The adapted module, rows, GEMM, r, alpha and dropout, for the module's repr."""
         return (f"{self.hf_name}: rows [{self.row_start}, {self.row_end}) of {self.gemm}, r={self.r}, "
                 f"alpha={self.alpha}, dropout={self.dropout}")
 
@@ -53,17 +57,36 @@ def _drops(adapter: LoraAdapter) -> bool:
 
 
 def any_dropout(adapters: list[LoraAdapter]) -> bool:
-    """Whether some adapter drops out its input now (dropout > 0, in training)."""
+    """Whether some adapter drops out its input now (dropout > 0, in training).
+
+    Args:
+        adapters: the adapters of one GEMM.
+    Returns:
+        True if at least one of them applies dropout now.
+    """
     return any(_drops(a) for a in adapters)
 
 
 def stacked_a(adapters: list[LoraAdapter]) -> torch.Tensor:
-    """[A_1; A_2; ...] [sum r, in_features]: the adapters' A in their order (one GEMM for all)."""
+    """The adapters' A stacked in their order (one GEMM for all).
+
+    Args:
+        adapters: the adapters of one GEMM, sorted by row_start.
+    Returns:
+        [A_1; A_2; ...] [sum r, in_features].
+    """
     return adapters[0].lora_A.weight if len(adapters) == 1 else torch.cat([a.lora_A.weight for a in adapters])
 
 
 def down_projection(adapters: list[LoraAdapter], x: torch.Tensor) -> torch.Tensor:
-    """h [..., sum r] = the adapters' A applied to (their dropout of) x, stacked in the adapters' order."""
+    """The adapters' A applied to (their dropout of) x, stacked in the adapters' order.
+
+    Args:
+        adapters: the adapters of one GEMM, sorted by row_start.
+        x: the GEMM's input [..., in_features].
+    Returns:
+        h [..., sum r] in the adapters' dtype.
+    """
     dtype = adapters[0].lora_A.weight.dtype
     x = x if x.dtype == dtype else x.to(dtype)
     if not any_dropout(adapters):
@@ -72,8 +95,14 @@ def down_projection(adapters: list[LoraAdapter], x: torch.Tensor) -> torch.Tenso
 
 
 def placed_up(adapters: list[LoraAdapter], out_features: int) -> torch.Tensor:
-    """U [out_features, sum r]: scale_i * B_i in the rows of adapter i and the columns of its h, zeros elsewhere
-    (adapters sorted by row_start, not overlapping)."""
+    """U [out_features, sum r]: scale_i * B_i in the rows of adapter i and the columns of its h, zeros elsewhere.
+
+    Args:
+        adapters: the adapters of one GEMM, sorted by row_start, not overlapping.
+        out_features: the GEMM's output features.
+    Returns:
+        U [out_features, sum r] in the adapters' dtype.
+    """
     total_r = sum(a.r for a in adapters)
     blocks, row, col = [], 0, 0
     for a in adapters:
@@ -87,8 +116,14 @@ def placed_up(adapters: list[LoraAdapter], out_features: int) -> torch.Tensor:
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
-def sorted_adapters(adapters) -> list[LoraAdapter]:
-    """The adapters in output-row order (the order down_projection and placed_up need)."""
+def sorted_adapters(adapters: Iterable[LoraAdapter]) -> list[LoraAdapter]:
+    """The adapters in output-row order (the order down_projection and placed_up need).
+
+    Args:
+        adapters: adapters of one GEMM, in any order.
+    Returns:
+        A new list sorted by row_start.
+    """
     return sorted(adapters, key=lambda a: a.row_start)
 
 
@@ -109,7 +144,16 @@ def lora_update(adapters: list[LoraAdapter], x: torch.Tensor, out_features: int,
 
 def up_projection(adapters: list[LoraAdapter], h: torch.Tensor, out_features: int,
                   out_dtype: torch.dtype) -> torch.Tensor:
-    """h [..., sum r] (the stacked A's output) -> the adapters' update [..., out_features] in out_dtype."""
+    """h [..., sum r] (the stacked A's output) -> the adapters' update [..., out_features] in out_dtype.
+
+    Args:
+        adapters: the adapters of one GEMM, sorted by row_start.
+        h: the stacked A's output [..., sum r] (down_projection).
+        out_features: the GEMM's output features.
+        out_dtype: the dtype of the result.
+    Returns:
+        The update [..., out_features] (zeros in rows no adapter writes).
+    """
     out = F.linear(h, placed_up(adapters, out_features))
     return out if out.dtype == out_dtype else out.to(out_dtype)
 

@@ -16,6 +16,8 @@ The base GEMMs run as before (FP8 inside fp8_autocast); each adapter adds scale 
 A frozen base weight (requires_grad False) gets no weight gradient: the modules' autograd Functions skip the wgrad
 GEMM and the FP8 transpose of its input (tests/test_lora.py counts the ops).
 """
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -35,14 +37,28 @@ class _LoraModule:
     lora: nn.ModuleDict
 
     def lora_adapters(self, gemm: str) -> list[LoraAdapter]:
-        """The adapters on GEMM `gemm` ("weight", "fc1_weight" or "fc2_weight"), in output-row order."""
+        """The adapters on one GEMM of this module.
+
+        Args:
+            gemm: the GEMM's weight name ("weight", "fc1_weight" or "fc2_weight").
+        Returns:
+            Its adapters, in output-row order.
+        """
         return sorted_adapters(a for a in self.lora.values() if a.gemm == gemm)
 
 
 class LoraLinear(_LoraModule, Linear):
     """transformer_fp8.Linear with LoRA adapters on row blocks of its output (see the module docstring)."""
 
-    def forward(self, inp, is_first_microbatch=None, residual=None, residual_grad_relay=None):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, residual: torch.Tensor | None = None,
+                residual_grad_relay: Any = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Linear.forward plus the adapters' update.
+
+        Args:
+            inp, is_first_microbatch, residual, residual_grad_relay: as transformer_fp8.Linear.forward.
+        Returns:
+            What Linear.forward returns (the output, or (output, bias) with return_bias), with the update added.
+        """
         adapters = self.lora_adapters("weight")
         if not adapters:
             return super().forward(inp, is_first_microbatch, residual, residual_grad_relay)
@@ -61,7 +77,15 @@ class LoraLayerNormLinear(_LoraModule, LayerNormLinear):
 
     _lora_returns_ln = False
 
-    def forward(self, inp, is_first_microbatch=None, residual_grad_relay=None):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None,
+                residual_grad_relay: Any = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """LayerNormLinear.forward plus the adapters' update on the normalised input.
+
+        Args:
+            inp, is_first_microbatch, residual_grad_relay: as transformer_fp8.LayerNormLinear.forward.
+        Returns:
+            What LayerNormLinear.forward returns as the caller configured it, with the update added to the output.
+        """
         out, *rest = super().forward(inp, is_first_microbatch, residual_grad_relay)
         ln_out = rest[-1]
         adapters = self.lora_adapters("weight")
@@ -203,7 +227,11 @@ def attach_adapter(module: nn.Module, adapter: LoraAdapter, name: str) -> None:
 
 
 def detach_adapters(module: nn.Module) -> None:
-    """Remove the adapters of a LoRA module and give it back its base class (no merge: see merge_lora)."""
+    """Remove the adapters of a LoRA module and give it back its base class (no merge: see merge_lora).
+
+    Args:
+        module: a LoRA module (is_lora_module).
+    """
     base = BASE_CLASSES[type(module)]
     if base is LayerNormLinear:
         module.return_layernorm_output = module._lora_returns_ln
@@ -214,5 +242,11 @@ def detach_adapters(module: nn.Module) -> None:
 
 
 def is_lora_module(module: nn.Module) -> bool:
-    """Whether module carries LoRA adapters (one of the LoRA classes)."""
+    """Whether module carries LoRA adapters (one of the LoRA classes).
+
+    Args:
+        module: any module.
+    Returns:
+        True for LoraLinear, LoraLayerNormLinear and LoraLayerNormMLP.
+    """
     return type(module) in BASE_CLASSES

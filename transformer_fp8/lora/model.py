@@ -1,5 +1,6 @@
 """add_lora, merge_lora, remove_lora, cast_frozen_weights_to_fp8: LoRA on a converted model, by Hugging Face names."""
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -51,7 +52,7 @@ def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def add_lora(model: nn.Module, r: int = 16, alpha: float = 32, dropout: float = 0.0,
-             target_modules=DEFAULT_TARGETS, use_rslora: bool = False, fp8_weights: bool = False,
+             target_modules: str | Sequence[str] = DEFAULT_TARGETS, use_rslora: bool = False, fp8_weights: bool = False,
              freeze_base: bool = True, dtype: torch.dtype | None = None,
              cache_weight_transpose: bool = False) -> nn.Module:
     """Add LoRA adapters to the projections of a converted model named as in Hugging Face (PEFT's LoraConfig).

@@ -7,7 +7,9 @@ LoraConfig (peft_type LORA, r, lora_alpha, lora_dropout, target_modules, use_rsl
 ranks or alphas, modules_to_save, ...) are refused by name.
 """
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -49,7 +51,7 @@ def _saved_targets(model: nn.Module, adapters: dict) -> list[str]:
     return names if covered == set(adapters) else sorted(adapters)
 
 
-def save_lora(model: nn.Module, directory, base_model_name_or_path: str | None = None) -> Path:
+def save_lora(model: nn.Module, directory: str | os.PathLike, base_model_name_or_path: str | None = None) -> Path:
     """Write the model's adapters in PEFT's format (see the module docstring) into `directory` (created).
 
     Args:
@@ -87,7 +89,7 @@ def save_lora(model: nn.Module, directory, base_model_name_or_path: str | None =
     return directory
 
 
-def read_lora_config(directory) -> dict:
+def read_lora_config(directory: str | os.PathLike) -> dict[str, Any]:
     """The adapter_config.json of a PEFT LoRA folder, checked: a LORA config whose options we support.
 
     Args:
@@ -110,7 +112,7 @@ def read_lora_config(directory) -> dict:
     return config
 
 
-def load_lora(model: nn.Module, directory, fp8_weights: bool = False,
+def load_lora(model: nn.Module, directory: str | os.PathLike, fp8_weights: bool = False,
               cache_weight_transpose: bool = False) -> nn.Module:
     """Load a PEFT LoRA folder (save_lora's, or PEFT's save_pretrained) into a converted model, in place.
 

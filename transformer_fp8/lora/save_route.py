@@ -20,7 +20,11 @@ def _save_adapters(model: nn.Module, save_directory, state_dict=None, **kwargs) 
 
 
 def route_save_pretrained(model: nn.Module) -> None:
-    """Make model.save_pretrained write its adapters (transformers models only; once)."""
+    """Make model.save_pretrained write its adapters (transformers models only; once).
+
+    Args:
+        model: a model with adapters (models without a save_pretrained are left as they are).
+    """
     if not hasattr(type(model), "save_pretrained") or _SAVED in model.__dict__:
         return
     model.__dict__[_SAVED] = model.__dict__.get("save_pretrained")
@@ -28,7 +32,11 @@ def route_save_pretrained(model: nn.Module) -> None:
 
 
 def restore_save_pretrained(model: nn.Module) -> None:
-    """Give model back the save_pretrained it had before route_save_pretrained."""
+    """Give model back the save_pretrained it had before route_save_pretrained.
+
+    Args:
+        model: a model that route_save_pretrained changed (others are left as they are).
+    """
     if _SAVED not in model.__dict__:
         return
     previous = model.__dict__.pop(_SAVED)

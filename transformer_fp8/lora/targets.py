@@ -48,7 +48,8 @@ class Projection:
 
     @property
     def target(self) -> str:
-        """The last component of hf_name (e.g. "q_proj"): the key of its adapter."""
+        """Returns:
+            The last component of hf_name (e.g. "q_proj"): the key of its adapter."""
         return self.hf_name.rsplit(".", 1)[-1]
 
 
@@ -108,9 +109,13 @@ def _matches(hf_name: str, target_modules) -> bool:
     return any(hf_name == t or hf_name.endswith("." + t) for t in target_modules)
 
 
-def check_target_modules(target_modules) -> str | tuple[str, ...]:
+def check_target_modules(target_modules: str | Iterable[str]) -> str | tuple[str, ...]:
     """target_modules as add_lora keeps it: a regular expression / "all-linear" string, or a tuple of names.
 
+    Args:
+        target_modules: module names, a regular expression string, or "all-linear" (see add_lora).
+    Returns:
+        The string as given, or the names as a tuple.
     Raises:
         TypeError / ValueError: not a string or an iterable of non-empty strings; an empty list; a bad regex.
     """
@@ -131,7 +136,7 @@ def check_target_modules(target_modules) -> str | tuple[str, ...]:
     return names
 
 
-def select_projections(model: nn.Module, target_modules) -> list[Projection]:
+def select_projections(model: nn.Module, target_modules: str | Iterable[str]) -> list[Projection]:
     """The projections of `model` that target_modules names (PEFT's matching rules, see the module docstring).
 
     Args:
@@ -162,5 +167,11 @@ def select_projections(model: nn.Module, target_modules) -> list[Projection]:
 
 
 def is_fp8_gemm_module(module: nn.Module) -> bool:
-    """Whether module is one of our GEMM modules (Linear, LayerNormLinear, LayerNormMLP)."""
+    """Whether module is one of our GEMM modules (Linear, LayerNormLinear, LayerNormMLP).
+
+    Args:
+        module: any module.
+    Returns:
+        True for Linear, LayerNormLinear and LayerNormMLP (their LoRA subclasses included).
+    """
     return isinstance(module, FP8ModuleBase) and _fp8_base_class(module) is not None
