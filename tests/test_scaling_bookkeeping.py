@@ -186,7 +186,8 @@ class _ModelFP8Attention(torch.autograd.Function):
         qf, kf, vf, probs, o = ctx.saved_tensors
         bwd, scale, groups = ctx.bwd, ctx.scale, qf.shape[1] // kf.shape[1]
         g = bwd.cast(grad, Role.ATTENTION_DO)
-        dv = (ctx.fwd.round_trip(probs, Role.ATTENTION_S).transpose(-1, -2) @ g).unflatten(1, (kf.shape[1], groups)).sum(2)
+        p8 = ctx.fwd.round_trip(probs, Role.ATTENTION_S)
+        dv = (p8.transpose(-1, -2) @ g).unflatten(1, (kf.shape[1], groups)).sum(2)
         d_scores = probs * (g @ _expand(vf, groups).transpose(-1, -2) - (g * o).sum(-1, keepdim=True)) * scale
         bwd.record(d_scores, Role.ATTENTION_DP)
         d_scores = bwd.round_trip(d_scores, Role.ATTENTION_DP)
