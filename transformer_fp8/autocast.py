@@ -1,10 +1,11 @@
 """fp8_autocast, fp8_model_init and the FP8 state they set, per thread.
 
 Inside `fp8_autocast` our modules run their GEMMs in FP8. Delayed scaling: each module registers its forward scaling
-state once per (outermost) autocast; at the outermost exit the newest amaxes are all-reduced (MAX) over `fp8_group`
-(one collective) and ONE `delayed_scaling_update` launch per recipe updates every registered state. Gradient states
-are registered by the modules' backward; the first one queues an autograd-engine callback that does the same after the
-backward. Nothing here synchronises with the device.
+state once per (outermost) autocast into the thread's queue (STATE.forward_states); at the outermost exit the newest
+amaxes are all-reduced (MAX) over `fp8_group` (one collective) and ONE `delayed_scaling_update` launch per recipe
+updates every registered state. Gradient states are registered by the modules' backward; the first one queues an
+autograd-engine callback that does the same after the backward. The update and the backward queues live in
+quantization/update.py (their names are re-exported here). Nothing here synchronises with the device.
 
 Threads (as torch.autocast): the settings (enabled, calibrating, recipe, group, nesting depth, fp8_model_init's) are
 the calling thread's own; a new thread starts outside fp8_autocast. What a backward needs (recipe, group) is taken

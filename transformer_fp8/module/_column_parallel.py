@@ -2,11 +2,11 @@
 inside the module's autograd Function.
 
 Sequence parallel: the input x [m, K] is this rank's block of rows (m = all rows / tp). It is cast (Linear) or
-normalised (the norm modules: mean/rstd of the block only) into FP8 forward slot 0 on the block, with the scale every
-TP rank shares (see distributed.TensorParallel), and the FP8 rows are all-gathered: q [tp * m, K], one byte an
+normalised (the norm modules: mean/rstd of the block only) by the input role's quantizer on the block, with the scale
+every TP rank shares (see distributed.TensorParallel), and the FP8 rows are all-gathered: q [tp * m, K], one byte an
 element. The GEMM runs on q; for the wgrad the forward keeps qT [K, tp * m] (what a non-SP module keeps).
-A delayed-scaling recipe with reduce_amax=False has per-rank scales: the block is then gathered in high precision and
-the gathered rows cast.
+Quantizers whose ranks do not share a scale (QuantizerSet.same_scale_on_every_rank: delayed scaling with
+reduce_amax=False) get the block gathered in high precision and the gathered rows cast.
 Backward (input_grads): the dgrad of the GEMM's input is this rank's partial sum over the TP ranks; its
 reduce-scatter back to the block (SP) or its all-reduce starts right after the dgrad GEMM and runs while the wgrad
 GEMM does.
