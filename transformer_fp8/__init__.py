@@ -6,7 +6,7 @@ from ._extension import load_extension
 load_extension()  # first: a missing build fails here, with a message that says so
 
 from . import cpu, ops  # noqa: F401  (registers the CPU reference kernels and the fake kernels)
-from . import distributed, recipe
+from . import distributed, quantization, recipe
 from .autocast import fp8_autocast, fp8_model_init, get_fp8_recipe, is_fp8_enabled
 from .checkpoint import checkpoint
 from .float8_tensor import Float8Tensor
@@ -20,7 +20,7 @@ __all__ = ["DotProductAttention", "FP8FallbackWarning", "Float8Tensor", "LayerNo
            "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm", "RotaryPositionEmbedding", "TransformerLayer",
            "apply_rotary_pos_emb", "checkpoint", "cuda_kernels_available", "debug", "distributed", "fp8_autocast",
            "fp8_model_init", "get_fp8_min_gemm_size", "get_fp8_recipe", "is_fp8_enabled", "make_graphed_callables",
-           "recipe", "set_fp8_min_gemm_size"]
+           "quantization", "recipe", "set_fp8_min_gemm_size"]
 
 __version__ = "0.1.0"
 

@@ -15,8 +15,8 @@ import torch.nn as nn
 from .. import autocast
 from ..float8_tensor import Float8Tensor
 from ..ops import tfp8
-from ..quantization import FP8Operand, QuantizerSet, ScalingState, quantizer_class  # noqa: F401  (ScalingState:
-# re-exported, its former home)
+from ..quantization import FP8Operand, Quantizer, QuantizerSet, ScalingState, quantizer_class  # noqa: F401
+# (ScalingState: re-exported from its former home)
 from ..recipe import FP8_MAX
 
 
@@ -82,7 +82,8 @@ def keeps_weight_transpose(weight, is_first_microbatch):
     return is_first_microbatch is not None or weight.numel() < MIN_RECAST_WEIGHT_NUMEL
 
 
-def fp8_weight(cache, name, weight, quantizer, need_transpose, is_first_microbatch):
+def fp8_weight(cache: dict, name: str, weight: torch.Tensor, quantizer: Quantizer, need_transpose: bool,
+               is_first_microbatch: bool | None) -> FP8Operand:
     """FP8 copy of a weight [N, K] for the forward GEMM: an FP8Operand with data [N, K] and data_t [K, N] or None.
     Call inside an autograd Function's forward (grad mode off: the weight goes to the cast as it is).
 
@@ -116,7 +117,7 @@ def fp8_weight(cache, name, weight, quantizer, need_transpose, is_first_microbat
     return operand
 
 
-def fp8_weight_transpose(weight, operand, quantizer):
+def fp8_weight_transpose(weight: torch.Tensor, operand: FP8Operand, quantizer: Quantizer) -> FP8Operand:
     """Returns:
         The forward's weight operand with data_t (Wᵀ [K, N], for a dgrad GEMM): as it is when it has one (a cached
         or kept copy), else the weight cast again with the operand's scale (no amax update), or a Float8Tensor's
@@ -130,7 +131,7 @@ def fp8_weight_transpose(weight, operand, quantizer):
     return FP8Operand(None, data_t, operand.scale_inv, operand.fp8_dtype)
 
 
-def main_grad_of(weight):
+def main_grad_of(weight: torch.Tensor) -> torch.Tensor:
     """Returns:
         weight.main_grad (FP32, the weight's shape), which fuse_wgrad_accumulation accumulates the wgrad into; a
         RuntimeError saying so when it is missing."""
