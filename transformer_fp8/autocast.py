@@ -52,6 +52,7 @@ class _FP8ThreadState(threading.local):
         self.depth = 0
         self.model_init = False
         self.preserve_init_val = False  # (see fp8_model_init)
+        self.model_init_layout = "tensor"  # the Float8Tensor layout of fp8_model_init's weights ("block_128x128")
         self.forward_states = []  # (ScalingState, recipe, group) used in this thread's current outermost autocast
         self.checkpoint = None  # the checkpoint region (checkpoint.py) whose forward or recompute runs in this thread
 
@@ -116,17 +117,19 @@ class fp8_autocast(contextlib.ContextDecorator):
 
 
 @contextlib.contextmanager
-def fp8_model_init(enabled: bool = True, recipe: DelayedScaling | Float8CurrentScaling | None = None,
+def fp8_model_init(enabled: bool = True, recipe: Any = None,
                    preserve_high_precision_init_val: bool = False) -> Iterator[None]:
-    """Weights of our modules created inside are Float8Tensor parameters (E4M3 data + scale_inv from the weight's
-    own amax, whatever the recipe: `recipe` is accepted as TE's argument); biases and norm weights stay in high
-    precision. preserve_high_precision_init_val=True keeps each weight's high-precision initial values on the CPU,
-    for `param.get_high_precision_init_val()` (e.g. to start FP32 master weights from them) until
+    """Weights of our modules created inside are Float8Tensor parameters: E4M3 data + one scale_inv from the
+    weight's own amax (recipe None, DelayedScaling or Float8CurrentScaling), or with recipe=Float8BlockScaling() one
+    scale_inv per 128x128 block (layout "block_128x128", the block GEMM's weight operand); biases and norm weights
+    stay in high precision. preserve_high_precision_init_val=True keeps each weight's high-precision initial values
+    on the CPU, for `param.get_high_precision_init_val()` (e.g. to start FP32 master weights from them) until
     `param.clear_high_precision_init_val()`.
 
     Args:
         enabled: whether weights created inside are Float8Tensor parameters.
-        recipe: accepted for TE compatibility (None, DelayedScaling or Float8CurrentScaling); not used.
+        recipe: TE's argument: the recipe the model will run with; it decides the weights' scaling layout (None:
+            per tensor).
         preserve_high_precision_init_val: keep each weight's high-precision initial values on the CPU.
 
     Returns:
@@ -134,17 +137,32 @@ def fp8_model_init(enabled: bool = True, recipe: DelayedScaling | Float8CurrentS
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected a bool, got {enabled!r}")
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError(f"recipe: expected None, DelayedScaling or Float8CurrentScaling, got {recipe!r}")
+    layout = _model_init_layout(recipe)
     if not isinstance(preserve_high_precision_init_val, bool):
         raise TypeError(f"preserve_high_precision_init_val: expected a bool, got {preserve_high_precision_init_val!r}")
     state = STATE  # (the calling thread's: fp8_model_init is per thread too)
-    saved = state.model_init, state.preserve_init_val
+    saved = state.model_init, state.preserve_init_val, state.model_init_layout
     state.model_init, state.preserve_init_val = enabled, enabled and preserve_high_precision_init_val
+    state.model_init_layout = layout
     try:
         yield
     finally:
-        state.model_init, state.preserve_init_val = saved
+        state.model_init, state.preserve_init_val, state.model_init_layout = saved
+
+
+def _model_init_layout(recipe: Any) -> str:
+    """The Float8Tensor layout of fp8_model_init's weights for `recipe`: "tensor" or "block_128x128"."""
+    from . import recipe as recipes  # (Float8BlockScaling comes with block scaling)
+    block_recipe = getattr(recipes, "Float8BlockScaling", None)
+    if block_recipe is not None and isinstance(recipe, block_recipe):
+        if getattr(recipe, "w_block_scaling_dim", 2) != 2:
+            raise NotImplementedError(f"recipe: fp8_model_init makes 128x128-block weights (w_block_scaling_dim=2) "
+                                      f"only, got w_block_scaling_dim={recipe.w_block_scaling_dim!r}")
+        return "block_128x128"
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        names = "DelayedScaling, Float8CurrentScaling" + (" or Float8BlockScaling" if block_recipe else "")
+        raise TypeError(f"recipe: expected None, {names}, got {recipe!r}")
+    return "tensor"
 
 
 def register_forward(scaling_state: "ScalingState", recipe: DelayedScaling, group: Any) -> None:
