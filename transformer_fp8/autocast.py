@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .ops import tfp8
-from .recipe import FP8_MAX, DelayedScaling, Float8CurrentScaling
+from .recipe import FP8_MAX, DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 if TYPE_CHECKING:
     from .module.base import ScalingState
@@ -52,7 +52,7 @@ class _FP8ThreadState(threading.local):
         self.depth = 0
         self.model_init = False
         self.preserve_init_val = False  # (see fp8_model_init)
-        self.model_init_layout = "tensor"  # the Float8Tensor layout of fp8_model_init's weights ("block_128x128")
+        self.model_init_options = {}  # Float8Tensor.from_hp's layout arguments for fp8_model_init's weights
         self.forward_states = []  # (ScalingState, recipe, group) used in this thread's current outermost autocast
         self.checkpoint = None  # the checkpoint region (checkpoint.py) whose forward or recompute runs in this thread
 
@@ -137,32 +137,33 @@ def fp8_model_init(enabled: bool = True, recipe: Any = None,
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected a bool, got {enabled!r}")
-    layout = _model_init_layout(recipe)
+    options = _model_init_options(recipe)
     if not isinstance(preserve_high_precision_init_val, bool):
         raise TypeError(f"preserve_high_precision_init_val: expected a bool, got {preserve_high_precision_init_val!r}")
     state = STATE  # (the calling thread's: fp8_model_init is per thread too)
-    saved = state.model_init, state.preserve_init_val, state.model_init_layout
+    saved = state.model_init, state.preserve_init_val, state.model_init_options
     state.model_init, state.preserve_init_val = enabled, enabled and preserve_high_precision_init_val
-    state.model_init_layout = layout
+    state.model_init_options = options
     try:
         yield
     finally:
-        state.model_init, state.preserve_init_val, state.model_init_layout = saved
+        state.model_init, state.preserve_init_val, state.model_init_options = saved
 
 
-def _model_init_layout(recipe: Any) -> str:
-    """The Float8Tensor layout of fp8_model_init's weights for `recipe`: "tensor" or "block_128x128"."""
-    from . import recipe as recipes  # (Float8BlockScaling comes with block scaling)
-    block_recipe = getattr(recipes, "Float8BlockScaling", None)
-    if block_recipe is not None and isinstance(recipe, block_recipe):
-        if getattr(recipe, "w_block_scaling_dim", 2) != 2:
+def _model_init_options(recipe: Any) -> dict[str, Any]:
+    """Float8Tensor.from_hp's layout arguments for fp8_model_init's weights under `recipe`: {} (one scale per
+    tensor) or 128x128 blocks with the recipe's weight QParams (the bytes its block quantizer casts the weight to)."""
+    if isinstance(recipe, Float8BlockScaling):
+        if recipe.w_block_scaling_dim != 2:
             raise NotImplementedError(f"recipe: fp8_model_init makes 128x128-block weights (w_block_scaling_dim=2) "
                                       f"only, got w_block_scaling_dim={recipe.w_block_scaling_dim!r}")
-        return "block_128x128"
+        qparams = recipe.fp8_quant_fwd_weight
+        return {"layout": "block_128x128", "power_2_scale": qparams.power_2_scale,
+                "amax_epsilon": qparams.amax_epsilon}
     if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        names = "DelayedScaling, Float8CurrentScaling" + (" or Float8BlockScaling" if block_recipe else "")
-        raise TypeError(f"recipe: expected None, {names}, got {recipe!r}")
-    return "tensor"
+        raise TypeError(f"recipe: expected None, DelayedScaling, Float8CurrentScaling or Float8BlockScaling, got "
+                        f"{recipe!r}")
+    return {}
 
 
 def register_forward(scaling_state: "ScalingState", recipe: DelayedScaling, group: Any) -> None:

@@ -11,10 +11,11 @@ the GEMM without a re-layout):
 A Hugging Face block-FP8 checkpoint's `weight_scale_inv` [cdiv(N, 128), cdiv(K, 128)] is this scale_inv without
 the padding columns (pad_block_scales adds them, unpadded_block_scales takes them off).
 
-Scale of a block (as the block quantizer computes it): amax = max |block|; scale = fp8_max / amax in float32, the
-float32 max where that overflows, 1 where amax is 0, Inf or NaN; q = saturate(x * scale) rounded to nearest even;
-scale_inv = 1 / scale. These functions are torch ops only (they run on any device, meta included); weights are
-quantized once (creation, load, an optimizer step), not per GEMM, so no kernel of their own.
+Scale of a block (as the block quantizer computes it): amax = max |block|, floored at amax_epsilon; scale =
+fp8_max / amax in float32, the float32 max where that overflows, rounded down to a power of two with power_2_scale,
+1 where amax is 0, Inf or NaN; q = saturate(x * scale) rounded to nearest even; scale_inv = 1 / scale. These
+functions are torch ops only (they run on any device, meta included): weights are quantized once (creation, load,
+an optimizer step), not per GEMM, so they have no kernel of their own.
 """
 import torch
 import torch.nn.functional as F
@@ -108,13 +109,27 @@ def block_amax(x: torch.Tensor) -> torch.Tensor:
     return padded.view(nb, BLOCK, kb, BLOCK).amax(dim=(1, 3))
 
 
-def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def is_power_of_2(values: torch.Tensor) -> bool:
+    """Returns: whether every element of float32 `values` is an exact power of two (mantissa bits all zero).
+
+    Args:
+        values: a float32 tensor.
+    """
+    return bool(((values.view(torch.int32) & _MANTISSA_BITS) == 0).all())
+
+
+_MANTISSA_BITS = 0x007FFFFF
+
+
+def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, power_2_scale: bool = False,
+                    amax_epsilon: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a weight in 128x128 blocks (see the module docstring for the scale rule).
 
     Args:
         x: high precision [N, K].
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        power_2_scale: round each block's scale down to a power of two (recipe QParams.power_2_scale).
+        amax_epsilon: floor of each block's amax (recipe QParams.amax_epsilon).
     Returns:
         (data FP8 [N, K] contiguous, scale_inv float32 [cdiv(N, 128), pad4(cdiv(K, 128))]).
     """
@@ -122,9 +137,12 @@ def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3f
         raise ValueError(f"x: expected a 2-D weight [N, K] for 128x128 blocks, got shape {tuple(x.shape)}")
     fp8_max = FP8_MAX[fp8_dtype]
     amax = block_amax(x)
+    amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)  # (NaN stays NaN)
     usable = torch.isfinite(amax) & (amax > 0)
     scale = torch.full_like(amax, fp8_max) / amax
     scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
+    if power_2_scale:
+        scale = (scale.view(torch.int32) & ~_MANTISSA_BITS).view(torch.float32)
     scale = torch.where(usable, scale, torch.ones_like(scale))
     data = (x.float() * _per_element(scale, x.shape)).clamp(-fp8_max, fp8_max).to(fp8_dtype)
     return data.contiguous(), pad_block_scales(torch.reciprocal(scale), x.shape[1])

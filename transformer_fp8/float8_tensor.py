@@ -24,7 +24,8 @@ what differs is which GEMM reads them (`layout`). For block weights: re-quantizi
 copy_ from a block Float8Tensor of the same shape copies bytes and scales, torch.cat along dim 0 of block weights
 whose row counts (all but the last) are multiples of 128 concatenates data and scales (a fused QKV or gate/up
 weight), views along dim 0 (split, chunk, narrow: FSDP2's shards) must start and end on 128-row boundaries (others
-are refused), and the FSDP2 all-gather moves bytes and block scales unchanged (shards of whole 128-row blocks).
+are refused). FSDP2 is refused for block weights: fully_shard keeps a flattened view of each shard, which a block
+weight cannot be (its scales follow its 2-D shape).
 """
 import torch
 from torch.utils._pytree import tree_map
@@ -59,11 +60,13 @@ class Float8Tensor(torch.Tensor):
         return self
 
     @classmethod
-    def from_hp(cls, tensor, fp8_dtype=torch.float8_e4m3fn, layout=block.LAYOUT_TENSOR):
+    def from_hp(cls, tensor, fp8_dtype=torch.float8_e4m3fn, layout=block.LAYOUT_TENSOR, power_2_scale=False,
+                amax_epsilon=0.0):
         """Quantize a high-precision tensor with a scale from its own amax ("tensor"), or a 2-D weight with one scale
-        per 128x128 block from each block's amax ("block_128x128")."""
+        per 128x128 block from each block's amax ("block_128x128"; power_2_scale and amax_epsilon as the recipe's
+        QParams, see float8_block.py)."""
         if layout == block.LAYOUT_BLOCK:
-            data, scale_inv = block.quantize_blocks(tensor.detach(), fp8_dtype)
+            data, scale_inv = block.quantize_blocks(tensor.detach(), fp8_dtype, power_2_scale, amax_epsilon)
             return cls(data, scale_inv, tensor.dtype)
         if layout != block.LAYOUT_TENSOR:
             raise ValueError(f"layout: expected {block.LAYOUT_TENSOR!r} or {block.LAYOUT_BLOCK!r}, got {layout!r}")
@@ -105,6 +108,20 @@ class Float8Tensor(torch.Tensor):
             return self._scale_inv
         return block.transpose_block_scales(self._scale_inv, tuple(self._data.shape))
 
+    def fp8_operand(self, transpose: bool = False) -> "FP8Operand":  # noqa: F821  (quantization.operand)
+        """This weight as a GEMM operand, without a cast: its own data and scale_inv in its layout.
+
+        Args:
+            transpose: also give the transposed copy data_t [K, N] (transpose_data(): kept with keep_transpose_) and
+                its scale_inv_t (a dgrad's operand).
+        Returns:
+            FP8Operand(data, data_t or None, scale_inv, fp8_dtype, layout, scale_inv_t).
+        """
+        from .quantization.operand import FP8Operand  # (quantization builds on this module's neighbours)
+        data_t = self.transpose_data() if transpose else None
+        scale_inv_t = self.transpose_scale_inv() if transpose else None
+        return FP8Operand(self._data, data_t, self._scale_inv, self._data.dtype, self.layout, scale_inv_t)
+
     def get_high_precision_init_val(self):
         """The high-precision values this weight was created from (a CPU tensor), kept by
         fp8_model_init(preserve_high_precision_init_val=True) until clear_high_precision_init_val(); else None."""
@@ -123,8 +140,9 @@ class Float8Tensor(torch.Tensor):
         """Re-quantize `src` (high precision, same shape) into this tensor with scale = fp8_max / amax(src)."""
         src = src.to(device=self.device)
         self._kept_transpose = None  # (stale from here: see transpose_data)
-        if self._scale_inv.dim() == 2:
-            data, scale_inv = block.quantize_blocks(src.reshape(self._data.shape), self._data.dtype)
+        if self._scale_inv.dim() == 2:  # (power-of-2 scales stay so: a weight keeps its recipe's scale style)
+            power_2_scale = block.is_power_of_2(self._scale_inv)
+            data, scale_inv = block.quantize_blocks(src.reshape(self._data.shape), self._data.dtype, power_2_scale)
             self._data.copy_(data)
             self._scale_inv.copy_(scale_inv)
             return self
@@ -228,9 +246,10 @@ class Float8Tensor(torch.Tensor):
 
     # --- FSDP2 all-gather extension (torch.distributed.fsdp.fully_shard) ---
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """All-gather inputs of this rank's shard: its FP8 data and its scale_inv (metadata: none). Block weights:
-        the shard's rows are whole 128-row blocks (its chunk was refused otherwise), so its block scales are rows of
-        the unsharded weight's."""
+        """All-gather inputs of this rank's shard: its FP8 data and its scale_inv (metadata: none). Block weights
+        are refused (see the module docstring)."""
+        if self._scale_inv.dim() == 2:
+            raise NotImplementedError(_FSDP_BLOCK_REFUSAL)
         return (self._data, self._scale_inv), None
 
     @torch.no_grad()
@@ -239,12 +258,6 @@ class Float8Tensor(torch.Tensor):
         largest scale_inv. With `out` (the Float8Tensor of an earlier call, whose storage FSDP re-allocated) the
         result is written into it."""
         data, scale_invs = all_gather_outputs
-        if scale_invs.dim() == 2:  # 128x128 blocks: the ranks' block rows stacked are the weight's (bytes kept)
-            if out is not None:
-                out._data.copy_(data.view(out._data.shape))
-                out._scale_inv.copy_(scale_invs)
-                return None
-            return Float8Tensor(data, scale_invs, param_dtype), (data, scale_invs)
         common = scale_invs.amax().reshape(1)
         per_rank = data.view(scale_invs.numel(), -1).float()
         rescaled = (per_rank * (scale_invs / common).unsqueeze(1)).to(data.dtype).view(data.shape)
@@ -255,6 +268,10 @@ class Float8Tensor(torch.Tensor):
             return None
         return Float8Tensor(rescaled, common, param_dtype), (rescaled,)
 
+
+_FSDP_BLOCK_REFUSAL = ("FSDP2 (fully_shard) cannot shard block-scaled FP8 weights (128x128 blocks): it keeps a "
+                       "flattened view of each shard, and block scales follow the weight's 2-D shape. Use per-tensor "
+                       "FP8 weights (fp8_model_init without Float8BlockScaling) or high-precision weights with FSDP2")
 
 _VIEW_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.view.default, aten.as_strided.default,
              aten._unsafe_view.default)
@@ -294,7 +311,8 @@ def _block_view(func, args, kwargs):
             (args[3] if len(args) > 3 else kwargs.get("storage_offset") or 0) == t._data.storage_offset()
     if not same_shape:
         raise NotImplementedError(f"{name}: block-scaled FP8 weights (128x128 blocks) keep their shape in views "
-                                  f"(got {tuple(args[1])} for shape {tuple(t.shape)}); dequantize() first")
+                                  f"(got {tuple(args[1])} for shape {tuple(t.shape)}); dequantize() first. "
+                                  f"{_FSDP_BLOCK_REFUSAL if tuple(args[1]) == (-1,) else ''}")
     return Float8Tensor(func(t._data, *args[1:], **kwargs), t._scale_inv, t.dtype)
 
 

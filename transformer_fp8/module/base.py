@@ -283,7 +283,7 @@ class FP8ModuleBase(nn.Module):
             weight = tp.shard(weight, shard_dim, shard_blocks)
         if not autocast.STATE.model_init:
             return nn.Parameter(weight)
-        param = nn.Parameter(Float8Tensor.from_hp(weight, layout=autocast.STATE.model_init_layout))
+        param = nn.Parameter(Float8Tensor.from_hp(weight, **autocast.STATE.model_init_options))
         if autocast.STATE.preserve_init_val:
             param._high_precision_init_val = weight.cpu()
         return param
