@@ -14,6 +14,7 @@ import transformer_fp8 as te
 from transformer_fp8 import Float8Tensor
 from transformer_fp8.integrations.block_fp8_checkpoint import (block_fp8_state_dict, check_block_fp8_config,
                                                                load_block_fp8_pretrained)
+from tests.test_block_fp8_weights import reference_quantize
 from tests.utils import rel_error
 
 transformers = pytest.importorskip("transformers")
@@ -214,3 +215,31 @@ def test_the_way_back_writes_a_plain_checkpoint(tmp_path):
     ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert rel_error(plain(ids).logits, reference(ids).logits) < 1e-5
+
+
+def test_unquantized_layers_and_sharded_files_load(tmp_path):
+    """A decoder weight kept in BF16 (modules_to_not_convert) is quantized at the load (as fp8_model_init made the
+    weight: Float8BlockScaling()'s power-of-2 weight scales); a checkpoint split into two safetensors files with an
+    index loads as one."""
+    config = tiny_config("llama")
+    tensors, reference = write_checkpoint(tmp_path, config)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = reference.state_dict()[name].to(torch.bfloat16)
+    del tensors[name + "_scale_inv"]
+    reference.state_dict()[name].copy_(tensors[name])
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, keys in shards.items():
+        safetensors_torch.save_file({k: tensors[k] for k in keys}, str(tmp_path / file))
+    index = {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_block_fp8_pretrained(tmp_path, dtype=torch.float32)
+    fc2 = model.model.layers[1].layer.layernorm_mlp.fc2_weight
+    assert isinstance(fc2, Float8Tensor) and fc2.layout == "block_128x128"
+    data, scale_inv = reference_quantize(tensors[name], power_2_scale=True)  # the recipe's weight QParams
+    assert torch.equal(as_bytes(fc2._data), as_bytes(data)) and torch.equal(fc2._scale_inv, scale_inv)
+    ids = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert rel_error(model(ids).logits, reference(ids).logits) < 0.05
