@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .ops import tfp8
-from .recipe import FP8_MAX, DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from .recipe import FP8_MAX, DelayedScaling, Float8CurrentScaling
 
 if TYPE_CHECKING:
     from .module.base import ScalingState
@@ -153,6 +153,7 @@ def fp8_model_init(enabled: bool = True, recipe: Any = None,
 def _model_init_options(recipe: Any) -> dict[str, Any]:
     """Float8Tensor.from_hp's layout arguments for fp8_model_init's weights under `recipe`: {} (one scale per
     tensor) or 128x128 blocks with the recipe's weight QParams (the bytes its block quantizer casts the weight to)."""
+    from .recipe import Float8BlockScaling  # (here: keeps this module's imports as the quantization refactor has them)
     if isinstance(recipe, Float8BlockScaling):
         if recipe.w_block_scaling_dim != 2:
             raise NotImplementedError(f"recipe: fp8_model_init makes 128x128-block weights (w_block_scaling_dim=2) "
