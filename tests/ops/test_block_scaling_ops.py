@@ -272,7 +272,8 @@ def test_cast_cuda_special_values():
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_gemm_cuda_matches_cpu(m, k, n, out_dtype):
     x, w, dy = _data((m, k), torch.bfloat16), _data((n, k), torch.bfloat16), _data((m, n), torch.bfloat16)
-    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    # Hopper's FP8 MMA accumulates with fewer bits than float32 between the 128-K promotions: ~1e-4 relative
+    tol = 1e-3 if out_dtype == torch.float32 else 1e-2
     xq, xs, xqt, xst = tfp8.block_cast(x, E4M3, 1, True, True)
     wq, ws, wqt, wst = tfp8.block_cast(w, E4M3, 2, True, True)
     dq, ds, dqt, dst = tfp8.block_cast(dy, E5M2, 1, True, True)
@@ -291,7 +292,7 @@ def test_gemm_cuda_matches_cpu(m, k, n, out_dtype):
     tfp8.block_fp8_gemm_accumulate(dqt, dst, 1, xqt, xst, 1, ref_acc)
     acc_cuda = acc.cuda()
     tfp8.block_fp8_gemm_accumulate(dqt.cuda(), dst.cuda(), 1, xqt.cuda(), xst.cuda(), 1, acc_cuda)
-    assert_close_rel(acc_cuda.cpu(), ref_acc, 1e-5, "accumulate")
+    assert_close_rel(acc_cuda.cpu(), ref_acc, 1e-3, "accumulate")
 
 
 @pytest.mark.gpu
