@@ -122,6 +122,7 @@ def test_row_views_and_cat_keep_bytes_on_block_boundaries():
     joined = torch.cat(pieces)
     assert isinstance(joined, Float8Tensor) and torch.equal(as_bytes(joined._data), as_bytes(t._data))
     assert torch.equal(joined._scale_inv, t._scale_inv)
+    assert t.view(-1, 200).layout == "block_128x128"  # (a view of the same shape)
     for refused in (lambda: torch.split(t, 100), lambda: t.narrow(0, 64, 128), lambda: t.narrow(1, 0, 128),
                     lambda: t.view(-1)):
         with pytest.raises(NotImplementedError, match="block"):

@@ -305,15 +305,12 @@ def _block_view(func, args, kwargs):
             out.append(_block_rows_view(t, dim, start, size, name))
             start += size
         return out
-    same_shape = tuple(args[1]) == tuple(t.shape)
-    if func is aten.as_strided.default:
-        same_shape = same_shape and tuple(args[2]) == tuple(t._data.stride()) and \
-            (args[3] if len(args) > 3 else kwargs.get("storage_offset") or 0) == t._data.storage_offset()
-    if not same_shape:
+    out = func(t._data, *args[1:], **kwargs)
+    if (out.shape, out.stride(), out.storage_offset()) != (t._data.shape, t._data.stride(), t._data.storage_offset()):
         raise NotImplementedError(f"{name}: block-scaled FP8 weights (128x128 blocks) keep their shape in views "
-                                  f"(got {tuple(args[1])} for shape {tuple(t.shape)}); dequantize() first. "
-                                  f"{_FSDP_BLOCK_REFUSAL if tuple(args[1]) == (-1,) else ''}")
-    return Float8Tensor(func(t._data, *args[1:], **kwargs), t._scale_inv, t.dtype)
+                                  f"(got {tuple(out.shape)} for shape {tuple(t.shape)}); dequantize() first. "
+                                  f"{_FSDP_BLOCK_REFUSAL if out.dim() == 1 else ''}")
+    return Float8Tensor(out, t._scale_inv, t.dtype)
 
 
 def _block_cat_applies(tensors, dim=0):
