@@ -30,3 +30,103 @@ GEMM ("TN", out [M, N] = a [M, K] · b [N, K]ᵀ): each operand is 1x128 or 128x
 fprop a = x (1x128) and b = w (128x128); dgrad a = dy (1x128) and b = w's data_t (128x128); wgrad a = dy's data_t
 (1x128) and b = x's data_t (1x128). 128x128 x 128x128 is refused (cuBLASLt has no such kernel).
 """
+from typing import Any
+
+import torch
+
+from ..ops import tfp8
+from ..recipe import Float8BlockScaling, QParams
+from .operand import FP8Operand
+from .quantizer import Quantizer
+from .roles import Role
+from .state import ScalingState
+
+LAYOUT_1X128 = "block_1x128"
+LAYOUT_128X128 = "block_128x128"
+BLOCK_DIM_OF_LAYOUT = {LAYOUT_1X128: 1, LAYOUT_128X128: 2}
+LAYOUT_OF_BLOCK_DIM = {1: LAYOUT_1X128, 2: LAYOUT_128X128}
+
+_WEIGHT_ROLES = (Role.WEIGHT, Role.FC1_WEIGHT, Role.FC2_WEIGHT)
+_GRAD_ROLES = (Role.GRAD_OUTPUT, Role.FC1_GRAD_OUTPUT, Role.FC2_GRAD_OUTPUT)
+
+
+def role_settings(recipe: Float8BlockScaling, role: Role) -> tuple[int, QParams]:
+    """The block dim and QParams a Float8BlockScaling recipe gives a role.
+
+    Args:
+        recipe: the recipe.
+        role: a GEMM role (weights, gradients, or else an input).
+
+    Returns:
+        (block_dim, qparams): the recipe's w_ / grad_ / x_block_scaling_dim and fp8_quant_fwd_weight /
+        fp8_quant_bwd_grad / fp8_quant_fwd_inp.
+    """
+    if role in _WEIGHT_ROLES:
+        return recipe.w_block_scaling_dim, recipe.fp8_quant_fwd_weight
+    if role in _GRAD_ROLES:
+        return recipe.grad_block_scaling_dim, recipe.fp8_quant_bwd_grad
+    return recipe.x_block_scaling_dim, recipe.fp8_quant_fwd_inp
+
+
+class BlockScalingQuantizer(Quantizer):
+    """Float8BlockScaling: a float32 scale per 1x128 tile or 128x128 block from the tile's own amax at each cast
+    (block_cast; the layout above). No amax history, no update, nothing shared between ranks; the transposed copy is
+    cast from the high-precision tensor with its own tiles. The fused per-tensor ops cannot take it
+    (fused_per_tensor False, known_scale False): modules cast separately and run the operand GEMM helpers, which send
+    block layouts to block_fp8_gemm.
+
+    Attributes:
+        block_dim: 1 (1x128 tiles) or 2 (128x128 blocks), from the recipe for this role.
+        qparams: the role's QParams (power_2_scale, amax_epsilon).
+        layout: "block_1x128" or "block_128x128".
+    """
+
+    __slots__ = ("block_dim", "qparams", "layout")
+    fused_per_tensor = False
+    updates_by_history = False
+
+    def __init__(self, role: Role, fp8_dtype: torch.dtype, state: ScalingState, slot: int, tp_group: Any = None,
+                 recipe: Float8BlockScaling | None = None):
+        """Args:
+            role, fp8_dtype, state, slot, tp_group: as Quantizer's (the state's slot is not used: no history).
+            recipe: the Float8BlockScaling recipe (None: its defaults).
+        """
+        super().__init__(role, fp8_dtype, state, slot, tp_group)
+        self.block_dim, self.qparams = role_settings(recipe or Float8BlockScaling(), role)
+        self.layout = LAYOUT_OF_BLOCK_DIM[self.block_dim]
+
+    @classmethod
+    def history_len(cls, recipe: Any) -> int:
+        return 1
+
+    @classmethod
+    def same_scale_on_every_rank(cls, recipe: Any) -> bool:
+        return False  # (each rank's tiles have their own scales: FP8 data of several ranks is no one tensor)
+
+    def cast_args(self, x: torch.Tensor):
+        raise NotImplementedError(f"{self!r}: block scaling has no per-tensor scale for a fused per-tensor op "
+                                  f"(check fused_per_tensor before calling cast_args)")
+
+    def output_args(self):
+        raise NotImplementedError(f"{self!r}: block scaling has no scale known before a cast (known_scale is False)")
+
+    def cast(self, x: torch.Tensor, *, rowwise: bool = True, transpose: bool = False) -> FP8Operand:
+        """x [M, N] (contiguous, high precision) -> FP8Operand (this quantizer's layout) with data [M, N] and its
+        scales (rowwise) and data_t [N, M] with its own (transpose), from one block_cast kernel."""
+        q, scale_inv, qt, scale_inv_t = tfp8.block_cast(x, self.fp8_dtype, self.block_dim, rowwise, transpose,
+                                                        float(self.qparams.amax_epsilon), self.qparams.power_2_scale)
+        return FP8Operand(q if rowwise else None, qt if transpose else None, scale_inv, self.fp8_dtype, self.layout,
+                          scale_inv_t)
+
+    def cast_with_dbias(self, x: torch.Tensor) -> tuple[FP8Operand, torch.Tensor]:
+        """A gradient x [M, N] -> (FP8Operand with data and data_t, x summed over rows [N] in float32, returned in
+        x's dtype: the bias gradient)."""
+        return self.cast(x, rowwise=True, transpose=True), x.float().sum(dim=0).to(x.dtype)
+
+    def transpose_like(self, x: torch.Tensor, operand: FP8Operand) -> torch.Tensor:
+        """x [N, K] (the tensor `operand` was cast from) -> its FP8 transpose [K, N], recast from x with this
+        quantizer's tiles (the same scales as the forward for 128x128 blocks: the same values give the same block
+        amaxes); the scales go to operand.scale_inv_t, where the GEMM helpers read them."""
+        operand_t = self.cast(x, rowwise=False, transpose=True)
+        operand.scale_inv_t = operand_t.scale_inv_t
+        return operand_t.data_t

@@ -3,7 +3,7 @@ import torch
 
 from ..ops import tfp8
 
-LAYOUTS = ("tensor",)  # block scaling adds "block_1x128" (activations, gradients) and "block_128x128" (weights)
+LAYOUTS = ("tensor", "block_1x128", "block_128x128")  # (block layouts: quantization/block.py)
 
 
 class FP8Operand:

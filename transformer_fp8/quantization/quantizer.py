@@ -38,13 +38,15 @@ class Quantizer:
     fused_per_tensor = True
     updates_by_history = False
 
-    def __init__(self, role: Role, fp8_dtype: torch.dtype, state: ScalingState, slot: int, tp_group: Any = None):
+    def __init__(self, role: Role, fp8_dtype: torch.dtype, state: ScalingState, slot: int, tp_group: Any = None,
+                 recipe: Any = None):
         """Args:
             role: the Role this quantizer casts.
             fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
             state: the ScalingState holding the role's slot.
             slot: the role's slot in `state`.
             tp_group: the module's tensor-parallel group, or None (used by recipes that share amaxes over it).
+            recipe: the recipe (read by classes with per-role settings, such as block scaling's block dims).
         """
         self.role, self.fp8_dtype, self.fp8_max = role, fp8_dtype, FP8_MAX[fp8_dtype]
         self.state, self.slot = state, slot
@@ -175,9 +177,10 @@ class CurrentScalingQuantizer(Quantizer):
 
     __slots__ = ("amax_group",)
 
-    def __init__(self, role: Role, fp8_dtype: torch.dtype, state: ScalingState, slot: int, tp_group: Any = None):
+    def __init__(self, role: Role, fp8_dtype: torch.dtype, state: ScalingState, slot: int, tp_group: Any = None,
+                 recipe: Any = None):
         """Args:
-            role, fp8_dtype, state, slot: as Quantizer's.
+            role, fp8_dtype, state, slot, recipe: as Quantizer's.
             tp_group: the process group the amaxes are MAX-reduced over (amax_group), or None.
         """
         super().__init__(role, fp8_dtype, state, slot)
