@@ -24,7 +24,7 @@ import torch
 import torch.utils.checkpoint
 
 from . import autocast, distributed
-from .module.base import ScalingState
+from .quantization import ScalingState
 
 
 class _Region:
@@ -91,7 +91,7 @@ def _replay_state(original, scales, calibrated):
     amax_history = torch.zeros(original.history_len, scales.shape[1], dtype=torch.float32, device=scales.device)
     replay = ScalingState.over(amax_history, scales[0], scales[1], calibrated)
     replay.pending = True
-    replay.amax_group, replay.calibration_group = original.amax_group, original.calibration_group
+    replay.calibration_group = original.calibration_group
     return replay
 
 

@@ -1,9 +1,11 @@
 """DotProductAttention in FP8 (recipe fp8_dpa=True): the fused_attn_fp8_fwd / fused_attn_fp8_bwd ops (csrc/ops.cpp;
 CUDA: cuDNN's FP8 SDPA, CPU: the emulated reference) behind an autograd Function, with delayed scaling.
 
-Scaling state (module/base.py ScalingState, registered with autocast like the FP8 modules' states):
-  forward slots  Q, K, V (the casts of the BF16 q, k, v), S (softmax probabilities), O (the output), fwd format;
-  backward slots DO (the cast of the output gradient), DP (dS, the gradient of q kᵀ), DQ, DK, DV, bwd format.
+Scaling (a quantization.QuantizerSet over ATTENTION_ROLES, its states registered for the fused update like the FP8
+modules' states):
+  forward roles  ATTENTION_Q, _K, _V (the casts of the BF16 q, k, v), _S (softmax probabilities), _O (the output),
+  fwd format; backward roles ATTENTION_DO (the cast of the output gradient), _DP (dS, the gradient of q kᵀ), _DQ,
+  _DK, _DV, bwd format.
 Every slot's amax is max-accumulated into amax_history row 0 (by the casts or the ops), and autocast's fused update
 turns the histories into scales after the forward / backward.
 
@@ -26,10 +28,8 @@ from .. import autocast
 from ..ops import tfp8
 from .._layout import dim_order, row_layout
 from .attention_cudnn import _torch_sdpa_grads, grad_views, shared_grad_layout
-from .base import ScalingState
+from ..quantization import ATTENTION_ROLES, QuantizerSet, Role, ScalingState
 
-Q, K, V, S, O = range(5)  # forward slots
-DO, DP, DQ, DK, DV = range(5)  # backward slots
 FP8_MASK_TYPES = ("no_mask", "causal")
 _refused = {}  # (case, "forward" / "backward") -> the op's reason
 _warned = set()
@@ -48,48 +48,65 @@ def fp8_dpa_enabled():
 
 
 class AttentionScaling:
-    """A DotProductAttention's FP8 scaling state: forward slots (Q, K, V, S, O), backward slots (DO, DP, DQ, DK, DV),
-    made for the first recipe it runs with (remade when the amax history length changes) on the input's device."""
+    """A DotProductAttention's FP8 quantizers (ATTENTION_ROLES): made for the first recipe it runs with (the states
+    remade when the amax history length changes) on the input's device. `fwd` / `bwd`: the states (a checkpoint
+    region swaps `fwd` for its recompute)."""
 
     def __init__(self):
-        self.fwd = self.bwd = None
+        self.quantizers = None
+
+    @property
+    def fwd(self):
+        return None if self.quantizers is None else self.quantizers.fwd_state
+
+    @fwd.setter
+    def fwd(self, state):
+        self.quantizers.fwd_state = state
+
+    @property
+    def bwd(self):
+        return None if self.quantizers is None else self.quantizers.bwd_state
+
+    @bwd.setter
+    def bwd(self, state):
+        self.quantizers.bwd_state = state
 
     def begin(self, device):
         """Adopt the active recipe and queue the forward state for the update (inside a checkpoint region's forward:
         have the region record it, see checkpoint.py); -> (recipe, group)."""
-        recipe, group = autocast.STATE.recipe, autocast.STATE.group
-        if self.fwd is None or self.fwd.history_len != recipe.amax_history_len:
-            self.fwd = ScalingState(5, recipe.amax_history_len, device)
-            self.bwd = ScalingState(5, recipe.amax_history_len, device)
-        self.fwd.to(device)
-        self.bwd.to(device)
-        if not self.fwd.pending:
-            autocast.register_forward(self.fwd, recipe, group)
-        region = autocast.STATE.checkpoint
+        state = autocast.STATE
+        recipe, group = state.recipe, state.group
+        old = self.quantizers
+        if old is None or old.recipe is not recipe:
+            states = None if old is None else (old.fwd_state, old.bwd_state)
+            self.quantizers = QuantizerSet(recipe, *ATTENTION_ROLES, device, None, states)
+        self.quantizers.to(device)
+        self.quantizers.begin_forward(state)
+        region = state.checkpoint
         if region is not None and region.recording:
             region.record(self, "fwd")
         return recipe, group
 
     def state_dict(self):
         """For the module's checkpoint (extra state): None before the first FP8 call."""
-        return None if self.fwd is None else {"fwd": self.fwd.state_dict(), "bwd": self.bwd.state_dict()}
+        return None if self.quantizers is None else self.quantizers.extra_state()
 
     def load_state_dict(self, state):
         if state is None:
             return
         device = state["fwd"]["scale"].device  # (begin() moves the state to the input's device)
-        self.fwd = ScalingState.from_state_dict(state["fwd"], device)
-        self.bwd = ScalingState.from_state_dict(state["bwd"], device)
+        self.quantizers = QuantizerSet.from_states(*ATTENTION_ROLES, ScalingState.from_state_dict(state["fwd"], device),
+                                                   ScalingState.from_state_dict(state["bwd"], device))
 
 
-def _cast(x, state, slot, fp8_dtype):
-    """x -> FP8 dense in x's dim order, with slot's scale (amax accumulated; 1/scale written into the slot's
-    snapshot)."""
+def _cast(x, quantizer):
+    """x -> FP8 dense in x's dim order, with the quantizer's slot scale (amax accumulated; 1/scale written into the
+    slot's snapshot)."""
     order, inverse = dim_order(x)
     rows = x.permute(order)
     if row_layout(rows) is None:  # (say, an expanded gradient; q, k, v of a fused QKV are rows at a stride)
         rows = rows.contiguous()
-    q = tfp8.quantize(rows, state.scales[slot], fp8_dtype, state.amaxes[slot], state.scale_invs[slot])
+    q = tfp8.quantize(rows, quantizer.scale, quantizer.fp8_dtype, quantizer.amax, quantizer.scale_inv)
     return q.permute(inverse)
 
 
@@ -101,38 +118,39 @@ def _dequantize(x8, scale_inv, dtype):
 
 class _FP8Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, scaling, recipe, group, case):
-        fwd, fwd_dtype = scaling.fwd, recipe.fp8_format.fwd_dtype
-        q8, k8, v8 = (_cast(t, fwd, slot, fwd_dtype) for t, slot in ((q, Q), (k, K), (v, V)))
+    def forward(ctx, q, k, v, scale, causal, quantizers, group, case):
+        qq, qk, qv, qs, qo = (quantizers[role] for role in ATTENTION_ROLES[0])
+        q8, k8, v8 = (_cast(t, quantizer) for t, quantizer in ((q, qq), (k, qk), (v, qv)))
         out8, stats = tfp8.fused_attn_fp8_fwd(
-            q8, k8, v8, fwd.scale_invs[Q], fwd.scale_invs[K], fwd.scale_invs[V], fwd.scales[S],
-            fwd.scale_inv_slots[S], fwd.scales[O], fwd.amaxes[S], fwd.amaxes[O], scale, causal)
-        descale_o = torch.reciprocal(fwd.scales[O], out=fwd.scale_invs[O])  # the snapshot of the scale out8 has
+            q8, k8, v8, qq.scale_inv, qk.scale_inv, qv.scale_inv, qs.scale, qs.scale_inv_slot, qo.scale, qs.amax,
+            qo.amax, scale, causal)
+        descale_o = torch.reciprocal(qo.scale, out=qo.scale_inv)  # the snapshot of the scale out8 has
         ctx.save_for_backward(q8, k8, v8, out8, stats)
         ctx.grad_layout = shared_grad_layout(q, k, v)  # (None unless q, k, v are views of a fused QKV)
-        # Snapshots as attributes, not saved tensors: they share one buffer (see module/base.py).
-        ctx.descales = (fwd.scale_invs[Q], fwd.scale_invs[K], fwd.scale_invs[V], descale_o)
-        ctx.args = (scale, causal, scaling, recipe, group, case, q.dtype)
+        # Snapshots as attributes, not saved tensors: they share one buffer (see quantization/state.py).
+        ctx.descales = (qq.scale_inv, qk.scale_inv, qv.scale_inv, descale_o)
+        ctx.args = (scale, causal, quantizers, group, case, q.dtype)
         return _dequantize(out8, descale_o, q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q8, k8, v8, out8, stats = ctx.saved_tensors
-        scale, causal, scaling, recipe, group, case, dtype = ctx.args
-        fwd, bwd = scaling.fwd, scaling.bwd
-        g8 = _cast(grad_out, bwd, DO, recipe.fp8_format.bwd_dtype)
-        autocast.register_backward(bwd, recipe, group)
+        scale, causal, quantizers, group, case, dtype = ctx.args
+        qs = quantizers[Role.ATTENTION_S]
+        qdo, qdp, qdq, qdk, qdv = (quantizers[role] for role in ATTENTION_ROLES[1])
+        g8 = _cast(grad_out, qdo)
+        quantizers.register_backward(group)
         try:
             grads8 = tfp8.fused_attn_fp8_bwd(
-                g8, q8, k8, v8, out8, stats, *ctx.descales, bwd.scale_invs[DO], fwd.scales[S],
-                fwd.scale_inv_slots[S], bwd.scales[DP], bwd.scale_inv_slots[DP], bwd.scales[DQ], bwd.scales[DK],
-                bwd.scales[DV], bwd.amaxes[DP], bwd.amaxes[DQ], bwd.amaxes[DK], bwd.amaxes[DV], scale, causal)
+                g8, q8, k8, v8, out8, stats, *ctx.descales, qdo.scale_inv, qs.scale, qs.scale_inv_slot, qdp.scale,
+                qdp.scale_inv_slot, qdq.scale, qdk.scale, qdv.scale, qdp.amax, qdq.amax, qdk.amax, qdv.amax, scale,
+                causal)
         except NotImplementedError as err:
             _refused[(case, "backward")] = str(err)
             warn_not_fp8(f"backward: {err}")
             q, k, v = (_dequantize(t, d, dtype) for t, d in zip((q8, k8, v8), ctx.descales))
-            return (*_torch_sdpa_grads(grad_out.to(dtype), q, k, v, scale, causal, None), *(None,) * 6)
-        scale_invs = [bwd.scale_inv_slots[slot] for slot in (DQ, DK, DV)]
+            return (*_torch_sdpa_grads(grad_out.to(dtype), q, k, v, scale, causal, None), *(None,) * 5)
+        scale_invs = [quantizer.scale_inv_slot for quantizer in (qdq, qdk, qdv)]
         if ctx.grad_layout is None:
             grads = [_dequantize(g, scale_inv, dtype) for g, scale_inv in zip(grads8, scale_invs)]
         else:  # into one gradient laid out like the fused QKV
@@ -140,7 +158,7 @@ class _FP8Attention(torch.autograd.Function):
             for g8, g, scale_inv in zip(grads8, grads, scale_invs):
                 order = dim_order(g8)[0]
                 tfp8.dequantize_into(g8.permute(order), scale_inv, g.permute(order))
-        return (*grads, *(None,) * 6)
+        return (*grads, *(None,) * 5)
 
 
 def fp8_attention(scaling, q, k, v, attention_mask, attn_mask_type, dropout_p, scale):
@@ -163,9 +181,10 @@ def fp8_attention(scaling, q, k, v, attention_mask, attn_mask_type, dropout_p, s
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if (case, "forward") in _refused or (needs_grad and (case, "backward") in _refused):
         return None
-    recipe, group = scaling.begin(q.device)
+    _, group = scaling.begin(q.device)
     try:
-        return _FP8Attention.apply(q, k, v, float(scale), attn_mask_type == "causal", scaling, recipe, group, case)
+        return _FP8Attention.apply(q, k, v, float(scale), attn_mask_type == "causal", scaling.quantizers, group,
+                                   case)
     except NotImplementedError as err:
         _refused[(case, "forward")] = str(err)
         warn_not_fp8(str(err))

@@ -5,7 +5,7 @@ casts each tensor with `qset[Role.X].cast(x, transpose=...)`, getting an FP8Oper
 """
 from .block import BlockScalingQuantizer
 from .factory import QUANTIZER_FOR_RECIPE, QuantizerSet, quantizer_class
-from .gemm import gemm, gemm_accumulate, gemm_gelu_to_fp8
+from .gemm_ops import gemm, gemm_accumulate, gemm_gelu_to_fp8
 from .operand import FP8Operand
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
 from .roles import ATTENTION_ROLES, GEMM_ROLES, MLP_ROLES, Role
