@@ -26,7 +26,7 @@ from .quantization import update
 from .quantization.update import (_backward_queues, _plans, distributed_initialized,  # noqa: F401  (re-exported)
                                   forget_update_plans, register_backward, renew_scale_inv_snapshots,
                                   update_scaling_states)
-from .recipe import DelayedScaling, Float8CurrentScaling
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 if TYPE_CHECKING:
     from .quantization.state import ScalingState
@@ -88,8 +88,9 @@ class fp8_autocast(contextlib.ContextDecorator):
             raise TypeError(f"calibrating: expected a bool, got {calibrating!r}")
         if fp8_recipe is None:
             fp8_recipe = DEFAULT_RECIPE
-        if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
-            raise TypeError(f"fp8_recipe: expected DelayedScaling or Float8CurrentScaling, got {fp8_recipe!r}")
+        if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)):
+            raise TypeError(f"fp8_recipe: expected DelayedScaling, Float8CurrentScaling or Float8BlockScaling, got "
+                            f"{fp8_recipe!r}")
         self.settings = (enabled, calibrating, fp8_recipe, fp8_group)
         # thread id -> the settings each enter replaced, innermost last: one instance (say a decorator) may be
         # entered by several threads at once, and each exit must restore its own thread's settings
@@ -153,7 +154,6 @@ def fp8_model_init(enabled: bool = True, recipe: Any = None,
 def _model_init_options(recipe: Any) -> dict[str, Any]:
     """Float8Tensor.from_hp's layout arguments for fp8_model_init's weights under `recipe`: {} (one scale per
     tensor) or 128x128 blocks with the recipe's weight QParams (the bytes its block quantizer casts the weight to)."""
-    from .recipe import Float8BlockScaling  # (here: keeps this module's imports as the quantization refactor has them)
     if isinstance(recipe, Float8BlockScaling):
         if recipe.w_block_scaling_dim != 2:
             raise NotImplementedError(f"recipe: fp8_model_init makes 128x128-block weights (w_block_scaling_dim=2) "

@@ -14,7 +14,6 @@ import torch.nn as nn
 
 from .. import autocast
 from ..float8_tensor import Float8Tensor
-from ..ops import tfp8
 from ..quantization import FP8Operand, QuantizerSet, ScalingState, quantizer_class  # noqa: F401  (ScalingState:
 # re-exported, its former home)
 from ..recipe import FP8_MAX
@@ -102,13 +101,11 @@ def fp8_weight(cache, name, weight, quantizer, need_transpose, is_first_microbat
         cached = cache.get(name)
         if cached is not None:
             if need_transpose and cached.data_t is None:
-                cached = FP8Operand(cached.data, tfp8.fp8_transpose(cached.data), cached.scale_inv, cached.fp8_dtype)
-                cache[name] = cached
+                cached = cache[name] = cached.with_transpose()
             return cached
     need_transpose = need_transpose and keeps_weight_transpose(weight, is_first_microbatch)
     if isinstance(weight, Float8Tensor):
-        qt = weight.transpose_data() if need_transpose else None  # (kept on it: see keep_transpose_)
-        operand = FP8Operand(weight._data, qt, weight._scale_inv, weight._data.dtype)
+        operand = weight.fp8_operand(transpose=need_transpose)  # (its layout; data_t kept on it: keep_transpose_)
     else:
         operand = quantizer.cast(weight, transpose=need_transpose)
     if is_first_microbatch is not None:
@@ -124,10 +121,9 @@ def fp8_weight_transpose(weight, operand, quantizer):
     if operand.data_t is not None:
         return operand
     if isinstance(weight, Float8Tensor):
-        data_t = weight.transpose_data()
-    else:
-        data_t = quantizer.transpose_like(weight, operand)
-    return FP8Operand(None, data_t, operand.scale_inv, operand.fp8_dtype)
+        return weight.fp8_operand(transpose=True).transposed_only(weight.transpose_data())
+    data_t = quantizer.transpose_like(weight, operand)  # (block quantizers set operand.scale_inv_t)
+    return operand.transposed_only(data_t)
 
 
 def main_grad_of(weight):
