@@ -15,7 +15,7 @@ import torch.nn as nn
 import transformer_fp8 as te
 from transformer_fp8 import Float8Tensor
 from transformer_fp8.float8_block import block_scale_shape
-from tests.utils import FP8_RTOL, rel_error
+from tests.utils import FP8_RTOL, OpCalls, rel_error
 
 BLOCK_RECIPE = te.recipe.Float8BlockScaling
 SHAPES = [(256, 384), (300, 200), (128, 640), (1, 5)]  # (128, 640): 5 column blocks, scale rows padded to 8
@@ -240,12 +240,14 @@ def test_block_weights_run_under_block_scaling_on_cpu():
     with te.fp8_model_init(recipe=BLOCK_RECIPE()):
         m = te.Linear(256, 384, params_dtype=torch.float32, device="cpu")
     x = torch.randn(32, 256, dtype=torch.float64)
-    with te.fp8_autocast(fp8_recipe=BLOCK_RECIPE()):
-        out = m(x.float().requires_grad_())
-    want = x @ m.weight.dequantize(torch.float32).double().t() + m.bias.double()
-    assert 1e-4 < rel_error(out, want) < FP8_RTOL[torch.float8_e4m3fn]
-    out.sum().backward()
+    with OpCalls("block_cast", lambda arguments: tuple(arguments["input"].shape)) as casts:
+        with te.fp8_autocast(fp8_recipe=BLOCK_RECIPE()):
+            out = m(x.float().requires_grad_())
+        want = x @ m.weight.dequantize(torch.float32).double().t() + m.bias.double()
+        assert 1e-4 < rel_error(out, want) < FP8_RTOL[torch.float8_e4m3fn]
+        out.sum().backward()
     assert m.weight.grad.shape == (384, 256)
+    assert casts.seen and (384, 256) not in casts.seen  # the weight's own bytes, forward and backward: no cast
 
 
 @pytest.mark.gpu
@@ -263,11 +265,18 @@ def test_block_weights_run_under_block_scaling_on_gpu(module):
     with torch.no_grad():  # the same (dequantized) weights in BF16
         for (name, p), (_, r) in zip(m.named_parameters(), reference.named_parameters()):
             r.copy_(p.dequantize() if isinstance(p, Float8Tensor) else p)
-    x = torch.randn(4, 256, 1024, device="cuda", dtype=torch.bfloat16) if module == "TransformerLayer" \
-        else torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
-    with te.fp8_autocast(fp8_recipe=BLOCK_RECIPE()):
-        out = m(x)
-    want = reference(x)
+    x = torch.randn(2, 256, 1024, device="cuda", dtype=torch.bfloat16) if module == "TransformerLayer" \
+        else torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)  # (512 tokens: no weight has 512 rows)
+    x.requires_grad_()
+    with OpCalls("block_cast", lambda arguments: tuple(arguments["input"].shape)) as casts:
+        with te.fp8_autocast(fp8_recipe=BLOCK_RECIPE()):
+            out = m(x)
+        out.float().pow(2).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    want = reference(x_ref)
+    want.float().pow(2).sum().backward()
     assert 1e-4 < rel_error(out, want) < 0.08
-    out.float().pow(2).sum().backward()
+    assert rel_error(x.grad, x_ref.grad) < 0.15  # (FP8 gradients, 1x128 tiles)
+    weights = {tuple(p.shape) for p in m.parameters() if isinstance(p, Float8Tensor)}
+    assert casts.seen and not weights & set(casts.seen)  # the weights' own bytes went to the GEMMs
     assert all(p.grad is not None for p in m.parameters() if p.requires_grad)
