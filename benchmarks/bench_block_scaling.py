@@ -8,7 +8,9 @@ shows the median over the rounds. Block rows: "fprop" = a 1x128 x b 128x128 (act
 1x128 (dyᵀ x xᵀ). Per-tensor rows: fp8_gemm with the split accumulator (what block scaling always uses) and with
 fast accumulation (our per-tensor forward). Layer steps: forward + backward, gradients from None, timing.gpu_time_ms
 (10 steps back to back) per round.
-Usage: python benchmarks/bench_block_scaling.py [--json out.json] [--rounds 5] [--skip-layers]
+--llama-stack adds issue 21's Llama-1.1B-shaped stack of TransformerLayers (B4xS2048, full logits, fused AdamW):
+tokens/s (median over rounds of 10 steps, recipes built and timed one after another) and peak GiB per recipe.
+Usage: python benchmarks/bench_block_scaling.py [--json out.json] [--rounds 5] [--skip-layers] [--llama-stack]
 """
 import argparse
 import json
@@ -170,6 +172,71 @@ def layer_table(rounds):
     return rows
 
 
+class LlamaStack(torch.nn.Module):
+    """A Llama-1.1B-shaped stack (issue 21's measure): embedding, 16 TransformerLayers (hidden 2048, ffn 8192 swiglu,
+    RMSNorm, 32 heads / 8 KV groups, no bias, causal), final RMSNorm, untied LM head over vocab 32000 (full logits)."""
+
+    def __init__(self, layers=16, hidden=2048, ffn=8192, heads=32, groups=8, vocab=32000):
+        super().__init__()
+        dt = torch.bfloat16
+        self.embed = torch.nn.Embedding(vocab, hidden, device="cuda", dtype=dt)
+        self.layers = torch.nn.ModuleList(
+            te.TransformerLayer(hidden, ffn, heads, num_gqa_groups=groups, hidden_dropout=0.0, attention_dropout=0.0,
+                                bias=False, activation="swiglu", normalization="RMSNorm", params_dtype=dt,
+                                self_attn_mask_type="causal") for _ in range(layers))
+        self.norm = te.RMSNorm(hidden, params_dtype=dt)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False, device="cuda", dtype=dt)
+
+    def forward(self, tokens):  # tokens [b, s] -> loss
+        x = self.embed(tokens).transpose(0, 1).contiguous()  # sbhd
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.norm(x)).float()
+        return torch.nn.functional.cross_entropy(logits[:-1].reshape(-1, logits.shape[-1]),
+                                                 tokens.t()[1:].reshape(-1))
+
+
+def llama_stack_table(rounds, steps=10, batch=4, seq=2048):
+    """tokens/s and peak GiB of a training step (forward, loss, backward, fused AdamW) per recipe."""
+    recipes = {"BF16": None, "DelayedScaling": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID,
+                                                                        amax_history_len=16),
+               "Float8CurrentScaling": recipe.Float8CurrentScaling(), "Float8BlockScaling": recipe.Float8BlockScaling()}
+    tokens = torch.randint(0, 32000, (batch, seq), device="cuda")
+    results = {}
+    for name, fp8_recipe in recipes.items():
+        torch.manual_seed(0)
+        model = LlamaStack()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+        def step():
+            with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+                loss = model(tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        per_round = []
+        for _ in range(rounds):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                loss = step()
+            end.record()
+            end.synchronize()
+            per_round.append(batch * seq * steps / (start.elapsed_time(end) * 1e-3))
+        results[name] = {"tokens_per_s": per_round, "median_tokens_per_s": sorted(per_round)[len(per_round) // 2],
+                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                         "loss": float(loss)}
+        model = opt = None  # (freed before the next recipe's model is built)
+        torch.cuda.empty_cache()
+    return results
+
+
 def print_tables(result):
     print("\ncuBLASLt block-scaled GEMM on", result["device"])
     for name, outcome in result["probe"].items():
@@ -189,6 +256,12 @@ def print_tables(result):
     for row in result["cast"]:
         for name, gbs in row["gb_per_s"].items():
             print(f"| {row['shape'][0]}×{row['shape'][1]} {name} | {gbs:.0f} |")
+    if "llama_stack" in result:
+        print("\nLlama-1.1B-shaped stack (16 TransformerLayers, B4xS2048, full logits, fused AdamW)")
+        print("| recipe | tokens/s (median) | peak GiB | loss |")
+        print("|---|---|---|---|")
+        for name, r in result["llama_stack"].items():
+            print(f"| {name} | {r['median_tokens_per_s']:.0f} | {r['peak_gib']:.2f} | {r['loss']:.4f} |")
     for row in result.get("layers", []):
         print(f"\n{row['config']}: ms per fwd+bwd step (median [min, max] over rounds)")
         for r, t in row["rounds"].items():
@@ -200,12 +273,15 @@ def main():
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-layers", action="store_true")
+    parser.add_argument("--llama-stack", action="store_true", help="also the Llama-1.1B-shaped stack (tokens/s)")
     args = parser.parse_args()
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "probe": probe_cublaslt(), "gemm": gemm_table(args.rounds),
               "cast": cast_table(args.rounds)}
     if not args.skip_layers:
         result["layers"] = layer_table(args.rounds)
+    if args.llama_stack:
+        result["llama_stack"] = llama_stack_table(args.rounds)
     print_tables(result)
     if args.json:
         with open(args.json, "w") as f:

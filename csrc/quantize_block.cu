@@ -8,6 +8,7 @@
 // through a shared byte tile, written as 16-byte columns (the 16 rows a thread holds) and read back as rows.
 #include <cfloat>
 #include <cstring>
+#include <type_traits>
 
 #include "quantize.h"
 #include "quantize_common.cuh"
@@ -62,6 +63,27 @@ __device__ __forceinline__ void load4(const T* x, int64_t row, int64_t col, int6
     if (col + j < k) v[j] = to_float(p[j]);
 }
 
+// The 4 elements of T a lane loads per row, as one aligned word (8 or 16 bytes).
+template <typename T>
+using Word4 = std::conditional_t<sizeof(T) == 4, float4, uint2>;
+
+// All kRows rows of a lane of an interior tile (in bounds, vec): every load issued before any is used, so that a warp
+// has its 16 loads in flight at once (the guarded loads above serialise on their branches).
+template <typename T>
+__device__ __forceinline__ void load_interior(const T* x, int64_t row0, int64_t col, int64_t k,
+                                              float (&v)[kRows][kCols]) {
+  Word4<T> words[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) words[i] = *reinterpret_cast<const Word4<T>*>(x + (row0 + i) * k + col);
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    T t[kCols];
+    memcpy(t, &words[i], sizeof(words[i]));
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) v[i][j] = to_float(t[j]);
+  }
+}
+
 // 4 bytes to row `row`, columns col .. col + 3, of an FP8 matrix [rows, cols] (guarded at the edges).
 __device__ __forceinline__ void store4(uint8_t* out, int64_t row, int64_t col, int64_t rows, int64_t cols,
                                        uint32_t word) {
@@ -109,8 +131,13 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(const T* __restric
   const int64_t col0 = int64_t{blockIdx.x} * kBlockLen + lane * kCols;
 
   float v[kRows][kCols];
+  const bool interior = vec && int64_t{blockIdx.y + 1} * kBlockLen <= a.m && int64_t{blockIdx.x + 1} * kBlockLen <= a.k;
+  if (interior) {
+    load_interior(x, row0, col0, a.k, v);
+  } else {
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) load4(x, row0 + i, col0, a.m, a.k, vec, v[i]);
+    for (int i = 0; i < kRows; ++i) load4(x, row0 + i, col0, a.m, a.k, vec, v[i]);
+  }
   float row_amax[kRows], col_amax[kCols] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
