@@ -127,7 +127,9 @@ def test_logits_under_block_scaling_on_cpu(tmp_path):
         want = reference(ids).logits
         with te.fp8_autocast(fp8_recipe=te.recipe.Float8BlockScaling()):
             got = model(ids).logits
+            tokens = model.generate(ids[:1, :8], max_new_tokens=3, do_sample=False)  # (decode: one-token GEMMs)
     assert 1e-4 < rel_error(got, want) < 0.08  # FP8 activations (1x128 tiles), the checkpoint's weights
+    assert tokens.shape == (1, 11) and torch.equal(tokens[:, :8], ids[:1, :8])
 
 
 @pytest.mark.gpu
