@@ -250,6 +250,15 @@ def test_block_weights_run_under_block_scaling_on_cpu():
     assert casts.seen and (384, 256) not in casts.seen  # the weight's own bytes, forward and backward: no cast
 
 
+@pytest.mark.parametrize("recipe", [te.recipe.DelayedScaling(), te.recipe.Float8CurrentScaling()])
+def test_block_weights_under_a_per_tensor_recipe_are_refused(recipe):
+    with te.fp8_model_init(recipe=BLOCK_RECIPE()):
+        m = te.Linear(256, 384, device="cpu")
+    with pytest.raises(ValueError, match="layouts 'tensor' and 'block_128x128' do not mix"):
+        with te.fp8_autocast(fp8_recipe=recipe):
+            m(torch.randn(8, 256))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("module", ["Linear", "LayerNormMLP", "TransformerLayer"])
 def test_block_weights_run_under_block_scaling_on_gpu(module):
