@@ -1,7 +1,7 @@
 // CUDA kernels of block_fp8_gemm and block_fp8_gemm_accumulate (contracts in csrc/ops.cpp; operand layouts in
-// transformer_fp8/quantization/block.py): argument checks, output allocation, and zero padding of K and N to
+// transformer_fp8/quantization/block.py): argument checks, output allocation, and zero padding of M, N and K to
 // multiples of 16 as cuBLASLt's FP8 kernels need. Padding is exact and keeps the block scales valid: a 16-multiple
-// of K or N stays inside the last 128-tile, so only a 1x128 b's scale rows (one entry per row of b) grow, with 1s.
+// stays inside the last 128-tile, so only a 1x128 operand's scale rows (one entry per operand row) grow, with 1s.
 #include <torch/library.h>
 
 #include <algorithm>
@@ -73,36 +73,44 @@ at::Tensor padded(const at::Tensor& t, int64_t rows_to, int64_t cols_to) {
   return out.view(t.scalar_type());
 }
 
-// The operands padded to K and N multiples of 16, with b's scales to match, and the GEMM arguments for them.
+// The operands padded to M, N and K multiples of 16, with 1x128 scales to match, and the GEMM arguments for them.
+// (M too: cuBLASLt refused the H100's 1x128 GEMMs of 21 rows; rows past M come out and are sliced off.)
 struct PaddedOperands {
-  at::Tensor a, b, b_scale_inv;
-  int64_t n_pad;
+  at::Tensor a, a_scale_inv, b, b_scale_inv;
+  int64_t m_pad, n_pad;
 };
 
-PaddedOperands pad_operands(const at::Tensor& a, const at::Tensor& b, const at::Tensor& b_scale_inv,
-                            int64_t b_block_dim) {
-  const int64_t k = a.size(1), n = b.size(0);
-  const int64_t k_pad = std::max(kPad, round_up(k, kPad)), n_pad = round_up(n, kPad);
-  at::Tensor b_scales = b_scale_inv;
-  if (b_block_dim == 1 && n_pad != n) {
-    b_scales = at::ones(scale_shape(n_pad, k_pad, 1), b_scale_inv.options());
-    b_scales.narrow(1, 0, b_scale_inv.size(1)).copy_(b_scale_inv);
-  }
-  return {padded(a, a.size(0), k_pad), padded(b, n_pad, k_pad), b_scales, n_pad};
+// A 1x128 operand's scales [ceil(K/128), pad4(rows)] widened to rows_to columns (the new ones 1).
+at::Tensor widened_scales(const at::Tensor& scale_inv, int64_t block_dim, int64_t rows_to) {
+  if (block_dim != 1 || scale_inv.size(1) == rows_to) return scale_inv;
+  at::Tensor out = at::ones({scale_inv.size(0), rows_to}, scale_inv.options());
+  out.narrow(1, 0, scale_inv.size(1)).copy_(scale_inv);
+  return out;
 }
 
-Fp8GemmArgs gemm_args(const PaddedOperands& p, const at::Tensor& a_scale_inv, int64_t a_block_dim,
-                      int64_t b_block_dim) {
+PaddedOperands pad_operands(const at::Tensor& a, const at::Tensor& a_scale_inv, int64_t a_block_dim,
+                            const at::Tensor& b, const at::Tensor& b_scale_inv, int64_t b_block_dim) {
+  const int64_t k = a.size(1), m = a.size(0), n = b.size(0);
+  const int64_t k_pad = std::max(kPad, round_up(k, kPad)), m_pad = round_up(m, kPad), n_pad = round_up(n, kPad);
+  return {padded(a, m_pad, k_pad),
+          widened_scales(a_scale_inv, a_block_dim, m_pad),
+          padded(b, n_pad, k_pad),
+          widened_scales(b_scale_inv, b_block_dim, n_pad),
+          m_pad,
+          n_pad};
+}
+
+Fp8GemmArgs gemm_args(const PaddedOperands& p, int64_t a_block_dim, int64_t b_block_dim) {
   Fp8GemmArgs args{};
   args.a = p.a.data_ptr();
   args.b = p.b.data_ptr();
-  args.a_scale_inv = a_scale_inv.data_ptr<float>();
+  args.a_scale_inv = p.a_scale_inv.data_ptr<float>();
   args.b_scale_inv = p.b_scale_inv.data_ptr<float>();
   args.a_type = to_dtype(p.a.scalar_type(), "a");
   args.b_type = to_dtype(p.b.scalar_type(), "b");
   args.a_scale_mode = scale_mode(a_block_dim, "a_block_dim");
   args.b_scale_mode = scale_mode(b_block_dim, "b_block_dim");
-  args.m = p.a.size(0);
+  args.m = p.m_pad;
   args.n = p.n_pad;
   args.k = p.a.size(1);
   args.ld_out = p.n_pad;
@@ -132,10 +140,10 @@ at::Tensor block_fp8_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, in
     at::Tensor out = at::zeros({m, n}, a.options().dtype(out_dtype));
     return bias.has_value() ? out.add_(*bias) : out;
   }
-  const PaddedOperands p = pad_operands(a, b, b_scale_inv, b_block_dim);
-  at::Tensor out = at::empty({m, p.n_pad}, a.options().dtype(out_dtype));
+  const PaddedOperands p = pad_operands(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim);
+  at::Tensor out = at::empty({p.m_pad, p.n_pad}, a.options().dtype(out_dtype));
   at::Tensor bias_p;
-  Fp8GemmArgs args = gemm_args(p, a_scale_inv, a_block_dim, b_block_dim);
+  Fp8GemmArgs args = gemm_args(p, a_block_dim, b_block_dim);
   args.out = out.data_ptr();
   args.out_type = to_dtype(out_dtype, "out_dtype");
   if (bias.has_value()) {
@@ -146,6 +154,7 @@ at::Tensor block_fp8_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, in
   }
   const at::Tensor workspace = attach_workspace(args, a.options());
   fp8_gemm_cublaslt(args, current_stream());
+  if (p.m_pad != m) out = out.narrow(0, 0, m);  // (leading rows: still contiguous)
   return p.n_pad == n ? out : out.narrow(1, 0, n).contiguous();
 }
 
@@ -162,17 +171,17 @@ void block_fp8_gemm_accumulate(const at::Tensor& a, const at::Tensor& a_scale_in
   check_same_device(out, a, "out");
   if (m == 0 || n == 0 || a.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
-  const PaddedOperands p = pad_operands(a, b, b_scale_inv, b_block_dim);
-  const bool in_place = p.n_pad == n && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
-  at::Tensor acc = in_place ? out : at::zeros({m, p.n_pad}, out.options());
-  if (!in_place) acc.narrow(1, 0, n).copy_(out);
-  Fp8GemmArgs args = gemm_args(p, a_scale_inv, a_block_dim, b_block_dim);
+  const PaddedOperands p = pad_operands(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim);
+  const bool in_place = p.m_pad == m && p.n_pad == n && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  at::Tensor acc = in_place ? out : at::zeros({p.m_pad, p.n_pad}, out.options());
+  if (!in_place) acc.narrow(0, 0, m).narrow(1, 0, n).copy_(out);
+  Fp8GemmArgs args = gemm_args(p, a_block_dim, b_block_dim);
   args.out = acc.data_ptr();
   args.out_type = DType::kFloat32;
   args.accumulate = true;
   const at::Tensor workspace = attach_workspace(args, a.options());
   fp8_gemm_cublaslt(args, current_stream());
-  if (!in_place) out.copy_(acc.narrow(1, 0, n));
+  if (!in_place) out.copy_(acc.narrow(0, 0, m).narrow(1, 0, n));
 }
 
 }  // namespace

@@ -36,6 +36,33 @@ __device__ __forceinline__ float tile_scale(float amax, float fp8_max, float eps
 
 __device__ __forceinline__ float inverse(float scale) { return __fdiv_rn(1.0f, scale); }
 
+__device__ __forceinline__ float max_bits(float a, float b) {  // max of |x| values (int order: NaN wins)
+  return __int_as_float(max(__float_as_int(a), __float_as_int(b)));
+}
+
+// Swaps half of n values with the lane `offset` away and keeps the max of the other half: after it, value j of this
+// lane belongs to row (lane & offset ? n / 2 : 0) + j of the n it held.
+template <int kN>
+__device__ __forceinline__ void halve(const float (&in)[kN], float (&out)[kN / 2], int lane, int offset) {
+  const bool upper = lane & offset;
+#pragma unroll
+  for (int j = 0; j < kN / 2; ++j) {
+    const float send = upper ? in[j] : in[j + kN / 2], keep = upper ? in[j + kN / 2] : in[j];
+    out[j] = max_bits(keep, __shfl_xor_sync(0xffffffffu, send, offset));
+  }
+}
+
+// The max over the warp of each of a lane's 16 row amaxes in 16 shuffles (not 16 x 5): returns the max of row
+// lane / 2 (lanes 2i and 2i + 1 both hold row i's).
+__device__ __forceinline__ float warp_max_rows(const float (&rows)[kRows], int lane) {
+  float v8[8], v4[4], v2[2], v1[1];
+  halve<16>(rows, v8, lane, 16);
+  halve<8>(v8, v4, lane, 8);
+  halve<4>(v4, v2, lane, 4);
+  halve<2>(v2, v1, lane, 2);
+  return max_bits(v1[0], __shfl_xor_sync(0xffffffffu, v1[0], 1));
+}
+
 // Columns col .. col + 3 of row `row` of x [m, k] as float (zeros past the edges). vec: k % 4 == 0 and x 16-byte
 // aligned, so 4 in-bounds elements are one aligned 8- or 16-byte load.
 template <typename T>
@@ -166,12 +193,13 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(const T* __restric
 #pragma unroll
     for (int j = 0; j < kCols; ++j) my_col_scale[j] = scale;
   } else {
+    if (a.q != nullptr) {  // lanes 2i and 2i + 1 find row i's scale, lane 2i writes its scale_inv (rows past m: 1)
+      const float scale = tile_scale(warp_max_rows(row_amax, lane), fp8_max, a.amax_epsilon, a.power_2_scale);
+      const int64_t row = row0 + lane / 2;
+      if (lane % 2 == 0 && row < a.scale_ld)
+        a.scale_inv[int64_t{blockIdx.x} * a.scale_ld + row] = row < a.m ? inverse(scale) : 1.0f;
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      row_scale[i] = tile_scale(warp_max_nonneg(row_amax[i]), fp8_max, a.amax_epsilon, a.power_2_scale);
-      const int64_t row = row0 + i;  // lane i writes row i's scale_inv (padding rows past m: 1)
-      if (a.scale_inv != nullptr && lane == i && row < a.scale_ld)
-        a.scale_inv[int64_t{blockIdx.x} * a.scale_ld + row] = row < a.m ? inverse(row_scale[i]) : 1.0f;
+      for (int i = 0; i < kRows; ++i) row_scale[i] = __shfl_sync(0xffffffffu, scale, 2 * i);
     }
     if (a.qt != nullptr) {
 #pragma unroll

@@ -268,10 +268,12 @@ def test_cast_cuda_special_values():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(256, 512, 384), (100, 256, 128), (128, 200, 72), (8, 4096, 1024)])
+@pytest.mark.parametrize("m,k,n", [(256, 512, 384), (100, 256, 128), (128, 200, 72), (8, 4096, 1024), (21, 256, 160)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_gemm_cuda_matches_cpu(m, k, n, out_dtype):
     x, w, dy = _data((m, k), torch.bfloat16), _data((n, k), torch.bfloat16), _data((m, n), torch.bfloat16)
+    if out_dtype == torch.float16:  # (products of values up to ~2**8 summed over K overflow float16's 65504)
+        x, w, dy = x / 64, w / 64, dy / 64
     # Hopper's FP8 MMA accumulates with fewer bits than float32 between the 128-K promotions: ~1e-4 relative
     tol = 1e-3 if out_dtype == torch.float32 else 1e-2
     xq, xs, xqt, xst = tfp8.block_cast(x, E4M3, 1, True, True)
