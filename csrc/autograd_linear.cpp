@@ -8,9 +8,10 @@
 // to autocast.register_backward, exactly as the Python Function's backward does).
 //
 // Contract of fp8_linear: inp [..., K] contiguous, weight [N, K], bias [N] or None (inp's dtype) -> out [..., N] in
-// inp's dtype = fp8_linear_fwd's GEMM (delayed scaling: each cast into the given scale / amax / scale_inv slot). The
-// backward: dy cast into the gradient slot (dy_scale, dy_amax, dy_scale_inv) and fp8_linear_bwd from the saved FP8
-// xᵀ and Wᵀ (Wᵀ kept from the forward when keep_w_t, else cast again from the weight with the forward's scale).
+// inp's dtype = fp8_linear_fwd's GEMM. Each role (x, w, dy) comes as one tuple, its quantizer's output_args():
+// (scale, fp8 dtype, amax, scale_inv), the slot a cast with a known scale writes (delayed scaling). The backward: dy
+// cast into its role's slot and fp8_linear_bwd from the saved FP8 xᵀ and Wᵀ (Wᵀ kept from the forward when keep_w_t,
+// else cast again from the weight with the forward's scale).
 // Gradients: dx (inp's dtype), dW (weight's dtype), dbias (dy's dtype), each only where needed. Not twice
 // differentiable.
 #include <torch/csrc/autograd/function.h>
@@ -100,12 +101,12 @@ struct FP8LinearBackward : public autograd::Node {
 }  // namespace
 
 at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const OptTensor& bias,
-                      pybind11::object registration, const at::Tensor& x_scale, const at::Tensor& x_amax,
-                      const at::Tensor& x_scale_inv, const at::Tensor& w_scale, const at::Tensor& w_amax,
-                      const at::Tensor& w_scale_inv, at::ScalarType fwd_dtype, bool keep_w_t,
-                      const at::Tensor& dy_scale, const at::Tensor& dy_amax, const at::Tensor& dy_scale_inv,
-                      at::ScalarType bwd_dtype) {
+                      pybind11::object registration, const QuantizerArgs& x, const QuantizerArgs& w,
+                      const QuantizerArgs& dy, bool keep_w_t) {
   static const auto linear_fwd = library_op<LinearFwd>("transformer_fp8::fp8_linear_fwd");
+  const auto& [x_scale, fwd_dtype, x_amax, x_scale_inv] = x;
+  const auto& [w_scale, w_dtype, w_amax, w_scale_inv] = w;
+  TORCH_CHECK(w_dtype == fwd_dtype, "w: expected the input's FP8 dtype ", fwd_dtype, ", got ", w_dtype);
   TORCH_CHECK(inp.dim() >= 1 && inp.is_contiguous(), "inp: expected a contiguous tensor with at least one dim");
   TORCH_CHECK(PyTuple_Check(registration.ptr()), "registration: expected a tuple of register_backward's arguments");
   TORCH_CHECK(registrar() != nullptr, "fp8_linear: set_backward_registrar was not called");
@@ -127,6 +128,7 @@ at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const Opt
   }
   if (!need_any) return out;
   auto node = make_autograd_node<FP8LinearBackward>();
+  const auto& [dy_scale, bwd_dtype, dy_amax, dy_scale_inv] = dy;
   node->set_next_edges(autograd::collect_next_edges(inp, weight, bias));
   if (need_dw) node->x_t = autograd::SavedVariable(x_t, false);
   if (need_dx && keep_w_t) node->w_t = autograd::SavedVariable(w_t, false);

@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "library_op.h"
 
@@ -29,12 +30,11 @@ class PyReference {
 };
 
 // csrc/autograd_linear.cpp
+// One role's cast with a known scale: a quantizer's output_args() (scale [1], FP8 dtype, amax [1], scale_inv [1]).
+using QuantizerArgs = std::tuple<at::Tensor, at::ScalarType, at::Tensor, at::Tensor>;
 at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                      pybind11::object registration, const at::Tensor& x_scale, const at::Tensor& x_amax,
-                      const at::Tensor& x_scale_inv, const at::Tensor& w_scale, const at::Tensor& w_amax,
-                      const at::Tensor& w_scale_inv, at::ScalarType fwd_dtype, bool keep_w_t,
-                      const at::Tensor& dy_scale, const at::Tensor& dy_amax, const at::Tensor& dy_scale_inv,
-                      at::ScalarType bwd_dtype);
+                      pybind11::object registration, const QuantizerArgs& x, const QuantizerArgs& w,
+                      const QuantizerArgs& dy, bool keep_w_t);
 void set_backward_registrar(pybind11::object callable);
 
 // csrc/autograd_attention.cpp

@@ -179,13 +179,10 @@ class Linear(FP8ModuleBase):
             inp = inp if inp.is_contiguous() else inp.contiguous()
             quantizers = self.quantizers
             if self._native_node_applies(quantizers, inp, bias, is_first_microbatch, residual, state):
-                x_scale, fwd_dtype, x_amax, x_sinv = quantizers[Role.INPUT].output_args()
-                w_scale, _, w_amax, w_sinv = quantizers[Role.WEIGHT].output_args()
-                dy_scale, bwd_dtype, dy_amax, dy_sinv = quantizers[Role.GRAD_OUTPUT].output_args()
-                return _C.fp8_linear(inp, self.weight, bias, quantizers.backward_registration(state.group), x_scale,
-                                     x_amax, x_sinv, w_scale, w_amax, w_sinv, fwd_dtype,
-                                     base.keeps_weight_transpose(self.weight, is_first_microbatch), dy_scale,
-                                     dy_amax, dy_sinv, bwd_dtype)
+                return _C.fp8_linear(inp, self.weight, bias, quantizers.backward_registration(state.group),
+                                     quantizers[Role.INPUT].output_args(), quantizers[Role.WEIGHT].output_args(),
+                                     quantizers[Role.GRAD_OUTPUT].output_args(),
+                                     base.keeps_weight_transpose(self.weight, is_first_microbatch))
             return _FP8Linear.apply(inp, self.weight, bias, quantizers, self.tp, self._weight_cache,
                                     self.fuse_wgrad_accumulation, torch.is_grad_enabled(), is_first_microbatch,
                                     residual, relay)

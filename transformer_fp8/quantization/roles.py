@@ -36,8 +36,6 @@ class Role(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
-    __hash__ = str.__hash__  # (Enum's __hash__ is a Python function: role lookups sit on the modules' hot path)
-
 
 # (forward roles, backward roles) per module kind; the order is each ScalingState's slot order.
 GEMM_ROLES = ((Role.INPUT, Role.WEIGHT), (Role.GRAD_OUTPUT,))
