@@ -66,7 +66,7 @@ def is_fp8_enabled() -> bool:
     return STATE.enabled
 
 
-def get_fp8_recipe() -> DelayedScaling | Float8CurrentScaling:
+def get_fp8_recipe() -> DelayedScaling | Float8CurrentScaling | Float8BlockScaling:
     """Returns:
         The recipe of the calling thread's innermost fp8_autocast (DEFAULT_RECIPE outside any)."""
     return STATE.recipe
