@@ -211,16 +211,23 @@ def test_transformer_layer_matches_plain_layer(device, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_cached_weight_microbatches_and_main_grad(device):
-    """is_first_microbatch caching (the cached 128x128 weight gets its transpose by byte transpose) and
-    fuse_wgrad_accumulation (the wgrad accumulates into main_grad) under block scaling."""
+@pytest.mark.parametrize("w_dim", [2, 1])
+@pytest.mark.parametrize("first_grad", [True, False])
+def test_cached_weight_microbatches_and_main_grad(device, w_dim, first_grad):
+    """is_first_microbatch caching (a cached weight cast without its transpose, in a no-grad first microbatch, gets
+    it later: 128x128 by byte transpose, 1x128 recast) and fuse_wgrad_accumulation (the wgrad accumulates into
+    main_grad) under block scaling."""
+    fp8_recipe = recipe.Float8BlockScaling(w_block_scaling_dim=w_dim, x_block_scaling_dim=1)
     m = te.Linear(128, 64, params_dtype=torch.float32, device=device, fuse_wgrad_accumulation=True)
     m.weight.main_grad = torch.zeros(64, 128, device=device)
     xs = [torch.randn(32, 128, device=device) for _ in range(2)]
+    if not first_grad:
+        with torch.no_grad(), te.fp8_autocast(fp8_recipe=fp8_recipe):
+            m(xs[0], is_first_microbatch=True)
     outs = []
     for i, x in enumerate(xs):
-        with te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()):
-            out = m(x, is_first_microbatch=i == 0)
+        with te.fp8_autocast(fp8_recipe=fp8_recipe):
+            out = m(x, is_first_microbatch=i == 0 and first_grad)
         out.backward(torch.ones_like(out))
         outs.append(out.detach())
     ref_wgrad = sum(torch.ones(32, 64, device=device).t() @ x for x in xs)

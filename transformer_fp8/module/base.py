@@ -101,7 +101,7 @@ def fp8_weight(cache, name, weight, quantizer, need_transpose, is_first_microbat
         cached = cache.get(name)
         if cached is not None:
             if need_transpose and cached.data_t is None:
-                cached = cache[name] = cached.with_transpose()
+                cached = cache[name] = quantizer.add_transpose(cached, weight)
             return cached
     need_transpose = need_transpose and keeps_weight_transpose(weight, is_first_microbatch)
     if isinstance(weight, Float8Tensor):

@@ -123,6 +123,14 @@ class BlockScalingQuantizer(Quantizer):
         x's dtype: the bias gradient)."""
         return self.cast(x, rowwise=True, transpose=True), x.float().sum(dim=0).to(x.dtype)
 
+    def add_transpose(self, operand: FP8Operand, x: torch.Tensor) -> FP8Operand:
+        """operand with data_t: 128x128 blocks by byte transpose (the same block scales, transposed), 1x128 tiles
+        recast from x (the transposed copy has its own tiles)."""
+        if operand.data_t is not None or self.layout == LAYOUT_128X128:
+            return operand.with_transpose()
+        operand.data_t = self.transpose_like(x, operand)
+        return operand
+
     def transpose_like(self, x: torch.Tensor, operand: FP8Operand) -> torch.Tensor:
         """x [N, K] (the tensor `operand` was cast from) -> its FP8 transpose [K, N], recast from x with this
         quantizer's tiles (the same scales as the forward for 128x128 blocks: the same values give the same block

@@ -138,6 +138,19 @@ class Quantizer:
         """
         return tfp8.cast_transpose(x, torch.reciprocal(operand.scale_inv), self.fp8_dtype, False, True)[1]
 
+    def add_transpose(self, operand: FP8Operand, x: torch.Tensor) -> FP8Operand:
+        """operand (cast from x by this quantizer) with data_t: a byte transpose of its data where the layout's
+        transposed copy shares its scales (per-tensor), else recast from x (see BlockScalingQuantizer).
+
+        Args:
+            operand: the operand, data_t possibly missing.
+            x: the high-precision tensor it was cast from.
+
+        Returns:
+            operand, with data_t.
+        """
+        return operand.with_transpose()
+
     def record_amax(self, x: torch.Tensor) -> None:
         """Calibration on the high-precision path (fp8_autocast(calibrating=True)): max-accumulate amax(x) into the
         slot, for the update to turn into a scale. Nothing for a quantizer whose scale does not come from history."""
