@@ -42,6 +42,10 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // NaN amax), rounded down to a power of 2 when power_2_scale; q = saturate(x * scale); scale_inv = 1 / scale.
   m.def("block_cast(Tensor input, ScalarType fp8_dtype, int block_dim, bool rowwise=True, bool transpose=False, "
         "float amax_epsilon=0.0, bool power_2_scale=True) -> (Tensor, Tensor, Tensor, Tensor)");
+  // block_cast (1x128 tiles) of act(input) computed in float32 (activation_fwd's math, without its rounding to the
+  // input dtype): input [M, F] ("gelu", "relu") or [M, 2F] = [gate | up] ("swiglu") -> the cast of [M, F].
+  m.def("block_activation_cast(Tensor input, str activation, ScalarType fp8_dtype, bool rowwise=True, "
+        "bool transpose=False, float amax_epsilon=0.0, bool power_2_scale=True) -> (Tensor, Tensor, Tensor, Tensor)");
   // q [M, K] FP8 with its scale_inv (block_cast's layout for block_dim) -> out_dtype [M, K] = q * scale_inv of its tile
   m.def("block_dequantize(Tensor input, Tensor scale_inv, int block_dim, ScalarType out_dtype) -> Tensor");
   // out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T (+ bias [N]) in out_dtype (float32 / float16 / bfloat16):

@@ -65,6 +65,7 @@ struct BlockCastArgs {
   uint8_t* qt;
   float* scale_inv_t;
   int64_t scale_t_ld;
+  int activation = -1;  // >= 0: cast act(x) (an Activation, activation.h; 1x128 only): x is [m, k] ([m, 2k] swiglu)
 };
 void launch_block_cast(const BlockCastArgs& args, cudaStream_t stream);
 

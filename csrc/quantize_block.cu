@@ -10,6 +10,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "activation_common.cuh"
 #include "quantize.h"
 #include "quantize_common.cuh"
 
@@ -63,15 +64,32 @@ __device__ __forceinline__ float warp_max_rows(const float (&rows)[kRows], int l
   return max_bits(v1[0], __shfl_xor_sync(0xffffffffu, v1[0], 1));
 }
 
+// What the kernel casts: x itself (kNone) or act(x) computed in float32 from x's row (kGelu, kRelu: x [m, k];
+// kSwiglu: x [m, 2k] = [gate | up]). Zeros past the edges stay zeros (act(0) = 0).
+enum ActKind : int {
+  kNone = -1,
+  kGelu = int(Activation::kGelu),
+  kRelu = int(Activation::kRelu),
+  kSwiglu = int(Activation::kSwiglu)
+};
+
+template <int kAct>
+__device__ __forceinline__ float apply_act(float x, float up) {
+  if constexpr (kAct == kSwiglu) return act::swiglu_forward(x, up);
+  else if constexpr (kAct == kGelu) return act::forward<Activation::kGelu>(x);
+  else if constexpr (kAct == kRelu) return act::forward<Activation::kRelu>(x);
+  else return x;
+}
+
 // Columns col .. col + 3 of row `row` of x [m, k] as float (zeros past the edges). vec: k % 4 == 0 and x 16-byte
 // aligned, so 4 in-bounds elements are one aligned 8- or 16-byte load.
 template <typename T>
-__device__ __forceinline__ void load4(const T* x, int64_t row, int64_t col, int64_t m, int64_t k, bool vec,
+__device__ __forceinline__ void load4(const T* x, int64_t row, int64_t col, int64_t m, int64_t k, int64_t ld, bool vec,
                                       float (&v)[kCols]) {
 #pragma unroll
   for (int j = 0; j < kCols; ++j) v[j] = 0.0f;
   if (row >= m) return;
-  const T* p = x + row * k + col;
+  const T* p = x + row * ld + col;
   if (vec && col + kCols <= k) {
     T t[kCols];
     if constexpr (sizeof(T) == 4) {
@@ -97,17 +115,45 @@ using Word4 = std::conditional_t<sizeof(T) == 4, float4, uint2>;
 // All kRows rows of a lane of an interior tile (in bounds, vec): every load issued before any is used, so that a warp
 // has its 16 loads in flight at once (the guarded loads above serialise on their branches).
 template <typename T>
-__device__ __forceinline__ void load_interior(const T* x, int64_t row0, int64_t col, int64_t k,
+__device__ __forceinline__ void load_interior(const T* x, int64_t row0, int64_t col, int64_t ld,
                                               float (&v)[kRows][kCols]) {
   Word4<T> words[kRows];
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) words[i] = *reinterpret_cast<const Word4<T>*>(x + (row0 + i) * k + col);
+  for (int i = 0; i < kRows; ++i) words[i] = *reinterpret_cast<const Word4<T>*>(x + (row0 + i) * ld + col);
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     T t[kCols];
     memcpy(t, &words[i], sizeof(words[i]));
 #pragma unroll
     for (int j = 0; j < kCols; ++j) v[i][j] = to_float(t[j]);
+  }
+}
+
+// The lane's 16 rows x 4 columns of what the kernel casts (x, or act(x)) as float.
+template <typename T, int kAct>
+__device__ __forceinline__ void load_tile(const T* x, const BlockCastArgs& a, int64_t row0, int64_t col, bool vec,
+                                          bool interior, float (&v)[kRows][kCols]) {
+  const int64_t ld = kAct == kSwiglu ? 2 * a.k : a.k;
+  if (interior) {
+    load_interior(x, row0, col, ld, v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) load4(x, row0 + i, col, a.m, a.k, ld, vec, v[i]);
+  }
+  if constexpr (kAct != kNone) {
+    float up[kRows][kCols];
+    if constexpr (kAct == kSwiglu) {
+      if (interior) {
+        load_interior(x + a.k, row0, col, ld, up);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) load4(x + a.k, row0 + i, col, a.m, a.k, ld, vec, up[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) v[i][j] = apply_act<kAct>(v[i][j], kAct == kSwiglu ? up[i][j] : 0.0f);
   }
 }
 
@@ -147,7 +193,7 @@ __device__ __forceinline__ void store_block_scales(const BlockCastArgs& a, float
   }
 }
 
-template <typename T, DType F, bool kTwoD>
+template <typename T, DType F, bool kTwoD, int kAct>
 __global__ void __launch_bounds__(kThreads) block_cast_kernel(const T* __restrict__ x, BlockCastArgs a, bool vec) {
   __shared__ float partial[kWarps][kBlockLen];  // per-warp column amaxes (1x128), or warp amaxes (128x128)
   __shared__ float col_scale[kBlockLen];
@@ -159,12 +205,7 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(const T* __restric
 
   float v[kRows][kCols];
   const bool interior = vec && int64_t{blockIdx.y + 1} * kBlockLen <= a.m && int64_t{blockIdx.x + 1} * kBlockLen <= a.k;
-  if (interior) {
-    load_interior(x, row0, col0, a.k, v);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) load4(x, row0 + i, col0, a.m, a.k, vec, v[i]);
-  }
+  load_tile<T, kAct>(x, a, row0, col0, vec, interior, v);
   float row_amax[kRows], col_amax[kCols] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
@@ -274,14 +315,22 @@ void launch_block_cast(const BlockCastArgs& a, cudaStream_t stream) {
   if ((a.m + kBlockLen - 1) / kBlockLen > 65535)
     throw std::invalid_argument("block_cast: too many rows for one launch");
   const bool vec = a.k % kCols == 0 && aligned16(a.x);
+  if (a.activation >= 0 && a.two_d) throw std::invalid_argument("block_cast: a fused activation makes 1x128 tiles");
   TFP8_DISPATCH_HIGH_PRECISION(
       a.in_type, T,
       TFP8_DISPATCH_FP8(
-          a.fp8_type, F,
-          if (a.two_d) {
-            block_cast_kernel<T, F, true><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(a.x), a, vec);
-          } else {
-            block_cast_kernel<T, F, false><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(a.x), a, vec);
+          a.fp8_type, F, const T* x = static_cast<const T*>(a.x); switch (a.activation) {
+            case kNone:
+              if (a.two_d) {
+                block_cast_kernel<T, F, true, kNone><<<grid, kThreads, 0, stream>>>(x, a, vec);
+              } else {
+                block_cast_kernel<T, F, false, kNone><<<grid, kThreads, 0, stream>>>(x, a, vec);
+              }
+              break;
+            case kGelu: block_cast_kernel<T, F, false, kGelu><<<grid, kThreads, 0, stream>>>(x, a, vec); break;
+            case kRelu: block_cast_kernel<T, F, false, kRelu><<<grid, kThreads, 0, stream>>>(x, a, vec); break;
+            case kSwiglu: block_cast_kernel<T, F, false, kSwiglu><<<grid, kThreads, 0, stream>>>(x, a, vec); break;
+            default: throw std::invalid_argument("block_cast: unknown activation");
           }));
   TFP8_CUDA_CHECK(cudaGetLastError());
 }

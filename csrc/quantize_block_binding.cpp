@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "activation.h"
 #include "common.h"
 #include "quantize.h"
 
@@ -27,19 +28,23 @@ std::vector<int64_t> scale_shape(int64_t rows, int64_t cols, int64_t block_dim) 
   return {cdiv(rows, kBlockLen), pad4(cdiv(cols, kBlockLen))};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_cast(const at::Tensor& input, at::ScalarType fp8_dtype,
-                                                                      int64_t block_dim, bool rowwise, bool transpose,
-                                                                      double amax_epsilon, bool power_2_scale) {
+using BlockCastResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+void check_cast_input(const at::Tensor& input, at::ScalarType fp8_dtype, double amax_epsilon) {
   check_cuda(input, "input");
   check_high_precision(input, "input");
   TORCH_CHECK(input.dim() == 2, "input: expected a 2-D tensor [M, K], got shape ", dims(input.sizes()));
   check_contiguous(input, "input");
   check_fp8_dtype(fp8_dtype, "fp8_dtype");
-  check_block_dim(block_dim);
   TORCH_CHECK(std::isfinite(amax_epsilon) && amax_epsilon >= 0.0, "amax_epsilon: expected a finite number >= 0, got ",
               std::to_string(amax_epsilon));
+}
+
+// Casts input (or act(input): activation >= 0, an Activation) whose cast values are [m, k], as block_cast's contract
+// says.
+BlockCastResult cast_blocks(const at::Tensor& input, int64_t m, int64_t k, at::ScalarType fp8_dtype, int64_t block_dim,
+                            bool rowwise, bool transpose, double amax_epsilon, bool power_2_scale, int activation) {
   const c10::cuda::CUDAGuard guard(input.device());
-  const int64_t m = input.size(0), k = input.size(1);
   const auto fp8 = input.options().dtype(fp8_dtype), f32 = input.options().dtype(at::kFloat);
   at::Tensor q = rowwise ? at::empty({m, k}, fp8) : at::empty({0}, fp8);
   at::Tensor scale_inv = rowwise ? at::empty(scale_shape(m, k, block_dim), f32) : at::empty({0}, f32);
@@ -54,6 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_cast(const at::
   args.two_d = block_dim == 2;
   args.amax_epsilon = static_cast<float>(amax_epsilon);
   args.power_2_scale = power_2_scale;
+  args.activation = activation;
   if (rowwise) {
     args.q = static_cast<uint8_t*>(q.data_ptr());
     args.scale_inv = scale_inv.data_ptr<float>();
@@ -66,6 +72,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_cast(const at::
   }
   launch_block_cast(args, current_stream());
   return {q, scale_inv, qt, scale_inv_t};
+}
+
+BlockCastResult block_cast(const at::Tensor& input, at::ScalarType fp8_dtype, int64_t block_dim, bool rowwise,
+                           bool transpose, double amax_epsilon, bool power_2_scale) {
+  check_cast_input(input, fp8_dtype, amax_epsilon);
+  check_block_dim(block_dim);
+  return cast_blocks(input, input.size(0), input.size(1), fp8_dtype, block_dim, rowwise, transpose, amax_epsilon,
+                     power_2_scale, -1);
+}
+
+int activation_of(c10::string_view name) {
+  if (name == "gelu") return static_cast<int>(Activation::kGelu);
+  if (name == "relu") return static_cast<int>(Activation::kRelu);
+  if (name == "swiglu") return static_cast<int>(Activation::kSwiglu);
+  TORCH_CHECK(false, "activation: expected one of 'gelu', 'relu', 'swiglu', got '", std::string(name), "'");
+}
+
+BlockCastResult block_activation_cast(const at::Tensor& input, c10::string_view activation, at::ScalarType fp8_dtype,
+                                      bool rowwise, bool transpose, double amax_epsilon, bool power_2_scale) {
+  const int act = activation_of(activation);
+  check_cast_input(input, fp8_dtype, amax_epsilon);
+  const bool gated = act == static_cast<int>(Activation::kSwiglu);
+  TORCH_CHECK(!gated || input.size(1) % 2 == 0, "input: swiglu expects an even last dimension [M, 2F], got shape ",
+              dims(input.sizes()));
+  return cast_blocks(input, input.size(0), gated ? input.size(1) / 2 : input.size(1), fp8_dtype, 1, rowwise, transpose,
+                     amax_epsilon, power_2_scale, act);
 }
 
 at::Tensor block_dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t block_dim,
@@ -99,5 +131,6 @@ at::Tensor block_dequantize(const at::Tensor& input, const at::Tensor& scale_inv
 
 TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m) {
   m.impl("block_cast", &tfp8::block_cast);
+  m.impl("block_activation_cast", &tfp8::block_activation_cast);
   m.impl("block_dequantize", &tfp8::block_dequantize);
 }

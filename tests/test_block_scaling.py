@@ -194,10 +194,11 @@ def test_layernorm_mlp_matches_reference(device, activation):
                         device=device)
     randomize_vectors(m)
     x = torch.randn(48, 128, dtype=torch.bfloat16, device=device)
-    with _GemmCalls() as calls:
+    with _GemmCalls() as calls, OpCalls("block_activation_cast") as fused, OpCalls("activation_fwd") as unfused:
         check_against_reference(m, x, torch.randn(48, 128, dtype=torch.bfloat16, device=device),
                                 BLOCK_RECIPES["E4M3"], grad_tol=RELU_GRAD_TOL if activation == "relu" else 0.2)
     assert calls.per_tensor == 0 and calls.block == 12
+    assert len(fused.seen) == 2 and not unfused.seen  # (the activation is cast by the fused kernel, once per step)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -69,6 +69,17 @@ def _(input, fp8_dtype, block_dim, rowwise=True, transpose=False, amax_epsilon=0
     return q, scale_inv, qt, scale_inv_t
 
 
+@_register_fake("transformer_fp8::block_activation_cast")
+def _(input, activation, fp8_dtype, rowwise=True, transpose=False, amax_epsilon=0.0, power_2_scale=True):
+    m, k = input.shape[0], activation_out_features(activation, input.shape[1])
+    empty_q, empty_s = input.new_empty((0,), dtype=fp8_dtype), input.new_empty((0,), dtype=torch.float32)
+    q = input.new_empty((m, k), dtype=fp8_dtype) if rowwise else empty_q
+    scale_inv = input.new_empty(block_scale_shape(m, k, 1), dtype=torch.float32) if rowwise else empty_s
+    qt = input.new_empty((k, m), dtype=fp8_dtype) if transpose else empty_q
+    scale_inv_t = input.new_empty(block_scale_shape(k, m, 1), dtype=torch.float32) if transpose else empty_s
+    return q, scale_inv, qt, scale_inv_t
+
+
 @_register_fake("transformer_fp8::block_dequantize")
 def _(input, scale_inv, block_dim, out_dtype):
     return torch.empty_like(input, dtype=out_dtype)

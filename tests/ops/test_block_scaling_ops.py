@@ -8,6 +8,7 @@ import torch
 
 import transformer_fp8  # noqa: F401  (registers the CPU reference and fake kernels)
 from tests.utils import FP8_DTYPES, FP8_MAX, FP8_RTOL, assert_close_rel
+from transformer_fp8.cpu.activation import act_forward
 
 tfp8 = torch.ops.transformer_fp8
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -134,6 +135,24 @@ def test_dequantize_inverts_cast(block_dim, shape):
     assert_close_rel(out, x, FP8_RTOL[E4M3])
 
 
+@pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu"])
+@pytest.mark.parametrize("shape", [(7, 66), (130, 512)])
+def test_activation_cast_matches_model(activation, shape):
+    """block_activation_cast = the 1x128 cast (rowwise and own transposed tiles) of act(x) computed in float32 (the
+    activation reference's float32 math, tested against float64 in test_activation.py; float64 math here would
+    differ where float32 underflows: GELU of a large negative value is 0 in float32, ~1e-18 in float64)."""
+    x = _data(shape, torch.bfloat16) / 8
+    q, scale_inv, qt, scale_inv_t = tfp8.block_activation_cast(x, activation, E4M3, True, True)
+    act = act_forward(x.float(), activation).double()
+    scale, layout = _model_1x128(act, E4M3, True)
+    assert q.shape == act.shape and qt.shape == act.t().shape
+    torch.testing.assert_close(scale_inv.double(), layout, rtol=0, atol=0)
+    _assert_quantized(q, act, scale, E4M3)
+    scale_t, layout_t = _model_1x128(act.t(), E4M3, True)
+    torch.testing.assert_close(scale_inv_t.double(), layout_t, rtol=0, atol=0)
+    _assert_quantized(qt, act.t(), scale_t, E4M3)
+
+
 def _reference_gemm(x, w):
     return x.double() @ w.double().t()
 
@@ -182,6 +201,7 @@ def opcheck_cases(device):
         (tfp8.block_cast.default, (x, E4M3, 1), {"transpose": True}),
         (tfp8.block_cast.default, (x.float(), E5M2, 2), {"transpose": True, "power_2_scale": False}),
         (tfp8.block_dequantize.default, (xq, xs, 1, torch.bfloat16), {}),
+        (tfp8.block_activation_cast.default, (x, "swiglu", E4M3), {"transpose": True}),
         (tfp8.block_fp8_gemm.default, (xq, xs, 1, wq, ws, 2, torch.bfloat16), {}),
         (tfp8.block_fp8_gemm_accumulate.default, (xqt, xst, 1, xqt, xst, 1, torch.zeros(160, 160, device=device)), {}),
     ]
@@ -191,7 +211,7 @@ def opcheck_cases(device):
 OPCHECK_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("case", range(6))
 def test_opcheck_cpu(case):
     op, args, kwargs = opcheck_cases("cpu")[case]
     torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_UTILS)
@@ -218,10 +238,12 @@ def bad_calls(device):
                                                               torch.zeros(32, device=device))),
         ("out: expected a float32", lambda: tfp8.block_fp8_gemm_accumulate(xq, xs, 1, wq, ws, 2,
                                                                             torch.zeros(32, 32, device=device).half())),
+        ("activation: expected one of", lambda: tfp8.block_activation_cast(x, "tanh", E4M3)),
+        ("swiglu expects an even", lambda: tfp8.block_activation_cast(x[:, :127].contiguous(), "swiglu", E4M3)),
     ]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(14))
 def test_bad_inputs_cpu(case):
     match, call = bad_calls("cpu")[case]
     with pytest.raises(BAD, match=match):
@@ -250,6 +272,25 @@ def test_cast_cuda_matches_cpu(shape, dtype, fp8_dtype, block_dim):
     torch.testing.assert_close(cuda[3].cpu(), cpu[3], rtol=0, atol=0)
     deq = tfp8.block_dequantize(cuda[0], cuda[1], block_dim, dtype)
     torch.testing.assert_close(deq.cpu(), tfp8.block_dequantize(cpu[0], cpu[1], block_dim, dtype), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu"])
+@pytest.mark.parametrize("shape", [(7, 66), (1000, 2048), (256, 384)])
+@pytest.mark.parametrize("dtype", HP_DTYPES)
+def test_activation_cast_cuda_matches_cpu(activation, shape, dtype):
+    """The fused kernel against the CPU reference: the CUDA activation math (expf, tanhf) may differ from torch's in
+    the last float32 bit, so a few values may round to the neighbouring FP8 value and a tile's power-of-2 scale may
+    differ where its amax sits on a power of two: values within one FP8 step, scales almost all equal."""
+    x = _data(shape, dtype) / 8
+    cpu = tfp8.block_activation_cast(x, activation, E4M3, True, True)
+    cuda = tfp8.block_activation_cast(x.cuda(), activation, E4M3, True, True)
+    for (q, s), (q_ref, s_ref) in (((cuda[0], cuda[1]), cpu[:2]), ((cuda[2], cuda[3]), cpu[2:])):
+        assert (s.cpu() != s_ref).float().mean().item() <= 0.01
+        out = tfp8.block_dequantize(q, s, 1, torch.float32).cpu()
+        ref = tfp8.block_dequantize(q_ref, s_ref, 1, torch.float32)
+        assert ((out - ref).abs() <= 2.0**-3 * ref.abs() + 1e-6 * ref.abs().max()).all()
+        assert (q.cpu().view(torch.uint8) != q_ref.view(torch.uint8)).float().mean().item() <= 0.01
 
 
 @pytest.mark.gpu
@@ -298,14 +339,14 @@ def test_gemm_cuda_matches_cpu(m, k, n, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("case", range(6))
 def test_opcheck_cuda(case):
     op, args, kwargs = opcheck_cases("cuda")[case]
     torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(14))
 def test_bad_inputs_cuda(case):
     match, call = bad_calls("cuda")[case]
     with pytest.raises(BAD, match=match):

@@ -4,6 +4,7 @@ GEMM dequantizes both operands and multiplies in float32."""
 import torch
 
 from ._common import FP8_MAX, check_fp8_dtype, register, saturating_cast
+from .activation import act_forward, check_activation
 
 BLOCK = 128
 HIGH_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
@@ -95,11 +96,19 @@ def block_cast(input, fp8_dtype, block_dim, rowwise=True, transpose=False, amax_
         raise ValueError(f"input: expected a contiguous tensor (got strides {input.stride()})")
     check_fp8_dtype(fp8_dtype, "fp8_dtype")
     _check_block_dim(block_dim)
+    _check_epsilon(amax_epsilon)
+    return _cast_blocks(input.float(), fp8_dtype, block_dim, rowwise, transpose, amax_epsilon, power_2_scale)
+
+
+def _check_epsilon(amax_epsilon):
     if not (amax_epsilon >= 0.0 and amax_epsilon != float("inf")):
         raise ValueError(f"amax_epsilon: expected a finite number >= 0, got {amax_epsilon}")
-    x = input.float()
+
+
+def _cast_blocks(x, fp8_dtype, block_dim, rowwise, transpose, amax_epsilon, power_2_scale):
+    """block_cast's math on x [M, K] float32 (arguments checked)."""
     m, k = x.shape
-    empty_q, empty_s = input.new_empty((0,), dtype=fp8_dtype), input.new_empty((0,), dtype=torch.float32)
+    empty_q, empty_s = x.new_empty((0,), dtype=fp8_dtype), x.new_empty((0,), dtype=torch.float32)
     q, scale_inv, qt, scale_inv_t = empty_q, empty_s, empty_q, empty_s
     if block_dim == 1:
         if rowwise:
@@ -113,6 +122,25 @@ def block_cast(input, fp8_dtype, block_dim, rowwise=True, transpose=False, amax_
     if transpose:
         qt, scale_inv_t = data.t().contiguous(), _with_padding(block_scale_inv.t(), block_scale_shape(k, m, 2))
     return q, scale_inv, qt, scale_inv_t
+
+
+@register("block_activation_cast")
+def block_activation_cast(input, activation, fp8_dtype, rowwise=True, transpose=False, amax_epsilon=0.0,
+                          power_2_scale=True):
+    """block_cast (1x128 tiles) of act(input) computed in float32: input [M, F] (gelu, relu) or [M, 2F] (swiglu)."""
+    check_activation(activation)
+    if input.dtype not in HIGH_PRECISION:
+        raise TypeError(f"input: expected a float32, float16 or bfloat16 tensor, got {input.dtype}")
+    if input.dim() != 2:
+        raise ValueError(f"input: expected a 2-D tensor [M, K], got shape {tuple(input.shape)}")
+    if activation == "swiglu" and input.shape[1] % 2 != 0:
+        raise ValueError(f"input: swiglu expects an even last dimension [M, 2F], got shape {tuple(input.shape)}")
+    if not input.is_contiguous():
+        raise ValueError(f"input: expected a contiguous tensor (got strides {input.stride()})")
+    check_fp8_dtype(fp8_dtype, "fp8_dtype")
+    _check_epsilon(amax_epsilon)
+    return _cast_blocks(act_forward(input.float(), activation), fp8_dtype, 1, rowwise, transpose, amax_epsilon,
+                        power_2_scale)
 
 
 def _check_scale_inv(scale_inv, data, block_dim, arg, data_arg):

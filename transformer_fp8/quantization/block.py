@@ -118,6 +118,16 @@ class BlockScalingQuantizer(Quantizer):
         return FP8Operand(q if rowwise else None, qt if transpose else None, scale_inv, self.fp8_dtype, self.layout,
                           scale_inv_t)
 
+    def cast_activation(self, x: torch.Tensor, activation: str, *, transpose: bool = False) -> FP8Operand:
+        """act(x) cast in one kernel (block_activation_cast: the activation in float32, no high-precision output) for
+        1x128 tiles; 128x128 blocks take the activation, then the cast."""
+        if self.block_dim != 1:
+            return super().cast_activation(x, activation, transpose=transpose)
+        q, scale_inv, qt, scale_inv_t = tfp8.block_activation_cast(
+            x, activation, self.fp8_dtype, True, transpose, float(self.qparams.amax_epsilon),
+            self.qparams.power_2_scale)
+        return FP8Operand(q, qt if transpose else None, scale_inv, self.fp8_dtype, self.layout, scale_inv_t)
+
     def cast_with_dbias(self, x: torch.Tensor) -> tuple[FP8Operand, torch.Tensor]:
         """A gradient x [M, N] -> (FP8Operand with data and data_t, x summed over rows [N] in float32, returned in
         x's dtype: the bias gradient)."""

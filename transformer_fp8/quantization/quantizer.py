@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..ops import tfp8
+from ..ops import activation_high_precision, tfp8
 from ..recipe import FP8_MAX
 from .operand import FP8Operand
 from .roles import Role
@@ -137,6 +137,20 @@ class Quantizer:
         operand's scale (1 / scale_inv; no amax update): the backward's recast of a weight whose forward kept no Wᵀ.
         """
         return tfp8.cast_transpose(x, torch.reciprocal(operand.scale_inv), self.fp8_dtype, False, True)[1]
+
+    def cast_activation(self, x: torch.Tensor, activation: str, *, transpose: bool = False) -> FP8Operand:
+        """act(x) cast like cast(): x [M, F] (or [M, 2F] for "swiglu"); here the activation in high precision, then the
+        cast (a class with a fused kernel overrides it).
+
+        Args:
+            x: the activation's input (an FC1 output), contiguous.
+            activation: "gelu", "relu" or "swiglu".
+            transpose: make data_t as well.
+
+        Returns:
+            The FP8Operand of act(x).
+        """
+        return self.cast(activation_high_precision(x, activation), transpose=transpose)
 
     def add_transpose(self, operand: FP8Operand, x: torch.Tensor) -> FP8Operand:
         """operand (cast from x by this quantizer) with data_t: a byte transpose of its data where the layout's
