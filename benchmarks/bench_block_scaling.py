@@ -10,7 +10,8 @@ fast accumulation (our per-tensor forward). Layer steps: forward + backward, gra
 (10 steps back to back) per round.
 --llama-stack adds issue 21's Llama-1.1B-shaped stack of TransformerLayers (B4xS2048, full logits, fused AdamW):
 tokens/s (median over rounds of 10 steps, recipes built and timed one after another) and peak GiB per recipe.
-Usage: python benchmarks/bench_block_scaling.py [--json out.json] [--rounds 5] [--skip-layers] [--llama-stack]
+Usage: python benchmarks/bench_block_scaling.py [--json out.json] [--rounds 5] [--skip-gemm] [--skip-layers]
+[--llama-stack]
 """
 import argparse
 import json
@@ -273,11 +274,13 @@ def main():
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-layers", action="store_true")
+    parser.add_argument("--skip-gemm", action="store_true", help="no probe and GEMM table")
     parser.add_argument("--llama-stack", action="store_true", help="also the Llama-1.1B-shaped stack (tokens/s)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    result = {"device": torch.cuda.get_device_name(), "probe": probe_cublaslt(), "gemm": gemm_table(args.rounds),
-              "cast": cast_table(args.rounds)}
+    result = {"device": torch.cuda.get_device_name(), "probe": {}, "gemm": [], "cast": cast_table(args.rounds)}
+    if not args.skip_gemm:
+        result["probe"], result["gemm"] = probe_cublaslt(), gemm_table(args.rounds)
     if not args.skip_layers:
         result["layers"] = layer_table(args.rounds)
     if args.llama_stack:
