@@ -18,12 +18,17 @@ namespace tfp8 {
 // allocates only what its algorithm needs (fp8_gemm_workspace_bytes).
 constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
 
+// How an operand's scale_inv pointer is read: one float32 for the tensor, or block scaling (float32 per 1x128 tile
+// along k / per 128x128 block, laid out as transformer_fp8/quantization/block.py says; not both operands kBlock128).
+enum class ScaleMode : int { kTensor, kVec128, kBlock128 };
+
 struct Fp8GemmArgs {
   const void* a;             // [m, k], a_type (E4M3 or E5M2)
   const void* b;             // [n, k], b_type (not E5M2 when a_type is)
-  const float* a_scale_inv;  // device scalars
+  const float* a_scale_inv;  // device scalars (kTensor), else the block scales
   const float* b_scale_inv;
   DType a_type, b_type;
+  ScaleMode a_scale_mode = ScaleMode::kTensor, b_scale_mode = ScaleMode::kTensor;
   int64_t m, n, k;
   void* out;  // [m, ld_out] of out_type; float32 and read too when accumulate
   DType out_type;

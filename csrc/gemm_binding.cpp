@@ -9,8 +9,26 @@
 
 #include "common.h"
 #include "gemm.h"
+#include "gemm_workspace.h"
 
 namespace tfp8 {
+
+// (declared in gemm_workspace.h) Gives the fully described GEMM `args` the workspace its algorithm needs (possibly
+// none): torch's own cuBLASLt workspace of the current stream when it is large enough (kept by torch per stream, also under graph capture: no
+// allocation per call, no second buffer; GEMMs on one stream run in order, so sharing it is safe), else a fresh
+// buffer. The tensor returned owns a fresh buffer (undefined otherwise) and must live until the GEMM is enqueued.
+at::Tensor attach_workspace(Fp8GemmArgs& args, const at::TensorOptions& options) {
+  args.workspace_bytes = fp8_gemm_workspace_bytes(args);
+  if (args.workspace_bytes == 0) return {};
+  if (args.workspace_bytes <= at::cuda::getCUDABlasLtWorkspaceSize()) {
+    args.workspace = at::cuda::getCUDABlasLtWorkspace();
+    return {};
+  }
+  at::Tensor workspace = at::empty({int64_t(args.workspace_bytes)}, options.dtype(at::kByte));
+  args.workspace = workspace.data_ptr();
+  return workspace;
+}
+
 namespace {
 
 constexpr int64_t kPad = 16;
@@ -92,22 +110,6 @@ Fp8GemmArgs operand_args(const at::Tensor& a, const at::Tensor& a_scale_inv, con
   args.k = k;
   args.fast_accum = !use_split_accumulator;
   return args;
-}
-
-// Gives the fully described GEMM `args` the workspace its algorithm needs (possibly none): torch's own cuBLASLt
-// workspace of the current stream when it is large enough (kept by torch per stream, also under graph capture: no
-// allocation per call, no second buffer; GEMMs on one stream run in order, so sharing it is safe), else a fresh
-// buffer. The tensor returned owns a fresh buffer (undefined otherwise) and must live until the GEMM is enqueued.
-at::Tensor attach_workspace(Fp8GemmArgs& args, const at::TensorOptions& options) {
-  args.workspace_bytes = fp8_gemm_workspace_bytes(args);
-  if (args.workspace_bytes == 0) return {};
-  if (args.workspace_bytes <= at::cuda::getCUDABlasLtWorkspaceSize()) {
-    args.workspace = at::cuda::getCUDABlasLtWorkspace();
-    return {};
-  }
-  at::Tensor workspace = at::empty({int64_t(args.workspace_bytes)}, options.dtype(at::kByte));
-  args.workspace = workspace.data_ptr();
-  return workspace;
 }
 
 std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,

@@ -77,6 +77,19 @@ const char* torch_name(DType t) {
 
 bool is_fp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
 
+cublasLtMatmulMatrixScale_t cublas_scale_mode(ScaleMode mode) {
+  switch (mode) {
+    case ScaleMode::kTensor: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    case ScaleMode::kVec128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case ScaleMode::kBlock128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  }
+  throw std::invalid_argument("unknown ScaleMode");
+}
+
+const char* scale_mode_name(ScaleMode mode) {
+  return mode == ScaleMode::kVec128 ? "1x128" : mode == ScaleMode::kBlock128 ? "128x128" : "tensor";
+}
+
 cublasLtHandle_t handle_for_device(int device) {
   static std::mutex mutex;
   static std::map<int, cublasLtHandle_t> handles;
@@ -110,7 +123,8 @@ using PlanKey = std::array<int64_t, 18>;
 
 PlanKey key_of(const Fp8GemmArgs& g, int device) {
   const int64_t flags = int64_t(g.accumulate) | int64_t(g.fast_accum) << 1 | int64_t(g.amax_scratch != nullptr) << 2 |
-                        int64_t(g.residual != nullptr) << 3;
+                        int64_t(g.residual != nullptr) << 3 | int64_t(g.a_scale_mode) << 4 |
+                        int64_t(g.b_scale_mode) << 6;
   return {device,
           g.m,
           g.n,
@@ -143,8 +157,12 @@ std::string describe(const Fp8GemmArgs& g) {
   return std::string("a ") + torch_name(g.a_type) + ", b " + torch_name(g.b_type) + ", out " + torch_name(g.out_type) +
          (g.bias ? std::string(", bias ") + torch_name(g.bias_type) : "") +
          (g.pre_gelu ? std::string(", gelu (pre_gelu ") + torch_name(g.pre_gelu_type) + ")" : "") +
-         (g.accumulate ? ", accumulate" : "") + (g.residual ? ", residual" : "") + ", M=" + std::to_string(g.m) +
-         " N=" + std::to_string(g.n) + " K=" + std::to_string(g.k);
+         (g.accumulate ? ", accumulate" : "") + (g.residual ? ", residual" : "") +
+         (g.a_scale_mode != ScaleMode::kTensor || g.b_scale_mode != ScaleMode::kTensor
+              ? std::string(", block scales a ") + scale_mode_name(g.a_scale_mode) + " b " +
+                    scale_mode_name(g.b_scale_mode)
+              : "") +
+         ", M=" + std::to_string(g.m) + " N=" + std::to_string(g.n) + " K=" + std::to_string(g.k);
 }
 
 // RAII owners of the cuBLASLt descriptors (not copyable: each destroys its own).
@@ -201,6 +219,10 @@ struct Plan {
     desc.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
     desc.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(g.fast_accum ? 1 : 0));
     desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue_of(g));
+    if (g.a_scale_mode != ScaleMode::kTensor || g.b_scale_mode != ScaleMode::kTensor) {
+      desc.set(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, int32_t(cublas_scale_mode(g.b_scale_mode)));  // cuBLASLt's A is our b
+      desc.set(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, int32_t(cublas_scale_mode(g.a_scale_mode)));
+    }
     if (g.bias != nullptr) desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, int32_t(cuda_type(g.bias_type)));
     if (g.pre_gelu != nullptr) {
       desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.ld_out);

@@ -33,6 +33,30 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // FP8 [M, N] -> FP8 [N, M], same dtype
   m.def("fp8_transpose(Tensor input) -> Tensor");
 
+  // --- block scaling (recipe Float8BlockScaling; layouts: transformer_fp8/quantization/block.py) ---
+  // input [M, K] contiguous high precision -> (q [M, K] or empty, scale_inv, qt [K, M] or empty, scale_inv_t), each
+  // scale float32 per tile: block_dim 1: 1x128 tiles (q: along K, scale_inv [ceil(K/128), pad4(M)]; qt: its own
+  // tiles along M, scale_inv_t [ceil(M/128), pad4(K)]); block_dim 2: 128x128 blocks (scale_inv [ceil(M/128),
+  // pad4(ceil(K/128))], qt with the same scales transposed [ceil(K/128), pad4(ceil(M/128))]). Padding entries are 1.
+  // Per tile: amax floored at amax_epsilon; scale = fp8_max / amax (float32 max on overflow; 1 for a zero, Inf or
+  // NaN amax), rounded down to a power of 2 when power_2_scale; q = saturate(x * scale); scale_inv = 1 / scale.
+  m.def("block_cast(Tensor input, ScalarType fp8_dtype, int block_dim, bool rowwise=True, bool transpose=False, "
+        "float amax_epsilon=0.0, bool power_2_scale=True) -> (Tensor, Tensor, Tensor, Tensor)");
+  // block_cast (1x128 tiles) of act(input) computed in float32 (activation_fwd's math, without its rounding to the
+  // input dtype): input [M, F] ("gelu", "relu") or [M, 2F] = [gate | up] ("swiglu") -> the cast of [M, F].
+  m.def("block_activation_cast(Tensor input, str activation, ScalarType fp8_dtype, bool rowwise=True, "
+        "bool transpose=False, float amax_epsilon=0.0, bool power_2_scale=True) -> (Tensor, Tensor, Tensor, Tensor)");
+  // q [M, K] FP8 with its scale_inv (block_cast's layout for block_dim) -> out_dtype [M, K] = q * scale_inv of its tile
+  m.def("block_dequantize(Tensor input, Tensor scale_inv, int block_dim, ScalarType out_dtype) -> Tensor");
+  // out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T (+ bias [N]) in out_dtype (float32 / float16 / bfloat16):
+  // "TN" as fp8_gemm, each operand [rows, K] block-scaled along its rows as block_cast made it (a_block_dim /
+  // b_block_dim: 1 = 1x128 tiles, 2 = 128x128 blocks; not both 2); split accumulator (cuBLASLt takes no other).
+  m.def("block_fp8_gemm(Tensor a, Tensor a_scale_inv, int a_block_dim, Tensor b, Tensor b_scale_inv, "
+        "int b_block_dim, ScalarType out_dtype, Tensor? bias=None) -> Tensor");
+  // out [M, N] float32 += the same product (wgrad into main_grad)
+  m.def("block_fp8_gemm_accumulate(Tensor a, Tensor a_scale_inv, int a_block_dim, Tensor b, Tensor b_scale_inv, "
+        "int b_block_dim, Tensor(a!) out) -> ()");
+
   // --- gemm family ---
   // Returns (out [M, N] of out_dtype, pre_gelu [M, N] (empty unless gelu)). bias [N]; with an FP8 out_dtype,
   // out_scale is required and out_amax (optional) is max-accumulated. residual [M, N] of out_dtype (not FP8, not

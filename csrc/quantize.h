@@ -46,4 +46,32 @@ void launch_cast_transpose(const void* x, uint8_t* q, uint8_t* qT, int64_t m, in
 // Byte transpose: q [m, n] -> qT [n, m].
 void launch_fp8_transpose(const uint8_t* q, uint8_t* qT, int64_t m, int64_t n, cudaStream_t stream);
 
+// --- block scaling (csrc/quantize_block.cu); the layouts: transformer_fp8/quantization/block.py ---
+constexpr int kBlockLen = 128;  // values per 1x128 tile, rows and columns per 128x128 block
+
+// x [m, k] -> q [m, k] with scale_inv (row stride scale_ld) and / or qt [k, m] with scale_inv_t (row stride
+// scale_t_ld), each skipped when its pointer is null. two_d: one scale per 128x128 block shared by q and qt, else
+// 1x128 tiles along k for q and along m for qt. Padding entries of the scale tensors (columns past the data) get 1.
+struct BlockCastArgs {
+  const void* x;
+  int64_t m, k;
+  DType in_type, fp8_type;
+  bool two_d;
+  float amax_epsilon;  // amax floor (>= 0)
+  bool power_2_scale;  // scales rounded down to powers of two
+  uint8_t* q;
+  float* scale_inv;
+  int64_t scale_ld;
+  uint8_t* qt;
+  float* scale_inv_t;
+  int64_t scale_t_ld;
+  int activation = -1;  // >= 0: cast act(x) (an Activation, activation.h; 1x128 only): x is [m, k] ([m, 2k] swiglu)
+};
+void launch_block_cast(const BlockCastArgs& args, cudaStream_t stream);
+
+// q [m, k] (fp8_type) -> out [m, k] (out_type) = q * the scale_inv of its tile or block (layout as block_cast writes
+// it, rows of scale_inv at stride scale_ld).
+void launch_block_dequantize(const uint8_t* q, const float* scale_inv, int64_t scale_ld, bool two_d, int64_t m,
+                             int64_t k, DType fp8_type, void* out, DType out_type, cudaStream_t stream);
+
 }  // namespace tfp8

@@ -32,6 +32,7 @@ RECIPES = {  # label: recipe (None: outside fp8_autocast)
     "fp8": recipe.DelayedScaling(amax_history_len=2),
     "fp8_current": recipe.Float8CurrentScaling(),
     "fp8_per_rank": recipe.DelayedScaling(amax_history_len=2, reduce_amax=False),
+    "fp8_block": recipe.Float8BlockScaling(),  # (per-tile scales: gathers in high precision, casts per rank)
 }
 FP8_LABELS = ("fp8", "fp8_current")  # the scales equal the single-process module's
 
@@ -437,13 +438,22 @@ def test_per_rank_delayed_scales_stay_within_fp8_tolerance(tp_results, name):
     tp_results.check_each(f"{name}/fp8_vs_hp/fp8_per_rank", lambda err: err > 1e-3, "FP8 differing from float32")
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_block_scaling_stays_within_fp8_tolerance(tp_results, name):
+    """Float8BlockScaling: each rank casts its own tiles (the gathered input after a high-precision gather), so
+    results differ from the single-process module's by FP8 roundings only."""
+    _check_errors_below(tp_results, name, "fp8_block", FP8_RTOL[torch.float8_e4m3fn])
+    tp_results.check_each(f"{name}/fp8_vs_hp/fp8_block", lambda err: err > 1e-3, "FP8 differing from float32")
+
+
 @pytest.mark.parametrize("name", GATHERS)
 def test_sequence_parallel_gathers_fp8_inside_autocast(tp_results, name):
     """Forward: one all-gather per column-parallel GEMM, of the whole [S, B, H] input, as FP8 bytes (uint8: half of
     BF16's) inside fp8_autocast with shared scales, in float32 outside it and with per-rank scales. Backward: the
     dgrad of each gathered input is reduce-scattered in high precision."""
     gathered = S * B * H
-    expected_forward = {"hp": "float32", "fp8": "uint8", "fp8_current": "uint8", "fp8_per_rank": "float32"}
+    expected_forward = {"hp": "float32", "fp8": "uint8", "fp8_current": "uint8", "fp8_per_rank": "float32",
+                        "fp8_block": "float32"}
     for label, dtype in expected_forward.items():
         for rank, (forward, backward) in tp_results.each(f"{name}/collectives/{label}"):
             gathers = [c for c in forward if c[0] == "all_gather_into_tensor"]

@@ -27,7 +27,7 @@ from .quantization import update
 from .quantization.update import (_backward_queues, _plans, distributed_initialized,  # noqa: F401  (re-exported)
                                   forget_update_plans, register_backward, renew_scale_inv_snapshots,
                                   update_scaling_states)
-from .recipe import DelayedScaling, Float8CurrentScaling
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 if TYPE_CHECKING:
     from .quantization.state import ScalingState
@@ -53,6 +53,7 @@ class _FP8ThreadState(threading.local):
         self.depth = 0
         self.model_init = False
         self.preserve_init_val = False  # (see fp8_model_init)
+        self.model_init_options = {}  # Float8Tensor.from_hp's layout arguments for fp8_model_init's weights
         self.forward_states = []  # (ScalingState, recipe, group) used in this thread's current outermost autocast
         self.checkpoint = None  # the checkpoint region (checkpoint.py) whose forward or recompute runs in this thread
 
@@ -66,7 +67,7 @@ def is_fp8_enabled() -> bool:
     return STATE.enabled
 
 
-def get_fp8_recipe() -> DelayedScaling | Float8CurrentScaling:
+def get_fp8_recipe() -> DelayedScaling | Float8CurrentScaling | Float8BlockScaling:
     """Returns:
         The recipe of the calling thread's innermost fp8_autocast (DEFAULT_RECIPE outside any)."""
     return STATE.recipe
@@ -88,8 +89,9 @@ class fp8_autocast(contextlib.ContextDecorator):
             raise TypeError(f"calibrating: expected a bool, got {calibrating!r}")
         if fp8_recipe is None:
             fp8_recipe = DEFAULT_RECIPE
-        if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
-            raise TypeError(f"fp8_recipe: expected DelayedScaling or Float8CurrentScaling, got {fp8_recipe!r}")
+        if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling)):
+            raise TypeError(f"fp8_recipe: expected DelayedScaling, Float8CurrentScaling or Float8BlockScaling, got "
+                            f"{fp8_recipe!r}")
         self.settings = (enabled, calibrating, fp8_recipe, fp8_group)
         # thread id -> the settings each enter replaced, innermost last: one instance (say a decorator) may be
         # entered by several threads at once, and each exit must restore its own thread's settings
@@ -117,17 +119,19 @@ class fp8_autocast(contextlib.ContextDecorator):
 
 
 @contextlib.contextmanager
-def fp8_model_init(enabled: bool = True, recipe: DelayedScaling | Float8CurrentScaling | None = None,
+def fp8_model_init(enabled: bool = True, recipe: Any = None,
                    preserve_high_precision_init_val: bool = False) -> Iterator[None]:
-    """Weights of our modules created inside are Float8Tensor parameters (E4M3 data + scale_inv from the weight's
-    own amax, whatever the recipe: `recipe` is accepted as TE's argument); biases and norm weights stay in high
-    precision. preserve_high_precision_init_val=True keeps each weight's high-precision initial values on the CPU,
-    for `param.get_high_precision_init_val()` (e.g. to start FP32 master weights from them) until
+    """Weights of our modules created inside are Float8Tensor parameters: E4M3 data + one scale_inv from the
+    weight's own amax (recipe None, DelayedScaling or Float8CurrentScaling), or with recipe=Float8BlockScaling() one
+    scale_inv per 128x128 block (layout "block_128x128", the block GEMM's weight operand); biases and norm weights
+    stay in high precision. preserve_high_precision_init_val=True keeps each weight's high-precision initial values
+    on the CPU, for `param.get_high_precision_init_val()` (e.g. to start FP32 master weights from them) until
     `param.clear_high_precision_init_val()`.
 
     Args:
         enabled: whether weights created inside are Float8Tensor parameters.
-        recipe: accepted for TE compatibility (None, DelayedScaling or Float8CurrentScaling); not used.
+        recipe: TE's argument: the recipe the model will run with; it decides the weights' scaling layout (None:
+            per tensor).
         preserve_high_precision_init_val: keep each weight's high-precision initial values on the CPU.
 
     Returns:
@@ -135,17 +139,33 @@ def fp8_model_init(enabled: bool = True, recipe: DelayedScaling | Float8CurrentS
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected a bool, got {enabled!r}")
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError(f"recipe: expected None, DelayedScaling or Float8CurrentScaling, got {recipe!r}")
+    options = _model_init_options(recipe)
     if not isinstance(preserve_high_precision_init_val, bool):
         raise TypeError(f"preserve_high_precision_init_val: expected a bool, got {preserve_high_precision_init_val!r}")
     state = STATE  # (the calling thread's: fp8_model_init is per thread too)
-    saved = state.model_init, state.preserve_init_val
+    saved = state.model_init, state.preserve_init_val, state.model_init_options
     state.model_init, state.preserve_init_val = enabled, enabled and preserve_high_precision_init_val
+    state.model_init_options = options
     try:
         yield
     finally:
-        state.model_init, state.preserve_init_val = saved
+        state.model_init, state.preserve_init_val, state.model_init_options = saved
+
+
+def _model_init_options(recipe: Any) -> dict[str, Any]:
+    """Float8Tensor.from_hp's layout arguments for fp8_model_init's weights under `recipe`: {} (one scale per
+    tensor) or 128x128 blocks with the recipe's weight QParams (the bytes its block quantizer casts the weight to)."""
+    if isinstance(recipe, Float8BlockScaling):
+        if recipe.w_block_scaling_dim != 2:
+            raise NotImplementedError(f"recipe: fp8_model_init makes 128x128-block weights (w_block_scaling_dim=2) "
+                                      f"only, got w_block_scaling_dim={recipe.w_block_scaling_dim!r}")
+        qparams = recipe.fp8_quant_fwd_weight
+        return {"layout": "block_128x128", "power_2_scale": qparams.power_2_scale,
+                "amax_epsilon": qparams.amax_epsilon}
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(f"recipe: expected None, DelayedScaling, Float8CurrentScaling or Float8BlockScaling, got "
+                        f"{recipe!r}")
+    return {}
 
 
 def register_forward(scaling_state: "ScalingState", recipe: DelayedScaling, group: Any) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library: registers the schemas and the CUDA kernels)
 from ._layout import dense_in_order_of
+from .cpu.block import block_scale_shape
 
 tfp8 = torch.ops.transformer_fp8
 
@@ -55,6 +56,43 @@ def _(grad, scale, fp8_dtype, amax=None, scale_inv=None):
 def _(input):
     m, n = input.shape
     return input.new_empty((n, m))
+
+
+@_register_fake("transformer_fp8::block_cast")
+def _(input, fp8_dtype, block_dim, rowwise=True, transpose=False, amax_epsilon=0.0, power_2_scale=True):
+    m, k = input.shape
+    empty_q, empty_s = input.new_empty((0,), dtype=fp8_dtype), input.new_empty((0,), dtype=torch.float32)
+    q = input.new_empty((m, k), dtype=fp8_dtype) if rowwise else empty_q
+    scale_inv = input.new_empty(block_scale_shape(m, k, block_dim), dtype=torch.float32) if rowwise else empty_s
+    qt = input.new_empty((k, m), dtype=fp8_dtype) if transpose else empty_q
+    scale_inv_t = input.new_empty(block_scale_shape(k, m, block_dim), dtype=torch.float32) if transpose else empty_s
+    return q, scale_inv, qt, scale_inv_t
+
+
+@_register_fake("transformer_fp8::block_activation_cast")
+def _(input, activation, fp8_dtype, rowwise=True, transpose=False, amax_epsilon=0.0, power_2_scale=True):
+    m, k = input.shape[0], activation_out_features(activation, input.shape[1])
+    empty_q, empty_s = input.new_empty((0,), dtype=fp8_dtype), input.new_empty((0,), dtype=torch.float32)
+    q = input.new_empty((m, k), dtype=fp8_dtype) if rowwise else empty_q
+    scale_inv = input.new_empty(block_scale_shape(m, k, 1), dtype=torch.float32) if rowwise else empty_s
+    qt = input.new_empty((k, m), dtype=fp8_dtype) if transpose else empty_q
+    scale_inv_t = input.new_empty(block_scale_shape(k, m, 1), dtype=torch.float32) if transpose else empty_s
+    return q, scale_inv, qt, scale_inv_t
+
+
+@_register_fake("transformer_fp8::block_dequantize")
+def _(input, scale_inv, block_dim, out_dtype):
+    return torch.empty_like(input, dtype=out_dtype)
+
+
+@_register_fake("transformer_fp8::block_fp8_gemm")
+def _(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out_dtype, bias=None):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@_register_fake("transformer_fp8::block_fp8_gemm_accumulate")
+def _(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out):
+    return None
 
 
 @_register_fake("transformer_fp8::fp8_gemm")

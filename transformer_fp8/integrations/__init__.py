@@ -1,4 +1,5 @@
 """Use transformer_fp8 with existing models (Hugging Face transformers and plain PyTorch) without importing them."""
+from .block_fp8_checkpoint import load_block_fp8_pretrained
 from .causal_lm import causal_lm_loss
 from .convert import convert_linear_layers, microbatch
 from .gradient_checkpointing import gradient_checkpointing_enable
@@ -13,4 +14,4 @@ from .trainer import FP8TrainerMixin, __getattr__  # noqa: F401  (FP8Trainer: bu
 __all__ = ["Conversion", "FusedWeight", "GreedyDecoder", "LlamaTransformerLayer", "WeightPart", "convert_model",
            "greedy_generate", "layer_weight_map", "save_hf_pretrained", "to_hf_state_dict", "causal_lm_loss",
            "convert_linear_layers", "convert_llama", "gradient_checkpointing_enable", "linear_cross_entropy",
-           "microbatch"]
+           "microbatch", "load_block_fp8_pretrained"]

@@ -14,7 +14,6 @@ import torch.nn as nn
 
 from .. import autocast
 from ..float8_tensor import Float8Tensor
-from ..ops import tfp8
 from ..quantization import FP8Operand, Quantizer, QuantizerSet, ScalingState, quantizer_class  # noqa: F401
 # (ScalingState: re-exported from its former home)
 from ..recipe import FP8_MAX
@@ -103,13 +102,11 @@ def fp8_weight(cache: dict, name: str, weight: torch.Tensor, quantizer: Quantize
         cached = cache.get(name)
         if cached is not None:
             if need_transpose and cached.data_t is None:
-                cached = FP8Operand(cached.data, tfp8.fp8_transpose(cached.data), cached.scale_inv, cached.fp8_dtype)
-                cache[name] = cached
+                cached = cache[name] = quantizer.add_transpose(cached, weight)
             return cached
     need_transpose = need_transpose and keeps_weight_transpose(weight, is_first_microbatch)
     if isinstance(weight, Float8Tensor):
-        qt = weight.transpose_data() if need_transpose else None  # (kept on it: see keep_transpose_)
-        operand = FP8Operand(weight._data, qt, weight._scale_inv, weight._data.dtype)
+        operand = weight.fp8_operand(transpose=need_transpose)  # (its layout; data_t kept on it: keep_transpose_)
     else:
         operand = quantizer.cast(weight, transpose=need_transpose)
     if is_first_microbatch is not None:
@@ -125,10 +122,9 @@ def fp8_weight_transpose(weight: torch.Tensor, operand: FP8Operand, quantizer: Q
     if operand.data_t is not None:
         return operand
     if isinstance(weight, Float8Tensor):
-        data_t = weight.transpose_data()
-    else:
-        data_t = quantizer.transpose_like(weight, operand)
-    return FP8Operand(None, data_t, operand.scale_inv, operand.fp8_dtype)
+        return weight.fp8_operand(transpose=True).transposed_only(weight.transpose_data())
+    data_t = quantizer.transpose_like(weight, operand)  # (block quantizers set operand.scale_inv_t)
+    return operand.transposed_only(data_t)
 
 
 def main_grad_of(weight: torch.Tensor) -> torch.Tensor:
@@ -235,7 +231,7 @@ class FP8ModuleBase(nn.Module):
             weight = tp.shard(weight, shard_dim, shard_blocks)
         if not autocast.STATE.model_init:
             return nn.Parameter(weight)
-        param = nn.Parameter(Float8Tensor.from_hp(weight))
+        param = nn.Parameter(Float8Tensor.from_hp(weight, **autocast.STATE.model_init_options))
         if autocast.STATE.preserve_init_val:
             param._high_precision_init_val = weight.cpu()
         return param

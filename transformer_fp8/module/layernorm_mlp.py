@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .. import autocast
 from ..distributed import TensorParallel, gather_from_sequence_parallel_region
-from ..ops import activation_high_precision, tfp8
+from ..ops import tfp8
 from ..quantization import MLP_ROLES, FP8Operand, QuantizerSet, Role, gemm_gelu_to_fp8
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear
 from ._row_parallel import epilogue_terms, sum_partials
@@ -37,7 +37,7 @@ def _activation_to_fp8(quantizer, activation, fc1_out, need_transpose):
     """act(fc1_out [M, F1]) cast by `quantizer` (FC2_INPUT): an FP8Operand with data [M, F] (data_t [F, M] when
     need_transpose). With a known scale the activation kernel emits FP8 itself."""
     if not (quantizer.fused_per_tensor and quantizer.known_scale):  # (unfused: the cast's scale comes from act)
-        return quantizer.cast(activation_high_precision(fc1_out, activation), transpose=need_transpose)
+        return quantizer.cast_activation(fc1_out, activation, transpose=need_transpose)
     fp8_args = quantizer.output_args()
     operand = FP8Operand(tfp8.activation_fwd(fc1_out, activation, *fp8_args), None, fp8_args[3], fp8_args[1])
     return operand.with_transpose() if need_transpose else operand

@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from ..float8_tensor import Float8Tensor
-from ..recipe import DelayedScaling, Float8CurrentScaling
+from ..recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from . import update
 from .compiled_backward import file_backward_state, queue_backward_update
+from .block import BlockScalingQuantizer
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
 from .roles import Role
 from .state import ScalingState
@@ -23,6 +24,7 @@ from .state import ScalingState
 QUANTIZER_FOR_RECIPE: dict[type, type[Quantizer]] = {
     DelayedScaling: DelayedScalingQuantizer,
     Float8CurrentScaling: CurrentScalingQuantizer,
+    Float8BlockScaling: BlockScalingQuantizer,
 }
 
 
@@ -95,7 +97,7 @@ class QuantizerSet:
         for roles, state, dtype in ((self.forward_roles, self._fwd_state, self.fwd_dtype),
                                     (self.backward_roles, self._bwd_state, self.bwd_dtype)):
             for slot, role in enumerate(roles):
-                self._quantizers[role] = cls(role, dtype, state, slot, group)
+                self._quantizers[role] = cls(role, dtype, state, slot, group, recipe=self.recipe)
 
     def __getitem__(self, role: Role) -> Quantizer:
         """Returns:

@@ -1,19 +1,32 @@
 """GEMMs on FP8Operands: out = a bᵀ with both operands K-major ("TN", what Hopper's FP8 GEMMs take).
 
 Each operand gives its rowwise data [rows, K] or, with transpose_a / transpose_b, its transposed copy data_t (the
-wgrad contracts over the tokens: dW = dyᵀ xᵀᵀ). The operand's layout picks the kernel: per-tensor ("tensor") goes to
-tfp8.fp8_gemm / fp8_gemm_accumulate; a block-scaled layout will plug in here.
+wgrad contracts over the tokens: dW = dyᵀ xᵀᵀ). The operands' layout picks the kernel: per-tensor ("tensor") goes to
+tfp8.fp8_gemm / fp8_gemm_accumulate, block-scaled ("block_1x128", "block_128x128", see block.py) to
+tfp8.block_fp8_gemm / block_fp8_gemm_accumulate (always the split accumulator; bias in the epilogue where its dtype
+fits, a residual added after the GEMM).
 """
 import torch
 
 from ..ops import tfp8
+from .block import BLOCK_DIM_OF_LAYOUT
 from .operand import FP8Operand
 
 
+def _block_pair(a: FP8Operand, b: FP8Operand) -> bool:
+    """Whether a and b are block-scaled (both), per-tensor (both: False), or an error naming the mix."""
+    a_block, b_block = a.layout in BLOCK_DIM_OF_LAYOUT, b.layout in BLOCK_DIM_OF_LAYOUT
+    for operand, name in ((a, "a"), (b, "b")):
+        if operand.layout != "tensor" and operand.layout not in BLOCK_DIM_OF_LAYOUT:
+            raise NotImplementedError(f"{name}: FP8 GEMM of layout {operand.layout!r} is not supported")
+    if a_block != b_block:
+        raise ValueError(f"a, b: layouts {a.layout!r} and {b.layout!r} do not mix in one GEMM (cast both with the "
+                         f"same recipe)")
+    return a_block
+
+
 def _side(operand: FP8Operand, transposed: bool, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data or data_t, its scale_inv) of a per-tensor operand; a clear error for another layout or a missing side."""
-    if operand.layout != "tensor":
-        raise NotImplementedError(f"{name}: FP8 GEMM of layout {operand.layout!r} is not supported (per-tensor only)")
+    """(data or data_t, its scale_inv) of an operand; a clear error for a missing side."""
     data, scale_inv = (operand.data_t, operand.scale_inv_t) if transposed else (operand.data, operand.scale_inv)
     if data is None:
         raise ValueError(f"{name}: the operand has no {'data_t' if transposed else 'data'} (cast it with "
@@ -39,6 +52,13 @@ def gemm(a: FP8Operand, b: FP8Operand, out_dtype: torch.dtype, *, transpose_a: b
     """
     a_data, a_scale_inv = _side(a, transpose_a, "a")
     b_data, b_scale_inv = _side(b, transpose_b, "b")
+    if _block_pair(a, b):
+        fits = bias is not None and bias.dtype == (torch.float16 if out_dtype == torch.float16 else torch.bfloat16)
+        out = tfp8.block_fp8_gemm(a_data, a_scale_inv, BLOCK_DIM_OF_LAYOUT[a.layout], b_data, b_scale_inv,
+                                  BLOCK_DIM_OF_LAYOUT[b.layout], out_dtype, bias if fits else None)
+        if bias is not None and not fits:  # (a float32 bias of a float32 output: added in float32 after the GEMM)
+            out = out + bias.to(out_dtype)
+        return out if residual is None else out + residual
     extra = {} if residual is None else {"residual": residual}
     return tfp8.fp8_gemm(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype, bias,
                          use_split_accumulator=use_split_accumulator, **extra)[0]
@@ -49,6 +69,10 @@ def gemm_accumulate(a: FP8Operand, b: FP8Operand, out: torch.Tensor, *, transpos
     """out [M, N] (float32) += A Bᵀ, operands as gemm's (the wgrad into weight.main_grad)."""
     a_data, a_scale_inv = _side(a, transpose_a, "a")
     b_data, b_scale_inv = _side(b, transpose_b, "b")
+    if _block_pair(a, b):
+        tfp8.block_fp8_gemm_accumulate(a_data, a_scale_inv, BLOCK_DIM_OF_LAYOUT[a.layout], b_data, b_scale_inv,
+                                       BLOCK_DIM_OF_LAYOUT[b.layout], out)
+        return
     tfp8.fp8_gemm_accumulate(a_data, a_scale_inv, b_data, b_scale_inv, out)
 
 
@@ -65,6 +89,9 @@ def gemm_gelu_to_fp8(a: FP8Operand, b: FP8Operand, bias: torch.Tensor | None, ou
     Returns:
         (the FP8 activation as an FP8Operand (data only), the pre-activation [M, N] in BF16 (the GEMM's aux output)).
     """
+    if _block_pair(a, b):
+        raise NotImplementedError("gemm_gelu_to_fp8: block-scaled operands have no FP8-output GEMM (the output's "
+                                  "block scales are not known before it runs)")
     a_data, a_scale_inv = _side(a, False, "a")
     b_data, b_scale_inv = _side(b, False, "b")
     scale, fp8_dtype, amax, scale_inv = out_quantizer.output_args()

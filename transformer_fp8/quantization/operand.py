@@ -3,7 +3,7 @@ import torch
 
 from ..ops import tfp8
 
-LAYOUTS = ("tensor",)  # block scaling adds "block_1x128" (activations, gradients) and "block_128x128" (weights)
+LAYOUTS = ("tensor", "block_1x128", "block_128x128")  # (block layouts: quantization/block.py)
 
 
 class FP8Operand:
@@ -33,11 +33,16 @@ class FP8Operand:
 
     def with_transpose(self) -> "FP8Operand":
         """Returns:
-            self, with data_t made from data when it is missing (per-tensor layout: a plain FP8 transpose)."""
+            self, with data_t made from data when it is missing: a plain FP8 transpose for the layouts whose
+            transposed copy shares the data's scales (per-tensor; 128x128 blocks, with the block scales transposed).
+            1x128 tiles need a recast from the high-precision tensor (their transposed copy has its own tiles)."""
         if self.data_t is None:
-            if self.layout != "tensor":
+            if self.layout not in ("tensor", "block_128x128"):
                 raise NotImplementedError(f"FP8Operand.with_transpose: layout {self.layout!r} needs a recast")
             self.data_t = tfp8.fp8_transpose(self.data)
+            if self.layout == "block_128x128":
+                from ..float8_block import transpose_block_scales  # (torch math only; no import cycle)
+                self.scale_inv_t = transpose_block_scales(self.scale_inv, tuple(self.data.shape))
         return self
 
     def transposed_only(self, data_t: torch.Tensor | None = None) -> "FP8Operand":

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..ops import tfp8
+from ..ops import activation_high_precision, tfp8
 from ..recipe import FP8_MAX
 from .operand import FP8Operand
 from .roles import Role
@@ -38,13 +38,15 @@ class Quantizer:
     fused_per_tensor = True
     updates_by_history = False
 
-    def __init__(self, role: Role, fp8_dtype: torch.dtype, state: ScalingState, slot: int, tp_group: Any = None):
+    def __init__(self, role: Role, fp8_dtype: torch.dtype, state: ScalingState, slot: int, tp_group: Any = None,
+                 recipe: Any = None):
         """Args:
             role: the Role this quantizer casts.
             fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
             state: the ScalingState holding the role's slot.
             slot: the role's slot in `state`.
             tp_group: the module's tensor-parallel group, or None (used by recipes that share amaxes over it).
+            recipe: the recipe (read by classes with per-role settings, such as block scaling's block dims).
         """
         self.role, self.fp8_dtype, self.fp8_max = role, fp8_dtype, FP8_MAX[fp8_dtype]
         self.state, self.slot = state, slot
@@ -136,6 +138,33 @@ class Quantizer:
         """
         return tfp8.cast_transpose(x, torch.reciprocal(operand.scale_inv), self.fp8_dtype, False, True)[1]
 
+    def cast_activation(self, x: torch.Tensor, activation: str, *, transpose: bool = False) -> FP8Operand:
+        """act(x) cast like cast(): x [M, F] (or [M, 2F] for "swiglu"); here the activation in high precision, then the
+        cast (a class with a fused kernel overrides it).
+
+        Args:
+            x: the activation's input (an FC1 output), contiguous.
+            activation: "gelu", "relu" or "swiglu".
+            transpose: make data_t as well.
+
+        Returns:
+            The FP8Operand of act(x).
+        """
+        return self.cast(activation_high_precision(x, activation), transpose=transpose)
+
+    def add_transpose(self, operand: FP8Operand, x: torch.Tensor) -> FP8Operand:
+        """operand (cast from x by this quantizer) with data_t: a byte transpose of its data where the layout's
+        transposed copy shares its scales (per-tensor), else recast from x (see BlockScalingQuantizer).
+
+        Args:
+            operand: the operand, data_t possibly missing.
+            x: the high-precision tensor it was cast from.
+
+        Returns:
+            operand, with data_t.
+        """
+        return operand.with_transpose()
+
     def record_amax(self, x: torch.Tensor) -> None:
         """Calibration on the high-precision path (fp8_autocast(calibrating=True)): max-accumulate amax(x) into the
         slot, for the update to turn into a scale. Nothing for a quantizer whose scale does not come from history."""
@@ -175,9 +204,10 @@ class CurrentScalingQuantizer(Quantizer):
 
     __slots__ = ("amax_group",)
 
-    def __init__(self, role: Role, fp8_dtype: torch.dtype, state: ScalingState, slot: int, tp_group: Any = None):
+    def __init__(self, role: Role, fp8_dtype: torch.dtype, state: ScalingState, slot: int, tp_group: Any = None,
+                 recipe: Any = None):
         """Args:
-            role, fp8_dtype, state, slot: as Quantizer's.
+            role, fp8_dtype, state, slot, recipe: as Quantizer's.
             tp_group: the process group the amaxes are MAX-reduced over (amax_group), or None.
         """
         super().__init__(role, fp8_dtype, state, slot)

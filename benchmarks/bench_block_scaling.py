@@ -1,0 +1,295 @@
+"""Block scaling (recipe.Float8BlockScaling) on the GPU: what cuBLASLt's block-scaled FP8 GEMM takes, its throughput
+against our per-tensor FP8 GEMM and BF16 torch.matmul, the block cast's bandwidth, and a Linear / TransformerLayer
+step under Float8BlockScaling vs DelayedScaling vs BF16. Prints tables and writes JSON (--json).
+
+GEMM TFLOP/s (2·M·N·K per call): each candidate is a CUDA graph of several calls (about 4 TFLOP), replayed between
+CUDA events; candidates are timed in turn, round after round in a seeded new order (timing.run_rounds), and the table
+shows the median over the rounds. Block rows: "fprop" = a 1x128 x b 128x128 (activation x weight), "wgrad" = 1x128 x
+1x128 (dyᵀ x xᵀ). Per-tensor rows: fp8_gemm with the split accumulator (what block scaling always uses) and with
+fast accumulation (our per-tensor forward). Layer steps: forward + backward, gradients from None, timing.gpu_time_ms
+(10 steps back to back) per round.
+--llama-stack adds issue 21's Llama-1.1B-shaped stack of TransformerLayers (B4xS2048, full logits, fused AdamW):
+tokens/s (median over rounds of 10 steps, recipes built and timed one after another) and peak GiB per recipe.
+Usage: python benchmarks/bench_block_scaling.py [--json out.json] [--rounds 5] [--skip-gemm] [--skip-layers]
+[--llama-stack]
+"""
+import argparse
+import json
+
+import torch
+
+import transformer_fp8 as te
+from timing import gpu_time_ms, run_rounds
+from transformer_fp8 import recipe
+
+ops = torch.ops.transformer_fp8
+E4M3 = torch.float8_e4m3fn
+GEMM_SHAPES = [  # (M, K, N): Llama-8B-like layer GEMMs at 8192 tokens
+    (8192, 4096, 4096), (8192, 4096, 6144), (8192, 4096, 14336), (8192, 14336, 4096), (8192, 4096, 28672),
+    (8192, 8192, 8192),
+]
+
+
+def graph_ms(fn, calls):
+    """A measure: ms per call of fn over one replay of a CUDA graph of `calls` calls (built on first use)."""
+    state = {}
+
+    def measure():
+        if "graph" not in state:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(calls):
+                    fn()
+            graph.replay()
+            state["graph"] = graph
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        state["graph"].replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+
+    return measure
+
+
+def probe_cublaslt():
+    """Which block-scaled GEMMs cuBLASLt runs on this GPU: each combination called once; 'ok' or the error."""
+    m, k, n = 256, 512, 384
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    xq, xs, _, _ = ops.block_cast(x, E4M3, 1)
+    wq, ws, _, _ = ops.block_cast(w, E4M3, 2)
+    w1q, w1s, _, _ = ops.block_cast(w, E4M3, 1)
+    x5q, x5s, _, _ = ops.block_cast(x, torch.float8_e5m2, 1)
+    cases = {}
+    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        bias_dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+        bias = torch.randn(n, device="cuda", dtype=bias_dtype)
+        cases[f"1x128 x 128x128 -> {out_dtype}"] = lambda o=out_dtype: ops.block_fp8_gemm(xq, xs, 1, wq, ws, 2, o)
+        cases[f"1x128 x 128x128 + bias -> {out_dtype}"] = (
+            lambda o=out_dtype, b=bias: ops.block_fp8_gemm(xq, xs, 1, wq, ws, 2, o, b))
+        cases[f"1x128 x 1x128 -> {out_dtype}"] = lambda o=out_dtype: ops.block_fp8_gemm(xq, xs, 1, w1q, w1s, 1, o)
+        cases[f"128x128 x 1x128 -> {out_dtype}"] = lambda o=out_dtype: ops.block_fp8_gemm(wq, ws, 2, xq, xs, 1, o)
+    cases["E5M2 1x128 x E4M3 128x128 -> bf16"] = lambda: ops.block_fp8_gemm(x5q, x5s, 1, wq, ws, 2, torch.bfloat16)
+    acc = torch.zeros(m, n, device="cuda")
+    cases["1x128 x 1x128 accumulate into f32"] = lambda: ops.block_fp8_gemm_accumulate(xq, xs, 1, w1q, w1s, 1, acc)
+    cases["1x128 x 128x128, K=200 (padded to 208)"] = lambda: ops.block_fp8_gemm(
+        *ops.block_cast(x[:, :200].contiguous(), E4M3, 1)[:2], 1, *ops.block_cast(w[:, :200].contiguous(), E4M3, 2)[:2],
+        2, torch.bfloat16)
+    results = {}
+    for name, call in cases.items():
+        try:
+            call()
+            torch.cuda.synchronize()
+            results[name] = "ok"
+        except RuntimeError as err:
+            results[name] = str(err).splitlines()[0][:200]
+    return results
+
+
+def gemm_table(rounds):
+    rows = []
+    for m, k, n in GEMM_SHAPES:
+        flops = 2.0 * m * n * k
+        calls = max(3, min(50, int(4e12 / flops)))
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        xq, xs, _, _ = ops.block_cast(x, E4M3, 1)
+        wq, ws, _, _ = ops.block_cast(w, E4M3, 2)
+        w1q, w1s, _, _ = ops.block_cast(w, E4M3, 1)
+        sa, sb = torch.tensor([0.5], device="cuda"), torch.tensor([0.03], device="cuda")
+        pq, pw = (x * 32).to(E4M3), (w * 32 * 8).to(E4M3)
+        measures = {
+            "block fprop": graph_ms(lambda: ops.block_fp8_gemm(xq, xs, 1, wq, ws, 2, torch.bfloat16), calls),
+            "block wgrad": graph_ms(lambda: ops.block_fp8_gemm(xq, xs, 1, w1q, w1s, 1, torch.bfloat16), calls),
+            "per-tensor split": graph_ms(lambda: ops.fp8_gemm(pq, sa, pw, sb, torch.bfloat16), calls),
+            "per-tensor fast": graph_ms(
+                lambda: ops.fp8_gemm(pq, sa, pw, sb, torch.bfloat16, use_split_accumulator=False), calls),
+            "bf16 matmul": graph_ms(lambda: torch.matmul(x, w.t()), calls),
+        }
+        timed = run_rounds(measures, rounds)
+        row = {"shape": [m, k, n], "calls_per_graph": calls, "rounds": timed}
+        row["tflops"] = {name: flops / (t["median"] * 1e-3) / 1e12 for name, t in timed.items() if "median" in t}
+        rows.append(row)
+    return rows
+
+
+def cast_table(rounds):
+    rows = []
+    for m, k in [(8192, 4096), (8192, 14336)]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        scale = torch.tensor([1.0], device="cuda")
+        measures = {
+            "block 1x128 + own transposed tiles": graph_ms(lambda: ops.block_cast(x, E4M3, 1, True, True), 20),
+            "block 128x128 + transposed": graph_ms(lambda: ops.block_cast(x, E4M3, 2, True, True), 20),
+            "per-tensor cast_transpose": graph_ms(lambda: ops.cast_transpose(x, scale, E4M3), 20),
+        }
+        timed = run_rounds(measures, rounds)
+        moved = m * k * (2 + 1 + 1)  # read bf16, write two FP8 copies (scales are small)
+        rows.append({"shape": [m, k], "rounds": timed,
+                     "gb_per_s": {n: moved / (t["median"] * 1e-3) / 1e9 for n, t in timed.items() if "median" in t}})
+    return rows
+
+
+def layer_step(module, x, fp8_recipe):
+    def step():
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        if fp8_recipe is None:
+            out = module(x)
+        else:
+            with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+                out = module(x)
+        out.backward(torch.ones_like(out))
+    return step
+
+
+def layer_table(rounds):
+    recipes = {"BF16": None, "DelayedScaling": recipe.DelayedScaling(),
+               "Float8BlockScaling": recipe.Float8BlockScaling()}
+    configs = {
+        "Linear 4096->4096, 8192 tokens": (lambda: te.Linear(4096, 4096, params_dtype=torch.bfloat16),
+                                           (8192, 4096)),
+        "LayerNormMLP 4096->14336 (swiglu), 8192 tokens": (
+            lambda: te.LayerNormMLP(4096, 14336, activation="swiglu", normalization="RMSNorm",
+                                    params_dtype=torch.bfloat16), (8192, 4096)),
+        "TransformerLayer guide (4096, ffn 16384, 32 heads, s2048 b4)": (
+            lambda: te.TransformerLayer(4096, 16384, 32, params_dtype=torch.bfloat16), (2048, 4, 4096)),
+    }
+    rows = []
+    for name, (build, shape) in configs.items():
+        module = build().cuda()
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        measures = {r: (lambda s=layer_step(module, x, fr): gpu_time_ms(s, warmup=3, iters=10)) for r, fr in
+                    recipes.items()}
+        rows.append({"config": name, "rounds": run_rounds(measures, rounds)})
+        del module, x
+        torch.cuda.empty_cache()
+    return rows
+
+
+class LlamaStack(torch.nn.Module):
+    """A Llama-1.1B-shaped stack (issue 21's measure): embedding, 16 TransformerLayers (hidden 2048, ffn 8192 swiglu,
+    RMSNorm, 32 heads / 8 KV groups, no bias, causal), final RMSNorm, untied LM head over vocab 32000 (full logits)."""
+
+    def __init__(self, layers=16, hidden=2048, ffn=8192, heads=32, groups=8, vocab=32000):
+        super().__init__()
+        dt = torch.bfloat16
+        self.embed = torch.nn.Embedding(vocab, hidden, device="cuda", dtype=dt)
+        self.layers = torch.nn.ModuleList(
+            te.TransformerLayer(hidden, ffn, heads, num_gqa_groups=groups, hidden_dropout=0.0, attention_dropout=0.0,
+                                bias=False, activation="swiglu", normalization="RMSNorm", params_dtype=dt,
+                                self_attn_mask_type="causal") for _ in range(layers))
+        self.norm = te.RMSNorm(hidden, params_dtype=dt)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False, device="cuda", dtype=dt)
+
+    def forward(self, tokens):  # tokens [b, s] -> loss
+        x = self.embed(tokens).transpose(0, 1).contiguous()  # sbhd
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.norm(x)).float()
+        return torch.nn.functional.cross_entropy(logits[:-1].reshape(-1, logits.shape[-1]),
+                                                 tokens.t()[1:].reshape(-1))
+
+
+def llama_stack_table(rounds, steps=10, batch=4, seq=2048):
+    """tokens/s and peak GiB of a training step (forward, loss, backward, fused AdamW) per recipe."""
+    recipes = {"BF16": None, "DelayedScaling": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID,
+                                                                        amax_history_len=16),
+               "Float8CurrentScaling": recipe.Float8CurrentScaling(), "Float8BlockScaling": recipe.Float8BlockScaling()}
+    tokens = torch.randint(0, 32000, (batch, seq), device="cuda")
+    results = {}
+    for name, fp8_recipe in recipes.items():
+        torch.manual_seed(0)
+        model = LlamaStack()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+        def step():
+            with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+                loss = model(tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        per_round = []
+        for _ in range(rounds):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                loss = step()
+            end.record()
+            end.synchronize()
+            per_round.append(batch * seq * steps / (start.elapsed_time(end) * 1e-3))
+        results[name] = {"tokens_per_s": per_round, "median_tokens_per_s": sorted(per_round)[len(per_round) // 2],
+                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                         "loss": float(loss)}
+        model = opt = None  # (freed before the next recipe's model is built)
+        torch.cuda.empty_cache()
+    return results
+
+
+def print_tables(result):
+    print("\ncuBLASLt block-scaled GEMM on", result["device"])
+    for name, outcome in result["probe"].items():
+        print(f"  {name}: {outcome}")
+    print("\n| M×K×N | block fprop | block wgrad | per-tensor split | per-tensor fast | BF16 matmul | fprop / fast | "
+          "fprop / split |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in result["gemm"]:
+        t = row["tflops"]
+        ratio = lambda a, b: f"{t[a] / t[b]:.3f}" if a in t and b in t else "-"  # noqa: E731
+        cells = " | ".join(f"{t[c]:.1f}" if c in t else "error" for c in
+                           ("block fprop", "block wgrad", "per-tensor split", "per-tensor fast", "bf16 matmul"))
+        print(f"| {'×'.join(map(str, row['shape']))} | {cells} | {ratio('block fprop', 'per-tensor fast')} | "
+              f"{ratio('block fprop', 'per-tensor split')} |")
+    print("\n| cast (bf16 in, FP8 + transposed FP8 out) | GB/s |")
+    print("|---|---|")
+    for row in result["cast"]:
+        for name, gbs in row["gb_per_s"].items():
+            print(f"| {row['shape'][0]}×{row['shape'][1]} {name} | {gbs:.0f} |")
+    if "llama_stack" in result:
+        print("\nLlama-1.1B-shaped stack (16 TransformerLayers, B4xS2048, full logits, fused AdamW)")
+        print("| recipe | tokens/s (median) | peak GiB | loss |")
+        print("|---|---|---|---|")
+        for name, r in result["llama_stack"].items():
+            print(f"| {name} | {r['median_tokens_per_s']:.0f} | {r['peak_gib']:.2f} | {r['loss']:.4f} |")
+    for row in result.get("layers", []):
+        print(f"\n{row['config']}: ms per fwd+bwd step (median [min, max] over rounds)")
+        for r, t in row["rounds"].items():
+            print(f"  {r}: " + (f"{t['median']:.3f} [{t['min']:.3f}, {t['max']:.3f}]" if "median" in t else t["error"]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--skip-layers", action="store_true")
+    parser.add_argument("--skip-gemm", action="store_true", help="no probe and GEMM table")
+    parser.add_argument("--llama-stack", action="store_true", help="also the Llama-1.1B-shaped stack (tokens/s)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    result = {"device": torch.cuda.get_device_name(), "probe": {}, "gemm": [], "cast": cast_table(args.rounds)}
+    if not args.skip_gemm:
+        result["probe"], result["gemm"] = probe_cublaslt(), gemm_table(args.rounds)
+    if not args.skip_layers:
+        result["layers"] = layer_table(args.rounds)
+    if args.llama_stack:
+        result["llama_stack"] = llama_stack_table(args.rounds)
+    print_tables(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
