@@ -65,8 +65,11 @@ def test_gemm_refuses_a_missing_side_and_another_layout():
     with pytest.raises(ValueError, match="b: the operand has no data_t"):
         gemm(x_op, w_op, torch.float32, transpose_b=True)
     blocked = FP8Operand(w_op.data, None, w_op.scale_inv, w_op.fp8_dtype, layout="block_128x128")
-    with pytest.raises(NotImplementedError, match="b: FP8 GEMM of layout 'block_128x128'"):
+    with pytest.raises(ValueError, match="layouts 'tensor' and 'block_128x128' do not mix"):
         gemm(x_op, blocked, torch.float32)
+    unknown = FP8Operand(w_op.data, None, w_op.scale_inv, w_op.fp8_dtype, layout="block_32x32")
+    with pytest.raises(NotImplementedError, match="FP8 GEMM of layout 'block_32x32'"):
+        gemm(unknown, unknown, torch.float32)
 
 
 def test_delayed_quantizer_calibrates_then_uses_the_updated_scale():
@@ -113,7 +116,7 @@ def test_roles_map_to_their_slots_and_unknown_roles_and_recipes_are_refused():
         qset[Role.INPUT]
     with pytest.raises(TypeError, match="recipe: expected one of"):
         quantizer_class(object())
-    assert set(QUANTIZER_FOR_RECIPE) == {recipe.DelayedScaling, recipe.Float8CurrentScaling}
+    assert set(QUANTIZER_FOR_RECIPE) == {recipe.DelayedScaling, recipe.Float8CurrentScaling, recipe.Float8BlockScaling}
 
 
 def test_swapping_a_state_rebinds_the_quantizers_and_states_are_kept_across_recipes():
