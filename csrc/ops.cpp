@@ -153,6 +153,23 @@ TORCH_LIBRARY(transformer_fp8, m) {
         "Tensor descale_s, Tensor scale_dp, Tensor descale_dp, Tensor scale_dq, Tensor scale_dk, Tensor scale_dv, "
         "Tensor(a!) amax_dp, Tensor(b!) amax_dq, Tensor(c!) amax_dk, Tensor(d!) amax_dv, float scale, "
         "bool causal=False) -> (Tensor, Tensor, Tensor)");
+
+  // --- moe family --- token permutation for mixture-of-experts layers (transformer_fp8/permutation.py builds the maps
+  // on the device with torch ops). row_id_map int32 [T, S] (contiguous): the permuted row of slot s of token t, or -1
+  // (slots: the experts for mask routing, the top-k choices for index routing); slot_of_row int32 [N]: its inverse,
+  // the flat slot t * S + s whose copy fills row n, or -1. Indices outside their range give zero rows / are skipped
+  // (never read out of bounds; not checked on the host: that would synchronise).
+  // inp [T, H] contiguous, any float dtype or FP8 (rows copied as bytes: the per-tensor scale_inv stays valid) ->
+  // out [N, H] in inp's dtype, row n = inp[slot_of_row[n] / S] (* probs[slot_of_row[n]] when probs, float32 [T, S]
+  // contiguous, is given: not with FP8; product rounded once), zeros for slot -1.
+  m.def("moe_permute_rows(Tensor inp, Tensor slot_of_row, int slots_per_token, Tensor? probs=None) -> Tensor");
+  // inp [N, H] contiguous float32 / float16 / bfloat16 -> out [T, H] in inp's dtype, row t = sum over s (in order) of
+  // probs[t, s] * inp[row_id_map[t, s]] (rows >= 0 only; probs float32 [T, S], absent: 1), each product and sum
+  // rounded to float32, the result once to inp's dtype.
+  m.def("moe_unpermute_rows(Tensor inp, Tensor row_id_map, Tensor? probs=None) -> Tensor");
+  // d(merging probs) of moe_unpermute_rows: float32 [T, S], dot(grad_out[t], inp[row_id_map[t, s]]) summed in float32
+  // (0 where row_id_map is -1). grad_out [T, H], inp [N, H]: one high-precision dtype, contiguous.
+  m.def("moe_merging_probs_grad(Tensor grad_out, Tensor inp, Tensor row_id_map) -> Tensor");
 }
 
 // (The Python module transformer_fp8._C, whose import loads this library, is defined in csrc/python_module.cpp.)
