@@ -1,0 +1,97 @@
+"""The workloads of a before/after comparison (benchmarks/ab_compare.py runs this file once per round and per tree).
+
+Measures, with whichever transformer_fp8 is first on sys.path and only its public API (so that two versions of the
+library run the same code):
+- `linear_host_us`: host time of one FP8 te.Linear(1024, 1024) forward+backward at 128 tokens (DelayedScaling, the
+  small-shape automatic path off): the per-call Python and dispatch cost a refactor can add;
+- GPU time per forward+backward (CUDA events around back-to-back calls) of te.Linear 8192x4096->4096,
+  te.LayerNormMLP 8192x4096 (ffn 16384) and the performance guide's te.TransformerLayer (hidden 4096, ffn 16384,
+  32 heads, seq 2048 x batch 4, fp16), each under DelayedScaling and Float8CurrentScaling.
+Prints one JSON object {workload: value} on the last line of stdout (and writes it with --json).
+"""
+import argparse
+import json
+import sys
+from typing import Callable, Dict
+
+import torch
+
+import transformer_fp8 as te
+from transformer_fp8 import recipe
+from timing import gpu_time_ms, host_time_us
+
+RECIPES = {"delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentScaling()}
+
+
+def train_step(model: torch.nn.Module, x: torch.Tensor, fp8_recipe) -> Callable[[], None]:
+    """forward under fp8_autocast(fp8_recipe) and backward of a fixed upstream gradient.
+
+    Args:
+        model: the module. x: its input (a leaf that requires grad is made from it). fp8_recipe: the recipe.
+    Returns:
+        the step, a function of no arguments.
+    """
+    xi = x.detach().clone().requires_grad_()
+    with torch.no_grad():
+        dy = torch.randn_like(model(xi))
+
+    def step() -> None:
+        with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+            out = model(xi)
+        out.backward(dy)
+    return step
+
+
+def modules(dtype: torch.dtype) -> Dict[str, tuple]:
+    """{name: (module factory, input)} of the GPU-time workloads."""
+    dev = "cuda"
+    return {
+        "linear_8192x4096x4096": (lambda: te.Linear(4096, 4096, params_dtype=dtype, device=dev),
+                                  torch.randn(8192, 4096, device=dev, dtype=dtype)),
+        "layernorm_mlp_8192x4096x16384": (lambda: te.LayerNormMLP(4096, 16384, params_dtype=dtype, device=dev),
+                                          torch.randn(8192, 4096, device=dev, dtype=dtype)),
+        "guide_layer_h4096_s2048_b4": (
+            lambda: te.TransformerLayer(4096, 16384, 32, hidden_dropout=0.0, attention_dropout=0.0,
+                                        params_dtype=torch.float16, device=dev),
+            torch.randn(2048, 4, 4096, device=dev, dtype=torch.float16)),
+    }
+
+
+def measure() -> Dict[str, float]:
+    """Returns:
+        {workload: value}: µs for linear_host_us, ms per forward+backward for the others."""
+    te.set_fp8_min_gemm_size(0)
+    torch.manual_seed(0)
+    result = {}
+    small = te.Linear(1024, 1024, params_dtype=torch.bfloat16, device="cuda")
+    step = train_step(small, torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16), RECIPES["delayed"])
+    for _ in range(20):
+        step()
+    # host time from an idle GPU, few calls at a time (the launch queue must not fill): the median of 15 samples
+    host = [host_time_us(step, iters=8, warmup=1) for _ in range(15)]
+    result["linear_host_us"] = round(sorted(host)[len(host) // 2], 1)
+    for name, (factory, x) in modules(torch.bfloat16).items():
+        for recipe_name, fp8_recipe in RECIPES.items():
+            model = factory()
+            result[f"{name}_{recipe_name}_ms"] = round(gpu_time_ms(train_step(model, x, fp8_recipe), warmup=5,
+                                                                   iters=20, repeats=3), 4)
+            del model
+            torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("ab_workloads.py needs a CUDA GPU")
+    result = {"library": te.__file__, **measure()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
