@@ -10,11 +10,10 @@ the permuted row of slot s of token t, or -1 where the slot is not routed or its
 experts (S = E) for map_type="mask" and the top-k choices (S = topk) for map_type="index"; merging_probs is laid out
 the same way ([T, E] or [T, topk]).
 """
-from typing import Any
-
 import torch
 
 from .ops import tfp8
+from .quantization import FP8Operand
 
 MAP_TYPES = ("mask", "index")
 
@@ -22,11 +21,6 @@ MAP_TYPES = ("mask", "index")
 def _check_map_type(map_type: str) -> None:
     if map_type not in MAP_TYPES:
         raise ValueError(f"map_type: expected 'mask' or 'index', got {map_type!r}")
-
-
-def _is_fp8_operand(x: Any) -> bool:
-    """An FP8 operand of the quantizers (data, scale_inv, ...), duck-typed: anything but a tensor that has both."""
-    return not isinstance(x, torch.Tensor) and hasattr(x, "data") and hasattr(x, "scale_inv")
 
 
 def _routing_rows(routing_map: torch.Tensor, num_out_tokens: int, map_type: str) -> tuple[torch.Tensor, int]:
@@ -100,14 +94,14 @@ class _Unpermute(torch.autograd.Function):
         return d_inp, None, d_probs
 
 
-def moe_permute(inp: Any, routing_map: torch.Tensor, num_out_tokens: int = -1, max_token_num: int = -1,
-                map_type: str = "mask", *, return_tokens_per_expert: bool = False,
+def moe_permute(inp: torch.Tensor | FP8Operand, routing_map: torch.Tensor, num_out_tokens: int = -1,
+                max_token_num: int = -1, map_type: str = "mask", *, return_tokens_per_expert: bool = False,
                 num_experts: int | None = None) -> tuple:
     """Copy each token's row to the experts it is routed to, grouped by expert (Transformer Engine's moe_permute).
 
     Args:
-        inp: [T, H] tokens (float32 / float16 / bfloat16, differentiable), or an FP8 operand of the quantizers
-            (per-tensor scaled: its bytes are permuted and the result keeps its scale_inv; no transposed copy).
+        inp: [T, H] tokens (float32 / float16 / bfloat16, differentiable), or an FP8Operand with rowwise data
+            (per-tensor scaled: its bytes are permuted and the result keeps its scale_inv; data_t is not made).
         routing_map: map_type "mask": [T, E] bool (or 0/1) tensor, True where token t goes to expert e;
             "index": [T, topk] integer tensor of expert indices (distinct within a row).
         num_out_tokens: rows of the output: the routed rows past it are dropped (rows beyond the routed count are
@@ -120,11 +114,11 @@ def moe_permute(inp: Any, routing_map: torch.Tensor, num_out_tokens: int = -1, m
         num_experts: E, needed with map_type="index" and return_tokens_per_expert.
 
     Returns:
-        (permuted [N, H] (a tensor, or an FP8 operand like inp), row_id_map int32 [T, S] for moe_unpermute), plus
+        (permuted [N, H] (a tensor, or an FP8Operand like inp), row_id_map int32 [T, S] for moe_unpermute), plus
         tokens_per_expert when asked for.
     """
     _check_map_type(map_type)
-    fp8 = _is_fp8_operand(inp)
+    fp8 = isinstance(inp, FP8Operand)
     data = inp.data if fp8 else inp
     if not isinstance(data, torch.Tensor) or data.dim() != 2:
         raise ValueError(f"inp: expected a 2-D tensor [tokens, hidden] (or an FP8 operand of one), got "
@@ -143,16 +137,12 @@ def moe_permute(inp: Any, routing_map: torch.Tensor, num_out_tokens: int = -1, m
     return permuted, row_id_map, _tokens_per_expert(routing_map, row_id_map, map_type, num_experts)
 
 
-def _permuted_operand(operand: Any, slot_of_row: torch.Tensor, slots: int) -> Any:
-    """An FP8 operand whose rowwise data is permuted; same scale_inv and dtype, no transposed data."""
-    import dataclasses
-
+def _permuted_operand(operand: FP8Operand, slot_of_row: torch.Tensor, slots: int) -> FP8Operand:
+    """An FP8 operand whose rowwise data is permuted: same scale_inv and dtype, no transposed data."""
+    if operand.layout != "tensor" or operand.data is None:
+        raise ValueError(f"inp: expected an FP8Operand with rowwise data and per-tensor scaling, got {operand!r}")
     data = tfp8.moe_permute_rows(operand.data, slot_of_row, slots, None)
-    if dataclasses.is_dataclass(operand):
-        fields = {f.name for f in dataclasses.fields(operand)}
-        return dataclasses.replace(operand, data=data, **({"data_t": None} if "data_t" in fields else {}))
-    raise TypeError(f"inp: an FP8 operand must be a dataclass with fields data and scale_inv, got "
-                    f"{type(operand).__name__}")
+    return FP8Operand(data, None, operand.scale_inv, operand.fp8_dtype, operand.layout)
 
 
 def _tokens_per_expert(routing_map: torch.Tensor, row_id_map: torch.Tensor, map_type: str,

@@ -2,13 +2,12 @@
 contract, CUDA vs the CPU reference (bit for bit: both round each product and sum in slot order), opcheck, bad
 inputs; and moe_permute / moe_unpermute (transformer_fp8.permutation) vs a per-token float64 loop, values and
 gradients, mask and index routing, dropped rows, FP8 operands."""
-import dataclasses
-
 import pytest
 import torch
 
 import transformer_fp8  # noqa: F401  (registers the ops)
 from transformer_fp8.permutation import moe_permute, moe_unpermute
+from transformer_fp8.quantization import FP8Operand
 
 ops = torch.ops.transformer_fp8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -205,21 +204,15 @@ def test_dropped_rows_and_padding():
     assert torch.equal(padded[:12], full) and torch.equal(padded[12:], torch.zeros(3, hidden))
 
 
-@dataclasses.dataclass
-class _Operand:  # the shape of the quantizers' FP8Operand, as far as permutation reads it
-    data: torch.Tensor
-    data_t: torch.Tensor | None
-    scale_inv: torch.Tensor
-
-
 def test_fp8_operand_keeps_scale():
     tokens, hidden = 8, 32
     mask, _, _ = random_routing(tokens, 4, 2)
     x = torch.randn(tokens, hidden)
     scale_inv = torch.tensor([0.01])
-    operand = _Operand((x / scale_inv).to(torch.float8_e4m3fn), None, scale_inv)
+    operand = FP8Operand((x / scale_inv).to(torch.float8_e4m3fn), None, scale_inv, torch.float8_e4m3fn)
     permuted, _ = moe_permute(operand, mask, num_out_tokens=16)
-    assert isinstance(permuted, _Operand) and permuted.scale_inv is scale_inv and permuted.data_t is None
+    assert isinstance(permuted, FP8Operand) and permuted.scale_inv is scale_inv and permuted.data_t is None
+    assert permuted.fp8_dtype == torch.float8_e4m3fn
     ref, _ = moe_permute(operand.data.float(), mask, num_out_tokens=16)
     assert torch.equal(permuted.data.float(), ref)
 
