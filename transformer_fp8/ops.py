@@ -193,3 +193,13 @@ def _(inp, row_id_map, probs=None):
 @_register_fake("transformer_fp8::moe_merging_probs_grad")
 def _(grad_out, inp, row_id_map):
     return inp.new_empty(tuple(row_id_map.shape), dtype=torch.float32)
+
+
+@_register_fake("transformer_fp8::grouped_fp8_gemm")
+def _(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, use_split_accumulator=True):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@_register_fake("transformer_fp8::grouped_fp8_gemm_wgrad")
+def _(a_t, a_scale_inv, b_t, b_scale_inv, offs, out_dtype):
+    return a_t.new_empty((offs.shape[0], a_t.shape[0], b_t.shape[0]), dtype=out_dtype)

@@ -3,14 +3,122 @@ with Transformer Engine's arguments and parameter names (weight0..weight{n-1} [o
 
 forward(inp [M, in], m_splits): rows m_splits[0] of inp go through expert 0, the next m_splits[1] through expert 1,
 ...; m_splits is a list of ints (TE) or an integer tensor on inp's device (no host sync in the step). Empty groups
-are allowed. Inside fp8_autocast the GEMMs run in FP8 (one cast of the whole input, one grouped GEMM per direction);
-outside it, in high precision.
+are allowed. Inside fp8_autocast the GEMMs run in FP8: one cast of the whole input, one of all the weights (stacked,
+one scale: the WEIGHT role), one grouped GEMM per direction (transformer_fp8/grouped_gemm.py). Outside it, in high
+precision.
+
+FP8 details (from the grouped kernel, see grouped_gemm.py): the gradient is cast to E4M3 under every recipe format
+(Hopper's grouped FP8 GEMM takes E4M3 only: HYBRID's E5M2 gradients are not available here); GEMM outputs are rounded
+to bfloat16 before any other output dtype; in_features and out_features must be multiples of 16. The weight gradient
+contracts over each group's rows, which the kernel needs in multiples of 16: groups given as a list of such sizes run
+as they are, any other sizes (and every device tensor, whose sizes the host never reads) through a padded copy of the
+FP8 input and gradient (zeros between the groups; one gather each).
 """
+import dataclasses
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
+from .. import autocast
+from ..float8_tensor import Float8Tensor
+from ..grouped_gemm import ALIGN, group_offsets, padded_groups
+from ..ops import tfp8
+from ..quantization import FP8Operand, QuantizerSet, Role
+from ..recipe import Format
 from .base import FP8ModuleBase, check_positive
+
+FORWARD_ROLES, BACKWARD_ROLES = (Role.INPUT, Role.WEIGHT), (Role.GRAD_OUTPUT,)
+
+
+def _e4m3_recipe(recipe):
+    """The recipe with E4M3 gradients (the grouped kernel's only FP8 type): itself when already so."""
+    if recipe.fp8_format == Format.E4M3:
+        return recipe
+    return dataclasses.replace(recipe, fp8_format=Format.E4M3)
+
+
+def _group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The group of each row, int64 [rows], from the groups' cumulative ends."""
+    position = torch.arange(rows, dtype=torch.int32, device=offs.device)
+    return torch.searchsorted(offs, position, right=True).clamp_(max=offs.numel() - 1)
+
+
+class _GroupedLinearFP8(torch.autograd.Function):
+    """x [M, K] (contiguous), m_splits (int tensor [G] on x's device), aligned (every group size a known multiple of
+    16), module, training (grad mode at the call), then weight0..weight{G-1} and bias0..bias{G-1} (if any) -> [M, N].
+    """
+
+    @staticmethod
+    def forward(ctx, x, m_splits, aligned, module, training, *params):
+        g = module.num_gemms
+        weights, biases = params[:g], params[g:]
+        need_dgrad = training and ctx.needs_input_grad[0]
+        need_wgrad = training and any(ctx.needs_input_grad[5:5 + g])
+        qset = module._qset
+        offs = group_offsets(m_splits)
+        x_op = qset[Role.INPUT].cast(x, rowwise=True, transpose=need_wgrad and aligned)
+        w_data, w_scale_inv, w_t = module._fp8_weights(weights, need_dgrad)
+        out = tfp8.grouped_fp8_gemm(x_op.data, x_op.scale_inv, w_data, w_scale_inv, offs, x.dtype, False)
+        group = _group_of_rows(offs, x.shape[0]) if biases else None
+        if biases:
+            out += torch.stack(biases).to(out.dtype)[group]
+        ctx.module, ctx.aligned, ctx.dtype = module, aligned, x.dtype
+        ctx.need = (need_dgrad, need_wgrad)
+        ctx.group_ids = group
+        ctx.group = autocast.STATE.group
+        ctx.weights = weights if need_wgrad and module.fuse_wgrad_accumulation else None
+        ctx.weight_dtype = weights[0].dtype
+        ctx.bias_dtype = biases[0].dtype if biases else None
+        ctx.x_op = (x_op.data_t if aligned else x_op.data, x_op.scale_inv) if need_wgrad else None
+        ctx.w_op = (w_t, w_scale_inv) if need_dgrad else None
+        ctx.save_for_backward(m_splits, offs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        m_splits, offs = ctx.saved_tensors
+        module, g = ctx.module, ctx.module.num_gemms
+        need_dgrad, need_wgrad = ctx.need
+        dy = grad.contiguous()
+        rowwise = need_dgrad or (need_wgrad and not ctx.aligned)
+        dy_op = module._qset[Role.GRAD_OUTPUT].cast(dy, rowwise=rowwise, transpose=need_wgrad and ctx.aligned)
+        dx = None
+        if need_dgrad:
+            w_t, w_scale_inv = ctx.w_op
+            dx = tfp8.grouped_fp8_gemm(dy_op.data, dy_op.scale_inv, w_t, w_scale_inv, offs, ctx.dtype, True)
+        dws = (None,) * g
+        if need_wgrad:
+            dws = _weight_grads(ctx, dy_op, m_splits, offs, dy.shape[0])
+        dbiases = ()
+        if ctx.group_ids is not None:
+            sums = torch.zeros(g, dy.shape[1], dtype=torch.float32, device=dy.device)
+            dbiases = tuple(sums.index_add_(0, ctx.group_ids, dy.float()).to(ctx.bias_dtype).unbind(0))
+        module._qset.register_backward(ctx.group)
+        ctx.x_op = ctx.w_op = None
+        return (dx, None, None, None, None, *dws, *dbiases)
+
+
+def _weight_grads(ctx, dy_op: FP8Operand, m_splits: torch.Tensor, offs: torch.Tensor, rows: int) -> tuple:
+    """dW_g = dy_gᵀ x_g for every group from one grouped wgrad GEMM: the transposed FP8 copies of the forward (aligned
+    groups) or transposed copies of the padded FP8 input and gradient. With fuse_wgrad_accumulation the results go
+    into each weight's main_grad (float32) and None is returned for them."""
+    x_rows, x_scale_inv = ctx.x_op
+    if ctx.aligned:
+        dy_t, x_t, wgrad_offs = dy_op.data_t, x_rows, offs
+    else:
+        source, wgrad_offs = padded_groups(m_splits, rows)
+        dy_t = tfp8.fp8_transpose(tfp8.moe_permute_rows(dy_op.data, source, 1, None))
+        x_t = tfp8.fp8_transpose(tfp8.moe_permute_rows(x_rows, source, 1, None))
+    fuse = ctx.weights is not None
+    out_dtype = torch.float32 if fuse or ctx.weight_dtype == torch.float32 else ctx.weight_dtype
+    dw = tfp8.grouped_fp8_gemm_wgrad(dy_t, dy_op.scale_inv, x_t, x_scale_inv, wgrad_offs, out_dtype)
+    if not fuse:
+        return tuple(dw.to(ctx.weight_dtype).unbind(0))
+    module = ctx.module
+    for weight, grad in zip(ctx.weights, dw.unbind(0)):
+        module._main_grad(weight).add_(grad)
+    return (None,) * len(ctx.weights)
 
 
 class GroupedLinear(FP8ModuleBase):
@@ -27,7 +135,8 @@ class GroupedLinear(FP8ModuleBase):
         fuse_wgrad_accumulation: accumulate each weight gradient into weight{i}.main_grad (float32, the weight's
             shape) instead of returning it.
         return_bias: return (out, [bias0, ...]) without adding the biases.
-        fp8_min_gemm_size: small-shape threshold on M*K*N (see Linear); None: the process default.
+        fp8_min_gemm_size: accepted for the other modules' API; GroupedLinear runs FP8 at every size inside
+            fp8_autocast (its FP8 path is one grouped GEMM per direction, whatever the size).
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
@@ -42,6 +151,18 @@ class GroupedLinear(FP8ModuleBase):
             self.register_parameter(f"weight{i}", self._weight_param((out_features, in_features), init_method))
             self.register_parameter(f"bias{i}", self._vector_param(out_features, 0.0) if bias else None)
         self.use_bias = bool(bias)
+        self._qset = None
+        self._qset_source = None  # the autocast recipe the quantizers were made for
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """[weight0, ..., weight{num_gemms-1}]."""
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> list[torch.Tensor]:
+        """[bias0, ...], or [] without biases."""
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
 
     def forward(self, inp: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
                 is_first_microbatch: bool | None = None) -> torch.Tensor | tuple:
@@ -49,12 +170,120 @@ class GroupedLinear(FP8ModuleBase):
             inp: [M, in_features] (or [..., in_features], flattened to rows), rows grouped by expert.
             m_splits: rows per group: a list of num_gemms ints summing to M, or an integer tensor [num_gemms] on
                 inp's device (its sum must be M; not checked on the host: that would synchronise).
-            is_first_microbatch: Transformer Engine's FP8 weight cache switch (None: no cache).
+            is_first_microbatch: Transformer Engine's FP8 weight cache switch; accepted, no cache (the weights are
+                cast at every call).
 
         Returns:
             [..., out_features] in inp's dtype; with return_bias, (out, [bias0, ...]).
         """
-        raise NotImplementedError("GroupedLinear.forward: being written (moe-ops)")
+        x, splits, aligned = self._check_forward(inp, m_splits)
+        biases = [] if self.return_bias else self.biases
+        state = autocast.STATE
+        if state.enabled and not self.fp8_disabled:
+            out = self._fp8_forward(x, splits, aligned, biases, state)
+        else:
+            out = self._high_precision_forward(x, m_splits, splits, biases)
+        out = out.view(*inp.shape[:-1], self.out_features)
+        return (out, self.biases) if self.return_bias else out
+
+    def _check_forward(self, inp, m_splits):
+        """-> (inp as contiguous rows [M, K], m_splits as an int32 tensor on inp's device, aligned)."""
+        if not isinstance(inp, torch.Tensor) or inp.dim() < 1 or inp.shape[-1] != self.in_features:
+            shape = tuple(inp.shape) if isinstance(inp, torch.Tensor) else type(inp).__name__
+            raise ValueError(f"inp: expected a tensor with last dim {self.in_features}, got {shape}")
+        x = inp.reshape(-1, self.in_features)
+        x = x if x.is_contiguous() else x.contiguous()
+        if isinstance(m_splits, torch.Tensor):
+            if m_splits.dim() != 1 or m_splits.numel() != self.num_gemms or m_splits.dtype.is_floating_point \
+                    or m_splits.device != inp.device:
+                raise ValueError(f"m_splits: expected an integer tensor of {self.num_gemms} elements on "
+                                 f"{inp.device}, got {m_splits.dtype} of shape {tuple(m_splits.shape)} on "
+                                 f"{m_splits.device}")
+            return x, m_splits.to(torch.int32), False
+        splits = list(m_splits)
+        if len(splits) != self.num_gemms or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+                                                for s in splits) or sum(splits) != x.shape[0]:
+            raise ValueError(f"m_splits: expected {self.num_gemms} non-negative ints summing to {x.shape[0]} (the "
+                             f"input's rows), got {m_splits!r}")
+        tensor = torch.tensor(splits, dtype=torch.int32).to(inp.device, non_blocking=True)
+        return x, tensor, all(s % ALIGN == 0 for s in splits)
+
+    # --- FP8 ---
+    def _fp8_forward(self, x, splits, aligned, biases, state):
+        if self.in_features % ALIGN or self.out_features % ALIGN:
+            raise ValueError(f"GroupedLinear: FP8 needs in_features and out_features multiples of {ALIGN} (the "
+                             f"grouped FP8 kernel's alignment), got {self.in_features} and {self.out_features}")
+        self._count_call(fp8=True)
+        if not self._last_forward_fp8:
+            self._last_forward_fp8 = True
+        if self._qset_source is not state.recipe:
+            self._adopt(state.recipe, x.device)
+        self._qset.begin_forward(state)
+        return _GroupedLinearFP8.apply(x, splits, aligned, self, torch.is_grad_enabled(), *self.weights, *biases)
+
+    def _adopt(self, recipe, device):
+        """Quantizers for `recipe` (with E4M3 gradients), keeping the states when their history length allows."""
+        states = None if self._qset is None else (self._qset.fwd_state, self._qset.bwd_state)
+        self._qset = QuantizerSet(_e4m3_recipe(recipe), FORWARD_ROLES, BACKWARD_ROLES, device, states=states)
+        self._qset_source = recipe
+
+    def _fp8_weights(self, weights, need_t):
+        """The weights in FP8 for the grouped GEMMs: (data [G, N, K], scale_inv [1] or [G], Wᵀ [G, K, N] (a view
+        with a contiguous last dim) or None). High-precision weights are stacked and cast once (the WEIGHT role, one
+        scale for all); Float8Tensor weights (fp8_model_init) keep their own scales."""
+        g, n, k = self.num_gemms, self.out_features, self.in_features
+        if all(isinstance(w, Float8Tensor) for w in weights):
+            data = torch.stack([w._data for w in weights])
+            scale_inv = torch.cat([w._scale_inv.reshape(1) for w in weights])
+            return data, scale_inv, torch.stack([w.transpose_data() for w in weights]) if need_t else None
+        if any(isinstance(w, Float8Tensor) for w in weights):
+            raise TypeError("GroupedLinear: weights mix Float8Tensor and high-precision tensors")
+        op = self._qset[Role.WEIGHT].cast(torch.stack(weights).view(g * n, k), rowwise=True, transpose=need_t)
+        w_t = op.data_t.view(k, g, n).permute(1, 0, 2) if need_t else None
+        return op.data.view(g, n, k), op.scale_inv, w_t
+
+    # --- high precision ---
+    def _high_precision_forward(self, x, m_splits, splits, biases):
+        """y_g = x_g W_gᵀ + b_g per group (F.linear per group; a device m_splits is read on the host here)."""
+        if self._last_forward_fp8:
+            self._check_recompute_precision()
+        sizes = splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
+        if sum(sizes) != x.shape[0]:
+            raise ValueError(f"m_splits: expected sizes summing to {x.shape[0]} (the input's rows), got {sizes}")
+        outs = []
+        for i, part in enumerate(x.split(sizes)):
+            weight = getattr(self, f"weight{i}")
+            if isinstance(weight, Float8Tensor):
+                weight = weight.dequantize()
+            bias = biases[i] if biases else None
+            if self.fuse_wgrad_accumulation:
+                from ._gemm import high_precision_linear
+
+                outs.append(high_precision_linear(self, part, weight, bias))
+            else:
+                outs.append(F.linear(part, weight, bias))
+        return torch.cat(outs) if outs else x.new_empty(0, self.out_features)
+
+    # --- checkpoints and device moves ---
+    def get_extra_state(self):
+        return None if self._qset is None else self._qset.extra_state()
+
+    def set_extra_state(self, state):
+        if state is None:
+            return
+        from ..quantization import ScalingState
+
+        device = self._param_device()
+        fwd = ScalingState.from_state_dict(state["fwd"], device)
+        bwd = ScalingState.from_state_dict(state["bwd"], device)
+        self._qset = QuantizerSet.from_states(FORWARD_ROLES, BACKWARD_ROLES, fwd, bwd)
+        self._qset_source = None
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self._qset is not None:
+            self._qset.to(self._param_device())
+        return self
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
