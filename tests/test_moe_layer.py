@@ -236,6 +236,9 @@ def test_fp8_on_cpu_reference_kernels(fp8_recipe):
     with te.fp8_autocast(fp8_recipe=fp8_recipe):
         check_against_reference(layer, x, tol=2 * FP8_RTOL[torch.float8_e4m3fn],
                                 grad_tol=2 * FP8_RTOL[torch.float8_e5m2])
+    gemms = [layer.experts.linear_fc1, layer.experts.linear_fc2, layer.shared_experts.linear_fc1,
+             layer.shared_experts.linear_fc2]
+    assert all(m._fp8_call_counts == [2, 0] for m in gemms), [m._fp8_call_counts for m in gemms]
 
 
 @pytest.mark.parametrize("kwargs,match", [
