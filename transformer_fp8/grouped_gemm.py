@@ -88,6 +88,6 @@ def padded_groups(m_splits: torch.Tensor, rows: int) -> tuple[torch.Tensor, torc
     group = torch.searchsorted(padded_ends, position, right=True).clamp_(max=groups - 1)
     local = position - padded_starts[group]
     source = torch.where(local < sizes[group], starts[group] + local, -1).to(torch.int32)
-    offs = padded_ends.clone()
-    offs[-1] = total
+    # (the last end set to `total` by a device op: an indexed assignment of a host number would copy it over, a sync)
+    offs = torch.cat((padded_ends[:-1], padded_ends.new_full((1,), total)))
     return source, offs

@@ -135,7 +135,7 @@ def _bad(device):
         (lambda: ops.moe_unpermute_rows(inp, rmap[0]), "row_id_map: expected a 2-D tensor"),
         (lambda: ops.moe_unpermute_rows(inp, rmap, torch.ones(4, 2, dtype=torch.float16, device=device)),
          "probs: expected a float32 tensor"),
-        (lambda: ops.moe_merging_probs_grad(inp, inp.half(), rmap), "inp: expected torch.float32 rows of 8"),
+        (lambda: ops.moe_merging_probs_grad(inp, inp.half(), rmap), "inp: expected (torch.float32|Float) rows of 8"),
         (lambda: ops.moe_merging_probs_grad(inp[:3], inp, rmap), "row_id_map: expected 3 rows"),
     ]
 
@@ -159,35 +159,36 @@ def test_permute_unpermute_match_loop(map_type, dtype, device="cpu"):
     probs = probs.clone().requires_grad_(True)
     permuted, row_id_map, counts = moe_permute(inp, routing, num_out_tokens=tokens * topk, map_type=map_type,
                                                return_tokens_per_expert=True, num_experts=experts)
-    ref_rows, order = permute_ref(inp.detach(), mask)
-    assert torch.equal(permuted.detach().double(), ref_rows)
+    ref_rows, order = permute_ref(inp.detach().cpu(), mask.cpu())
+    assert torch.equal(permuted.detach().cpu().double(), ref_rows)
     assert counts.dtype == torch.int32 and counts.tolist() == mask.sum(0).tolist()
     expert_out = torch.randn(tokens * topk, hidden, dtype=dtype, device=device, requires_grad=True)
     out = moe_unpermute(expert_out, row_id_map, probs, restore_shape=(tokens, hidden), map_type=map_type)
     ref = torch.zeros(tokens, hidden, dtype=torch.float64)
     for n, (t, e) in enumerate(order):
-        ref[t] += probs_e[t, e].double() * expert_out[n].detach().double()
+        ref[t] += probs_e[t, e].cpu().double() * expert_out[n].detach().cpu().double()
     tol = 1e-6 if dtype == torch.float32 else 2 ** -7
-    torch.testing.assert_close(out.detach().double(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(out.detach().cpu().double(), ref, rtol=tol, atol=tol)
     # gradients: autograd through float64 loops of the same formulas
     grad_out, grad_perm = torch.randn_like(out), torch.randn_like(permuted)
     (out * grad_out).sum().backward()
     (permuted * grad_perm).sum().backward()
-    x64 = inp.detach().double().requires_grad_(True)
-    y64 = expert_out.detach().double().requires_grad_(True)
-    p64 = probs_e.double().requires_grad_(True)
+    x64 = inp.detach().cpu().double().requires_grad_(True)
+    y64 = expert_out.detach().cpu().double().requires_grad_(True)
+    p64 = probs_e.cpu().double().requires_grad_(True)
     slot = {(t, e): k for t in range(tokens) for k, e in enumerate(indices[t].tolist())}
     ref_out = torch.stack([sum(p64[t, e] * y64[n] for n, (tt, e) in enumerate(order) if tt == t)
                            for t in range(tokens)])
     ref_perm = torch.stack([x64[t] for t, _ in order])
-    (ref_out * grad_out.double()).sum().backward()
-    (ref_perm * grad_perm.double()).sum().backward()
-    torch.testing.assert_close(inp.grad.double(), x64.grad, rtol=tol, atol=tol)
-    torch.testing.assert_close(expert_out.grad.double(), y64.grad, rtol=tol, atol=tol)
-    ref_dp = p64.grad if map_type == "mask" else p64.grad.gather(1, indices)
+    (ref_out * grad_out.cpu().double()).sum().backward()
+    (ref_perm * grad_perm.cpu().double()).sum().backward()
+    torch.testing.assert_close(inp.grad.cpu().double(), x64.grad, rtol=tol, atol=tol)
+    torch.testing.assert_close(expert_out.grad.cpu().double(), y64.grad, rtol=tol, atol=tol)
+    ref_dp = p64.grad if map_type == "mask" else p64.grad.gather(1, indices.cpu())
     if map_type == "mask":
-        ref_dp = ref_dp * mask  # unrouted slots get no gradient
-    torch.testing.assert_close(probs.grad.double(), ref_dp, rtol=1e-4, atol=1e-4 if dtype == torch.float32 else 0.05)
+        ref_dp = ref_dp * mask.cpu()  # unrouted slots get no gradient
+    torch.testing.assert_close(probs.grad.cpu().double(), ref_dp, rtol=1e-4,
+                               atol=1e-4 if dtype == torch.float32 else 0.05)
     assert all(slot)  # (every chosen expert has a slot)
 
 
