@@ -167,6 +167,25 @@ def test_save_pretrained_round_trip_through_plain_transformers(family, tmp_path)
         assert torch.equal(fresh(input_ids=ids).logits, converted(input_ids=ids).logits)
 
 
+def test_fp8_model_init_weights_export_dequantized(tmp_path):
+    model = tiny_model("qwen2_moe")
+    with te.fp8_model_init(enabled=True):
+        converted = convert_model(copy.deepcopy(model))
+    moe = converted.model.layers[0].layer.layernorm_mlp
+    weights = [moe.experts.linear_fc1.weight0, moe.experts.linear_fc2.weight5, moe.shared_experts.linear_fc1.weight]
+    assert all(isinstance(w, te.Float8Tensor) for w in weights)
+    state = to_hf_state_dict(converted)
+    assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in state.values())
+    gate_up = state["model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(gate_up[0], weights[0].dequantize())
+    assert 0 < rel_error(gate_up, model.model.layers[0].mlp.experts.gate_up_proj) < 0.05  # (one FP8 rounding)
+    converted.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        assert rel_error(loaded(input_ids=ids).logits, converted(input_ids=ids).logits) < 1e-5
+
+
 class _ListExpert(nn.Module):
     """One expert as transformers 4.x kept it: three nn.Linear without bias."""
 

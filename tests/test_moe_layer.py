@@ -11,6 +11,7 @@ import transformer_fp8 as te
 from tests.utils import FP8_RTOL, rel_error
 from transformer_fp8 import recipe
 from transformer_fp8.moe import LayerNormMoE, MoELayer, TopKRouter, load_balancing_loss
+from transformer_fp8.moe.experts import swiglu
 from transformer_fp8.moe.router import route
 
 HIDDEN, FFN, SHARED_FFN = 32, 48, 64
@@ -103,7 +104,20 @@ def check_against_reference(layer, x, tol, grad_tol, aux_coeff=0.0):
         assert err <= grad_tol, f"d{name}: relative error {err:.2e}"
 
 
-# --- router and aux loss -------------------------------------------------------------------------------------------
+# --- SwiGLU, router and aux loss ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float64, 1e-12)])
+def test_swiglu_against_float64(dtype, tol):
+    x = torch.randn(5, 3, 2 * 24, dtype=dtype, requires_grad=True)
+    out = swiglu(x)
+    x64 = x.detach().double().requires_grad_()
+    gate, up = x64.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    assert out.dtype == dtype and rel_error(out, ref) < tol
+    grad = torch.randn_like(ref)
+    out.backward(grad.to(dtype))
+    assert rel_error(x.grad, torch.autograd.grad(ref, x64, grad)[0]) < tol
+
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 @pytest.mark.parametrize("top_k", [1, 2, 3])

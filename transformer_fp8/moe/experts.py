@@ -11,19 +11,40 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops import activation_high_precision, tfp8
 from ..module.base import check_dtype, check_positive, default_init
 from ..module.grouped_linear import GroupedLinear
 from ..module.linear import Linear
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """SwiGLU on our activation kernels: one pass forward, one backward (PyTorch's chunk / silu / mul take several),
+    saving only the input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return activation_high_precision(x, "swiglu")
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return tfp8.activation_bwd(grad.contiguous(), x, "swiglu")
+
+
 def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for x = [gate | up] along the last dim.
+    """silu(gate) * up for x = [gate | up] along the last dim (our fused kernels; PyTorch's ops for other dtypes).
 
     Args:
         x: [..., 2F].
     Returns:
         [..., F].
     """
+    if x.dtype in _KERNEL_DTYPES:
+        return _SwiGLU.apply(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
