@@ -247,6 +247,22 @@ def test_fp8_training_steps_on_cpu_stay_close(fp8_recipe):
     assert all(p.grad is None or p.grad.isfinite().all() for p in converted.parameters())
 
 
+def test_gradient_checkpointing_gives_the_same_fp8_step():
+    model = tiny_model("mixtral")
+    plain, checkpointed = (convert_model(copy.deepcopy(model)).train() for _ in range(2))
+    checkpointed.gradient_checkpointing_enable()
+    ids = torch.randint(0, VOCAB, (2, 16))
+    for converted in (plain, checkpointed):
+        with te.fp8_autocast(enabled=True, fp8_recipe=recipe.Float8CurrentScaling()):
+            out = converted(input_ids=ids, labels=ids, output_router_logits=True)
+        assert len(out.router_logits) == 2  # (the recompute records nothing more)
+        out.loss.backward()
+    grads = {n: p.grad for n, p in plain.named_parameters()}
+    for name, p in checkpointed.named_parameters():
+        assert (p.grad is None) == (grads[name] is None), name
+        assert p.grad is None or torch.equal(p.grad, grads[name]), name
+
+
 @pytest.mark.parametrize("family, overrides, match", [
     ("mixtral", dict(sliding_window=32), "sliding_window"),
     ("qwen3_moe", dict(use_sliding_window=True, sliding_window=32), "sliding_window"),
