@@ -99,6 +99,20 @@ def test_fp8_fuse_wgrad_accumulation_and_no_bias():
     assert all(w.grad is None for w in module.weights)
 
 
+def test_weights_are_views_of_one_tensor():
+    from transformer_fp8.module.grouped_linear import _stacked_view
+
+    module = te.GroupedLinear(3, 32, 16, device="cpu")
+    stacked = _stacked_view(module.weights)
+    assert stacked is not None and torch.equal(stacked[2], module.weight2)
+    module.double()  # (a cast makes separate tensors: packed again)
+    assert module.weight0.dtype == torch.float64 and _stacked_view(module.weights) is not None
+    module.weight1 = torch.nn.Parameter(torch.randn(16, 32, dtype=torch.float64))  # (a user's own tensor: stacked)
+    assert _stacked_view(module.weights) is None
+    x = torch.randn(6, 32, dtype=torch.float64)
+    torch.testing.assert_close(module(x, [1, 2, 3]), reference(x, module.weights, module.biases, [1, 2, 3]))
+
+
 def test_return_bias():
     module = te.GroupedLinear(2, 16, 16, return_bias=True, device="cpu")
     x = torch.randn(5, 16)
@@ -155,8 +169,11 @@ def test_bad_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPES.keys())
 @pytest.mark.parametrize("splits", SPLITS.values(), ids=SPLITS.keys())
-@pytest.mark.parametrize("tensor_splits", (False, True))
-def test_cuda_fp8_matches_float64(recipe, splits, tensor_splits):
+@pytest.mark.parametrize("tensor_splits", (False, True, "list, grouped kernel"))
+def test_cuda_fp8_matches_float64(recipe, splits, tensor_splits, monkeypatch):
+    if tensor_splits == "list, grouped kernel":  # (host sizes, but the grouped kernel instead of the dense loop)
+        monkeypatch.setattr("transformer_fp8.module.grouped_linear.LOOP_MAX_GROUPS", 0)
+        tensor_splits = False
     module = te.GroupedLinear(len(splits), 256, 128, params_dtype=torch.bfloat16)
     for b in module.biases:
         torch.nn.init.normal_(b, std=0.1)
@@ -165,11 +182,12 @@ def test_cuda_fp8_matches_float64(recipe, splits, tensor_splits):
 
 
 @pytest.mark.gpu
-def test_cuda_fp8_close_to_bf16_and_fused_wgrad():
+@pytest.mark.parametrize("tensor_splits", (False, True))
+def test_cuda_fp8_close_to_bf16_and_fused_wgrad(tensor_splits):
     splits = [300, 0, 17, 211, 0, 500, 1, 7]
     module = te.GroupedLinear(8, 512, 256, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
-    run_against_reference(module, splits, "cuda", torch.bfloat16, Float8CurrentScaling(), True, FWD_TOL, GRAD_TOL,
-                          main_grad=True)
+    run_against_reference(module, splits, "cuda", torch.bfloat16, Float8CurrentScaling(), tensor_splits, FWD_TOL,
+                          GRAD_TOL, main_grad=True)
 
 
 @pytest.mark.gpu

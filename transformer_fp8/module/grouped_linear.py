@@ -45,25 +45,32 @@ def _group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class _GroupedLinearFP8(torch.autograd.Function):
-    """x [M, K] (contiguous), m_splits (int tensor [G] on x's device), aligned (every group size a known multiple of
-    16), module, training (grad mode at the call), then weight0..weight{G-1} and bias0..bias{G-1} (if any) -> [M, N].
+    """x [M, K] (contiguous), m_splits (int tensor [G] on x's device), host_splits (the same sizes as a list when the
+    caller gave one, else None), aligned (every group size a known multiple of 16), module, training (grad mode at the
+    call), then weight0..weight{G-1} and bias0..bias{G-1} (if any) -> [M, N]. With host sizes on CUDA and few groups
+    (loops_over_groups) each GEMM is a dense one per group (see _dense_loop); else one grouped GEMM per direction.
     """
 
     @staticmethod
-    def forward(ctx, x, m_splits, aligned, module, training, *params):
+    def forward(ctx, x, m_splits, host_splits, aligned, module, training, *params):
         g = module.num_gemms
         weights, biases = params[:g], params[g:]
         need_dgrad = training and ctx.needs_input_grad[0]
-        need_wgrad = training and any(ctx.needs_input_grad[5:5 + g])
+        need_wgrad = training and any(ctx.needs_input_grad[6:6 + g])
+        loop = host_splits if loops_over_groups(host_splits, x) else None
         qset = module._qset
         offs = group_offsets(m_splits)
         x_op = qset[Role.INPUT].cast(x, rowwise=True, transpose=need_wgrad and aligned)
         w_data, w_scale_inv, w_t = module._fp8_weights(weights, need_dgrad)
-        out = tfp8.grouped_fp8_gemm(x_op.data, x_op.scale_inv, w_data, w_scale_inv, offs, x.dtype, False)
+        if loop is None:
+            out = tfp8.grouped_fp8_gemm(x_op.data, x_op.scale_inv, w_data, w_scale_inv, offs, x.dtype, False)
+        else:
+            out = _dense_loop(x_op.data, x_op.scale_inv, [w.t() for w in w_data.unbind(0)], w_scale_inv, loop,
+                              (x.shape[0], module.out_features), x.dtype, fast_accumulation=True)
         group = _group_of_rows(offs, x.shape[0]) if biases else None
         if biases:
             out += torch.stack(biases).to(out.dtype)[group]
-        ctx.module, ctx.aligned, ctx.dtype = module, aligned, x.dtype
+        ctx.module, ctx.aligned, ctx.dtype, ctx.loop = module, aligned, x.dtype, loop
         ctx.need = (need_dgrad, need_wgrad)
         ctx.group_ids = group
         ctx.group = autocast.STATE.group
@@ -86,7 +93,12 @@ class _GroupedLinearFP8(torch.autograd.Function):
         dx = None
         if need_dgrad:
             w_t, w_scale_inv = ctx.w_op
-            dx = tfp8.grouped_fp8_gemm(dy_op.data, dy_op.scale_inv, w_t, w_scale_inv, offs, ctx.dtype, True)
+            if ctx.loop is None:
+                dx = tfp8.grouped_fp8_gemm(dy_op.data, dy_op.scale_inv, w_t, w_scale_inv, offs, ctx.dtype, True)
+            else:  # (w_t[g] [K, N], N contiguous: its transpose is column-major, as _scaled_mm's mat2 must be)
+                dx = _dense_loop(dy_op.data, dy_op.scale_inv, [w.transpose(0, 1) for w in w_t.unbind(0)],
+                                 w_scale_inv, ctx.loop, (dy.shape[0], module.in_features), ctx.dtype,
+                                 fast_accumulation=False)
         dws = (None,) * g
         if need_wgrad:
             dws = _weight_grads(ctx, dy_op, m_splits, offs, dy.shape[0])
@@ -96,7 +108,7 @@ class _GroupedLinearFP8(torch.autograd.Function):
             dbiases = tuple(sums.index_add_(0, ctx.group_ids, dy.float()).to(ctx.bias_dtype).unbind(0))
         module._qset.register_backward(ctx.group)
         ctx.x_op = ctx.w_op = None
-        return (dx, None, None, None, None, *dws, *dbiases)
+        return (dx, None, None, None, None, None, *dws, *dbiases)
 
 
 def _weight_grads(ctx, dy_op: FP8Operand, m_splits: torch.Tensor, offs: torch.Tensor, rows: int) -> tuple:
@@ -112,13 +124,77 @@ def _weight_grads(ctx, dy_op: FP8Operand, m_splits: torch.Tensor, offs: torch.Te
         x_t = tfp8.fp8_transpose(tfp8.moe_permute_rows(x_rows, source, 1, None))
     fuse = ctx.weights is not None
     out_dtype = torch.float32 if fuse or ctx.weight_dtype == torch.float32 else ctx.weight_dtype
-    dw = tfp8.grouped_fp8_gemm_wgrad(dy_t, dy_op.scale_inv, x_t, x_scale_inv, wgrad_offs, out_dtype)
+    if ctx.loop is not None:
+        dw = _dense_wgrad_loop(dy_t, dy_op.scale_inv, x_t, x_scale_inv, ctx.loop, ctx.aligned, out_dtype)
+    else:
+        dw = tfp8.grouped_fp8_gemm_wgrad(dy_t, dy_op.scale_inv, x_t, x_scale_inv, wgrad_offs, out_dtype)
     if not fuse:
         return tuple(dw.to(ctx.weight_dtype).unbind(0))
     module = ctx.module
     for weight, grad in zip(ctx.weights, dw.unbind(0)):
         module._main_grad(weight).add_(grad)
     return (None,) * len(ctx.weights)
+
+
+# Groups given as a host list (the caller knows the sizes: Transformer Engine's m_splits) on CUDA, at most this many:
+# one dense cuBLASLt FP8 GEMM per group (torch._scaled_mm, written into its rows of one output) instead of the grouped
+# kernel. H100, torch 2.11 (benchmarks/bench_moe.py): 8 uneven groups of M=16384, K=4096, N=28672 run at 1353 TFLOP/s
+# as a loop and 1009 as one grouped GEMM; 64 small groups at 47 (host-bound launches) against 566. Read at each call;
+# 0 turns the loop off.
+LOOP_MAX_GROUPS = 16
+
+
+def loops_over_groups(host_splits: list[int] | None, x: torch.Tensor) -> bool:
+    """Whether the GEMMs run as one dense GEMM per group (host sizes, CUDA, at most LOOP_MAX_GROUPS groups)."""
+    return host_splits is not None and x.is_cuda and len(host_splits) <= LOOP_MAX_GROUPS
+
+
+def _dense_loop(a: torch.Tensor, a_scale_inv: torch.Tensor, b_cols: list[torch.Tensor], b_scale_inv: torch.Tensor,
+                splits: list[int], shape: tuple[int, int], out_dtype: torch.dtype,
+                fast_accumulation: bool) -> torch.Tensor:
+    """out [M, N], rows of group g = (a[rows] * a_scale_inv) (b_cols[g] * b_scale_inv[g]) from one torch._scaled_mm
+    per non-empty group, each written into its rows. b_cols[g]: [K, N] column-major (the mat2 cuBLASLt takes)."""
+    out = torch.empty(shape, dtype=out_dtype, device=a.device)
+    scales = b_scale_inv.expand(len(splits)) if b_scale_inv.numel() == 1 else b_scale_inv
+    start = 0
+    for g, size in enumerate(splits):
+        if size:
+            torch._scaled_mm(a[start:start + size], b_cols[g], a_scale_inv, scales[g:g + 1], out_dtype=out_dtype,
+                             use_fast_accum=fast_accumulation, out=out[start:start + size])
+        start += size
+    return out
+
+
+def _dense_wgrad_loop(dy_t: torch.Tensor, dy_scale_inv: torch.Tensor, x_t: torch.Tensor, x_scale_inv: torch.Tensor,
+                      splits: list[int], aligned: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """dW [G, N, K], dW_g = dy_gᵀ x_g from one torch._scaled_mm per group over the transposed copies dy_t [N, M'] and
+    x_t [K, M'], whose groups start at multiples of ALIGN columns (padded unless aligned: cuBLASLt's 16-byte
+    pointers); zeros for an empty group."""
+    n, k = dy_t.shape[0], x_t.shape[0]
+    dw = torch.empty(len(splits), n, k, dtype=out_dtype, device=dy_t.device)
+    start = 0
+    for g, size in enumerate(splits):
+        cols = size if aligned else -(-size // ALIGN) * ALIGN  # (padding columns are zeros: they add nothing)
+        if cols:
+            torch._scaled_mm(dy_t[:, start:start + cols], x_t[:, start:start + cols].t(), dy_scale_inv, x_scale_inv,
+                             out_dtype=out_dtype, use_fast_accum=False, out=dw[g])
+        else:
+            dw[g].zero_()
+        start += cols
+    return dw
+
+
+def _stacked_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """[G, N, K] over the weights' memory when they are consecutive contiguous blocks of one tensor (as
+    GroupedLinear packs them), detached; else None."""
+    w0 = weights[0]
+    n, k = w0.shape
+    storage, offset = w0.untyped_storage().data_ptr(), w0.storage_offset()
+    for i, w in enumerate(weights):
+        if (not w.is_contiguous() or w.dtype != w0.dtype or w.shape != w0.shape
+                or w.untyped_storage().data_ptr() != storage or w.storage_offset() != offset + i * n * k):
+            return None
+    return w0.detach().as_strided((len(weights), n, k), (n * k, k, 1))
 
 
 class GroupedLinear(FP8ModuleBase):
@@ -150,6 +226,7 @@ class GroupedLinear(FP8ModuleBase):
         for i in range(num_gemms):
             self.register_parameter(f"weight{i}", self._weight_param((out_features, in_features), init_method))
             self.register_parameter(f"bias{i}", self._vector_param(out_features, 0.0) if bias else None)
+        self._pack_weights()
         self.use_bias = bool(bias)
         self._qset = None
         self._qset_source = None  # the autocast recipe the quantizers were made for
@@ -180,7 +257,8 @@ class GroupedLinear(FP8ModuleBase):
         biases = [] if self.return_bias else self.biases
         state = autocast.STATE
         if state.enabled and not self.fp8_disabled:
-            out = self._fp8_forward(x, splits, aligned, biases, state)
+            host_splits = None if isinstance(m_splits, torch.Tensor) else list(m_splits)
+            out = self._fp8_forward(x, splits, host_splits, aligned, biases, state)
         else:
             out = self._high_precision_forward(x, m_splits, splits, biases)
         out = out.view(*inp.shape[:-1], self.out_features)
@@ -209,7 +287,7 @@ class GroupedLinear(FP8ModuleBase):
         return x, tensor, all(s % ALIGN == 0 for s in splits)
 
     # --- FP8 ---
-    def _fp8_forward(self, x, splits, aligned, biases, state):
+    def _fp8_forward(self, x, splits, host_splits, aligned, biases, state):
         if self.in_features % ALIGN or self.out_features % ALIGN:
             raise ValueError(f"GroupedLinear: FP8 needs in_features and out_features multiples of {ALIGN} (the "
                              f"grouped FP8 kernel's alignment), got {self.in_features} and {self.out_features}")
@@ -219,13 +297,26 @@ class GroupedLinear(FP8ModuleBase):
         if self._qset_source is not state.recipe:
             self._adopt(state.recipe, x.device)
         self._qset.begin_forward(state)
-        return _GroupedLinearFP8.apply(x, splits, aligned, self, torch.is_grad_enabled(), *self.weights, *biases)
+        return _GroupedLinearFP8.apply(x, splits, host_splits, aligned, self, torch.is_grad_enabled(), *self.weights,
+                                       *biases)
 
     def _adopt(self, recipe, device):
         """Quantizers for `recipe` (with E4M3 gradients), keeping the states when their history length allows."""
         states = None if self._qset is None else (self._qset.fwd_state, self._qset.bwd_state)
         self._qset = QuantizerSet(_e4m3_recipe(recipe), FORWARD_ROLES, BACKWARD_ROLES, device, states=states)
         self._qset_source = recipe
+
+    def _pack_weights(self) -> None:
+        """Make the high-precision weights views of one [G, N, K] tensor (the same values), so that the FP8 path's
+        cast reads them as one tensor without stacking them (a copy of every weight at every step). The parameters
+        stay the same objects (their .data is replaced)."""
+        weights = self.weights
+        if any(isinstance(w, Float8Tensor) for w in weights) or _stacked_view(weights) is not None:
+            return
+        with torch.no_grad():
+            packed = torch.stack([w.detach() for w in weights])
+        for w, view in zip(weights, packed.unbind(0)):
+            w.data = view
 
     def _fp8_weights(self, weights, need_t):
         """The weights in FP8 for the grouped GEMMs: (data [G, N, K], scale_inv [1] or [G], Wᵀ [G, K, N] (a view
@@ -238,7 +329,9 @@ class GroupedLinear(FP8ModuleBase):
             return data, scale_inv, torch.stack([w.transpose_data() for w in weights]) if need_t else None
         if any(isinstance(w, Float8Tensor) for w in weights):
             raise TypeError("GroupedLinear: weights mix Float8Tensor and high-precision tensors")
-        op = self._qset[Role.WEIGHT].cast(torch.stack(weights).view(g * n, k), rowwise=True, transpose=need_t)
+        stacked = _stacked_view(weights)
+        stacked = torch.stack(weights) if stacked is None else stacked
+        op = self._qset[Role.WEIGHT].cast(stacked.view(g * n, k), rowwise=True, transpose=need_t)
         w_t = op.data_t.view(k, g, n).permute(1, 0, 2) if need_t else None
         return op.data.view(g, n, k), op.scale_inv, w_t
 
@@ -281,6 +374,7 @@ class GroupedLinear(FP8ModuleBase):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
+        self._pack_weights()  # (a move or cast makes each weight its own tensor again)
         if self._qset is not None:
             self._qset.to(self._param_device())
         return self
