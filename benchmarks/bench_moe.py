@@ -8,8 +8,9 @@
    - fp8 dense: one tfp8.fp8_gemm of the same FLOPs (M x K x N): the target is grouped >= 85% of it.
 2. MoE layer fwd + bwd (transformer_fp8.moe.MoELayer: router, moe_permute, GroupedLinear fc1 / SwiGLU / fc2,
    moe_unpermute): hidden 4096, 8 experts of ffn 14336, top-2, 8192 tokens, BF16 parameters: FP8 (delayed and current
-   scaling) against the same layer outside fp8_autocast (its high-precision path: one F.linear per expert) and a BF16
-   composition on torch._grouped_mm (no host sync). Target: FP8 >= 1.4x BF16.
+   scaling; group sizes on the device (the grouped kernel, no host sync) or read on the host once per layer (the
+   dense per-expert loop)) against the same layer outside fp8_autocast (its high-precision path: one F.linear per
+   expert) and a BF16 composition on torch._grouped_mm (no host sync). Target: FP8 >= 1.4x BF16.
 Times: GPU time per call (timing.gpu_time_ms), variants interleaved in rounds (timing.run_rounds): medians.
 
 Usage: python benchmarks/bench_moe.py [--json bench_moe.json] [--rounds 5] [--skip-layer]
@@ -97,6 +98,23 @@ def bf16_grouped_moe(layer: torch.nn.Module):
     return forward
 
 
+def host_split_moe(layer: torch.nn.Module):
+    """The MoELayer's computation with the group sizes read on the host once (counts.tolist(): one sync per layer, as
+    Transformer Engine's m_splits lists are), so that GroupedLinear runs its dense per-expert loop."""
+    from transformer_fp8.moe.experts import swiglu
+
+    def forward(x):
+        logits, probs, indices = layer.router(x)
+        rows, row_id_map, counts = te.moe_permute(x, indices, map_type="index", return_tokens_per_expert=True,
+                                                  num_experts=layer.num_experts)
+        splits = counts.tolist()
+        hidden = layer.experts.linear_fc1(rows, splits)
+        y = layer.experts.linear_fc2(swiglu(hidden), splits)
+        return te.moe_unpermute(y, row_id_map, probs, map_type="index")
+
+    return forward
+
+
 def layer_measures(iters: int) -> tuple[dict, dict]:
     from transformer_fp8.moe import MoELayer
 
@@ -107,20 +125,22 @@ def layer_measures(iters: int) -> tuple[dict, dict]:
     grad = torch.randn_like(x)
     bf16_grouped = bf16_grouped_moe(layer)
 
+    host_split = host_split_moe(layer)
+
     def step(recipe=None, fn=None):
         def run():
             x.grad = None
             for p in layer.parameters():
                 p.grad = None
-            if fn is not None:
-                out = fn(x)
-            else:
-                with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
-                    out = layer(x)
+            with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+                out = layer(x) if fn is None else fn(x)
             out.backward(grad)
         return run
 
-    fns = {"fp8 delayed": step(DelayedScaling()), "fp8 current": step(Float8CurrentScaling()),
+    fns = {"fp8 delayed (device splits: grouped kernel, no sync)": step(DelayedScaling()),
+           "fp8 current (device splits)": step(Float8CurrentScaling()),
+           "fp8 delayed (host splits: dense loop, one sync)": step(DelayedScaling(), host_split),
+           "fp8 current (host splits)": step(Float8CurrentScaling(), host_split),
            "bf16 (MoELayer, F.linear per expert)": step(), "bf16 (torch._grouped_mm)": step(fn=bf16_grouped)}
     measures = {name: (lambda fn=fn: gpu_time_ms(fn, warmup=2, iters=iters)) for name, fn in fns.items()}
     return measures, dict(c)
