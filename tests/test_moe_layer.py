@@ -32,12 +32,16 @@ def swiglu64(x, w1, w2):
     return (F.silu(gate) * up) @ w2.t()
 
 
-def reference_moe(x, params, top_k, norm_topk_prob):
-    """MoELayer in float64, one token at a time. params: float64 copies of the layer's parameters by name."""
+def reference_moe(x, params, top_k, norm_topk_prob, logits_dtype=torch.float64):
+    """MoELayer in float64, one token at a time. params: float64 copies of the layer's parameters by name.
+    logits_dtype: the router logits are rounded to it (the layer computes them in its input's dtype: a BF16 layer's
+    routing decisions are those of BF16 logits, which near-ties between experts would otherwise flip)."""
     num_experts = params["router.weight"].shape[0]
     rows = []
     for token in x.reshape(-1, x.shape[-1]):
-        probs, ids = reference_route(token @ params["router.weight"].t(), top_k, norm_topk_prob)
+        logits = token @ params["router.weight"].t()
+        logits = logits + (logits.detach().to(logits_dtype).double() - logits.detach())  # (gradient: unrounded)
+        probs, ids = reference_route(logits, top_k, norm_topk_prob)
         out = torch.zeros_like(token)
         for p, e in zip(probs, ids.tolist()):
             assert 0 <= e < num_experts
@@ -84,7 +88,7 @@ def check_against_reference(layer, x, tol, grad_tol, aux_coeff=0.0):
     x64 = x.detach().double().requires_grad_()
     params64 = {name: p.detach().double().requires_grad_() for name, p in params.items()}
     top_k, norm = layer.router.top_k, layer.router.norm_topk_prob
-    ref = reference_moe(x64, params64, top_k, norm)
+    ref = reference_moe(x64, params64, top_k, norm, logits_dtype=x.dtype)
     err = rel_error(out, ref)
     assert err <= tol, f"output: relative error {err:.2e}"
     grad = torch.randn_like(ref)
