@@ -327,7 +327,7 @@ def test_no_extra_ops_unless_enabled(name):
     after = step_ops()
     assert after == before
     assert len(enabled) > len(before)
-    assert debug.stats(module)[name][debug.ROLES[type(module)][0][0]]["fp8_calls"] == 1
+    assert debug.stats(module)[name][module.forward_roles[0].value]["fp8_calls"] == 1
 
 
 # --- GPU ---

@@ -10,13 +10,16 @@ scale = fp8_max / amax / 2**margin over the history; current scaling: each tenso
 gradients through the model, so each backward slot sees the gradient its GEMM receives (e.g. fc1's grad_output is
 act'(fc1 out) * (dy_fp8 @ fc2_weight_fp8)).
 
-After every step, each slot's amax history, scale and scale_inv of every FP8 sub-module must equal the model's, slot
-by slot, with the role named in the failure (the slot layout is the one module/base.py and the module docstrings
-give: forward (input, weight) per GEMM, backward (grad_output) per GEMM). A bookkeeping mistake that keeps the
-numerics plausible, such as casting LayerNormMLP's fc2 weight with fc1's slot, fails here (see the last test). The
+The model keeps its numbers per role (quantization.Role: INPUT, WEIGHT, GRAD_OUTPUT; FC1_INPUT ... FC2_GRAD_OUTPUT;
+the ten ATTENTION_* roles). After every step, each role's amax history, scale and scale_inv in every FP8 sub-module
+(read through the module's quantizer of that role) must equal the model's, with the role named in the failure. A
+bookkeeping mistake that keeps the numerics plausible, such as casting LayerNormMLP's fc2 weight with fc1's weight
+quantizer, fails here (see the last test). The
 same runs with cached FP8 weights over micro-batches (is_first_microbatch True / False: no weight cast, no weight
 amax on the False steps), and with FP8 attention (fp8_dpa=True: the attention's ten slots, emulated as
 transformer_fp8/cpu/attention_fp8.py computes them; no first-step calibration there, the casts start at scale 1).
+The roles each module kind casts are listed here (ROLES), independently of the modules' own declarations, which must
+match them.
 """
 import math
 
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 import transformer_fp8 as te
 from transformer_fp8 import recipe
 from transformer_fp8.module.base import FP8ModuleBase
+from transformer_fp8.quantization import Role
 
 S, B, HIDDEN, FFN, HEADS, GROUPS = 8, 2, 32, 64, 4, 2
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -45,14 +49,23 @@ RECIPES = {
 # (float32 inputs are cast around it): ~1e-3 expected there (not yet measured). A mixed-up slot is off by tens of
 # percent.
 RTOL = {"cpu": 1e-4, "cuda": 3e-2}
-# Role of each slot: (forward slots, backward slots), as module/base.py and the module docstrings lay them out.
+# The roles each module kind casts: (forward roles, backward roles). LayerNormLinear's INPUT is the norm output (its
+# GEMM's input); LayerNormMLP's FC1_INPUT the norm output, FC2_INPUT the activation.
+GEMM = ((Role.INPUT, Role.WEIGHT), (Role.GRAD_OUTPUT,))
 ROLES = {
-    te.Linear: (("input", "weight"), ("grad_output",)),
-    te.LayerNormLinear: (("norm output (GEMM input)", "weight"), ("grad_output",)),
-    te.LayerNormMLP: (("fc1 input (norm output)", "fc1 weight", "fc2 input (activation)", "fc2 weight"),
-                      ("fc1 grad_output", "fc2 grad_output")),
-    te.DotProductAttention: (("q", "k", "v", "probabilities S", "output O"), ("dO", "dS (DP)", "dq", "dk", "dv")),
+    te.Linear: GEMM,
+    te.LayerNormLinear: GEMM,
+    te.LayerNormMLP: ((Role.FC1_INPUT, Role.FC1_WEIGHT, Role.FC2_INPUT, Role.FC2_WEIGHT),
+                      (Role.FC1_GRAD_OUTPUT, Role.FC2_GRAD_OUTPUT)),
+    te.DotProductAttention: ((Role.ATTENTION_Q, Role.ATTENTION_K, Role.ATTENTION_V, Role.ATTENTION_S,
+                              Role.ATTENTION_O),
+                             (Role.ATTENTION_DO, Role.ATTENTION_DP, Role.ATTENTION_DQ, Role.ATTENTION_DK,
+                              Role.ATTENTION_DV)),
 }
+# (input role, weight role, grad_output role) of each GEMM of a module kind, in order
+GEMM_ROLES = {"linear": (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT),
+              "fc1": (Role.FC1_INPUT, Role.FC1_WEIGHT, Role.FC1_GRAD_OUTPUT),
+              "fc2": (Role.FC2_INPUT, Role.FC2_WEIGHT, Role.FC2_GRAD_OUTPUT)}
 
 
 def _f32(value):
@@ -61,13 +74,16 @@ def _f32(value):
 
 
 class SlotsModel:
-    """float64 model of one ScalingState (one set of slots: a module's forward or backward slots) under a recipe."""
+    """float64 model of one direction's roles of a module (its forward or its backward roles) under a recipe. Its
+    methods take a role; `roles` gives each role's column in `history` and `scale`."""
 
-    def __init__(self, n, fp8_recipe, forward, calibrates=True):
-        """n: slots; fp8_recipe: DelayedScaling or Float8CurrentScaling; forward: the forward (True) or gradient
-        (False) slots, which pick the format's forward or backward dtype; calibrates: whether casts before the first
-        update take their scale from the tensor's own amax (the modules' GEMM slots) or keep scale 1 (FP8
-        attention's slots)."""
+    def __init__(self, roles, fp8_recipe, forward, calibrates=True):
+        """roles: the Roles; fp8_recipe: DelayedScaling or Float8CurrentScaling; forward: the forward (True) or
+        gradient (False) roles, which pick the format's forward or backward dtype; calibrates: whether casts before
+        the first update take their scale from the tensor's own amax (the modules' GEMM roles) or keep scale 1 (FP8
+        attention's roles)."""
+        self.roles = tuple(roles)
+        n = len(self.roles)
         self.current = isinstance(fp8_recipe, recipe.Float8CurrentScaling)
         fmt = fp8_recipe.fp8_format
         self.fp8_dtype = fmt.fwd_dtype if forward else fmt.bwd_dtype
@@ -79,19 +95,21 @@ class SlotsModel:
         self.calibrated = not calibrates
         self.used = False
 
-    def record(self, x, i):
-        """Max-accumulate amax(x) into slot i's history row 0 (what a cast, or a kernel making x, does)."""
+    def record(self, x, role):
+        """Max-accumulate amax(x) into the role's history row 0 (what a cast, or a kernel making x, does)."""
+        i = self.roles.index(role)
         self.history[0, i] = max(self.history[0, i].item(), x.detach().abs().max().item())
         self.used = True
 
-    def round_trip(self, x, i):
-        """x rounded to FP8 with slot i's current scale and read back (float64); no amax."""
-        scale = torch.tensor(self.scale[i], dtype=torch.float32)
+    def round_trip(self, x, role):
+        """x rounded to FP8 with the role's current scale and read back (float64); no amax."""
+        scale = torch.tensor(self.scale[self.roles.index(role)], dtype=torch.float32)
         q = (x.detach().float() * scale).clamp(-self.fp8_max, self.fp8_max).to(self.fp8_dtype)
         return q.double() * torch.reciprocal(scale).double()
 
-    def cast(self, x, i):
-        """x (float64) cast into slot i and dequantized: float64 of the FP8 value times scale_inv."""
+    def cast(self, x, role):
+        """x (float64) cast as the role and dequantized: float64 of the FP8 value times scale_inv."""
+        i = self.roles.index(role)
         amax = x.detach().abs().max().item()
         if self.current and math.isfinite(amax) and amax > 0:
             self.scale[i] = _f32(self.fp8_max / amax)
@@ -101,9 +119,9 @@ class SlotsModel:
             # on FP8 values, such as an FP8 attention's output, land on rounding ties, so the model does the same.)
             self.scale[i] = _f32(self.fp8_max * _f32(1 / _f32(amax)))
         if not self.current:
-            self.record(x, i)
+            self.record(x, role)
         self.used = True
-        return self.round_trip(x, i)
+        return self.round_trip(x, role)
 
     def update(self):
         """The delayed-scaling update after a forward (or backward) that used these slots."""
@@ -125,17 +143,17 @@ class _ModelGemm(torch.autograd.Function):
     """y = cast(x) wqᵀ + bias in float64 (wq: the weight as cast, [N, K]); backward casts dy into the gradient slot."""
 
     @staticmethod
-    def forward(ctx, x, wq, bias, fwd, bwd, slots):
-        xq = fwd.cast(x.reshape(-1, x.shape[-1]), slots[0])
+    def forward(ctx, x, wq, bias, fwd, bwd, roles):
+        xq = fwd.cast(x.reshape(-1, x.shape[-1]), roles[0])
         ctx.save_for_backward(xq, wq)
-        ctx.bwd, ctx.grad_slot, ctx.x_shape = bwd, slots[1], x.shape
+        ctx.bwd, ctx.grad_role, ctx.x_shape = bwd, roles[1], x.shape
         out = xq @ wq.t() + (0 if bias is None else bias)
         return out.view(*x.shape[:-1], wq.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         xq, wq = ctx.saved_tensors
-        dyq = ctx.bwd.cast(dy.reshape(-1, dy.shape[-1]), ctx.grad_slot)
+        dyq = ctx.bwd.cast(dy.reshape(-1, dy.shape[-1]), ctx.grad_role)
         return (dyq @ wq).view(ctx.x_shape), None, None, None, None, None
 
 
@@ -145,19 +163,20 @@ def _expand(t, groups):
 
 class _ModelFP8Attention(torch.autograd.Function):
     """FP8 attention (causal, [b, h, s, d] float64; k, v with h / groups heads) as docs/numerics.md and
-    transformer_fp8/cpu/attention_fp8.py describe it: q, k, v cast (slots Q, K, V); the probabilities P recorded in S
-    and rounded with S's scale before P v; the output recorded and cast in O. Backward: dO cast (DO); dS recorded in
-    DP and rounded with its scale before the dq, dk products; dq, dk, dv recorded and cast (DQ, DK, DV)."""
+    transformer_fp8/cpu/attention_fp8.py describe it: q, k, v cast (roles ATTENTION_Q, _K, _V); the probabilities P
+    recorded in ATTENTION_S and rounded with its scale before P v; the output recorded and cast as ATTENTION_O.
+    Backward: dO cast (ATTENTION_DO); dS recorded in ATTENTION_DP and rounded with its scale before the dq, dk
+    products; dq, dk, dv recorded and cast (ATTENTION_DQ, _DK, _DV)."""
 
     @staticmethod
     def forward(ctx, q, k, v, fwd, bwd, scale):
         groups = q.shape[1] // k.shape[1]
-        qf, kf, vf = fwd.cast(q, 0), fwd.cast(k, 1), fwd.cast(v, 2)
+        qf, kf, vf = fwd.cast(q, Role.ATTENTION_Q), fwd.cast(k, Role.ATTENTION_K), fwd.cast(v, Role.ATTENTION_V)
         scores = (qf @ _expand(kf, groups).transpose(-1, -2)) * scale
         causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        fwd.record(probs, 3)
-        o = fwd.cast(fwd.round_trip(probs, 3) @ _expand(vf, groups), 4)
+        fwd.record(probs, Role.ATTENTION_S)
+        o = fwd.cast(fwd.round_trip(probs, Role.ATTENTION_S) @ _expand(vf, groups), Role.ATTENTION_O)
         ctx.save_for_backward(qf, kf, vf, probs, o)
         ctx.bwd, ctx.scale, ctx.fwd = bwd, scale, fwd
         return o
@@ -166,14 +185,16 @@ class _ModelFP8Attention(torch.autograd.Function):
     def backward(ctx, grad):
         qf, kf, vf, probs, o = ctx.saved_tensors
         bwd, scale, groups = ctx.bwd, ctx.scale, qf.shape[1] // kf.shape[1]
-        g = bwd.cast(grad, 0)
-        dv = (ctx.fwd.round_trip(probs, 3).transpose(-1, -2) @ g).unflatten(1, (kf.shape[1], groups)).sum(2)
+        g = bwd.cast(grad, Role.ATTENTION_DO)
+        p8 = ctx.fwd.round_trip(probs, Role.ATTENTION_S)
+        dv = (p8.transpose(-1, -2) @ g).unflatten(1, (kf.shape[1], groups)).sum(2)
         d_scores = probs * (g @ _expand(vf, groups).transpose(-1, -2) - (g * o).sum(-1, keepdim=True)) * scale
-        bwd.record(d_scores, 1)
-        d_scores = bwd.round_trip(d_scores, 1)
+        bwd.record(d_scores, Role.ATTENTION_DP)
+        d_scores = bwd.round_trip(d_scores, Role.ATTENTION_DP)
         dq = d_scores @ _expand(kf, groups)
         dk = (d_scores.transpose(-1, -2) @ qf).unflatten(1, (kf.shape[1], groups)).sum(2)
-        return bwd.cast(dq, 2), bwd.cast(dk, 3), bwd.cast(dv, 4), None, None, None
+        return (bwd.cast(dq, Role.ATTENTION_DQ), bwd.cast(dk, Role.ATTENTION_DK), bwd.cast(dv, Role.ATTENTION_DV),
+                None, None, None)
 
 
 class RecipeModel:
@@ -181,39 +202,40 @@ class RecipeModel:
 
     def __init__(self, module, fp8_recipe):
         self.module = module
-        self.states = {m: (SlotsModel(m._n_fwd, fp8_recipe, True), SlotsModel(m._n_bwd, fp8_recipe, False))
+        self.states = {m: (SlotsModel(_roles(m)[0], fp8_recipe, True), SlotsModel(_roles(m)[1], fp8_recipe, False))
                        for m in module.modules() if isinstance(m, FP8ModuleBase)}
-        if getattr(fp8_recipe, "fp8_dpa", False):  # FP8 attention: its own slots, no first-step calibration
-            self.states.update({m: (SlotsModel(5, fp8_recipe, True, calibrates=False),
-                                    SlotsModel(5, fp8_recipe, False, calibrates=False))
+        if getattr(fp8_recipe, "fp8_dpa", False):  # FP8 attention: its own roles, no first-step calibration
+            self.states.update({m: (SlotsModel(_roles(m)[0], fp8_recipe, True, calibrates=False),
+                                    SlotsModel(_roles(m)[1], fp8_recipe, False, calibrates=False))
                                 for m in module.modules() if isinstance(m, te.DotProductAttention)})
         self.is_first_microbatch, self.weight_cache = None, {}
 
-    def gemm(self, m, x, weight_name, bias_name, gemm_index):
-        """FP8 GEMM number gemm_index of FP8 module m (its slots: forward 2i, 2i + 1, backward i). The weight is
+    def gemm(self, m, x, weight_name, bias_name, gemm):
+        """The FP8 GEMM `gemm` ("linear", "fc1", "fc2": its roles in GEMM_ROLES) of FP8 module m. The weight is
         cast, or with is_first_microbatch False taken as cast at the last True (no cast, no amax)."""
         fwd, bwd = self.states[m]
+        input_role, weight_role, grad_role = GEMM_ROLES[gemm]
         wq = self.weight_cache.get((m, weight_name)) if self.is_first_microbatch is False else None
         if wq is None:
-            wq = fwd.cast(_p(m, weight_name), 2 * gemm_index + 1)
+            wq = fwd.cast(_p(m, weight_name), weight_role)
             if self.is_first_microbatch is not None:
                 self.weight_cache[m, weight_name] = wq
-        return _ModelGemm.apply(x, wq, _p(m, bias_name), fwd, bwd, (2 * gemm_index, gemm_index))
+        return _ModelGemm.apply(x, wq, _p(m, bias_name), fwd, bwd, (input_role, grad_role))
 
     def linear(self, m, x):
-        return self.gemm(m, x, "weight", "bias", 0)
+        return self.gemm(m, x, "weight", "bias", "linear")
 
     def layernorm_linear(self, m, x):
-        return self.gemm(m, _norm(m, x), "weight", "bias", 0)
+        return self.gemm(m, _norm(m, x), "weight", "bias", "linear")
 
     def layernorm_mlp(self, m, x):
-        h = self.gemm(m, _norm(m, x), "fc1_weight", "fc1_bias", 0)
+        h = self.gemm(m, _norm(m, x), "fc1_weight", "fc1_bias", "fc1")
         if m.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             act = F.silu(gate) * up
         else:
             act = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}[m.activation](h)
-        return self.gemm(m, act, "fc2_weight", "fc2_bias", 1)
+        return self.gemm(m, act, "fc2_weight", "fc2_bias", "fc2")
 
     def attention(self, m, x):
         """MultiheadAttention (sbhd, interleaved QKV: per group [its q heads, k, v]; causal)."""
@@ -264,30 +286,29 @@ def _norm(m, x):
 def _roles(m):
     if type(m) in ROLES:
         return ROLES[type(m)]
-    raise AssertionError(f"no slot roles known for {type(m).__name__}: add it to ROLES")
+    raise AssertionError(f"no roles known for {type(m).__name__}: add it to ROLES")
 
 
 def assert_slots_match(module, model, step, rtol):
-    """Every FP8 sub-module's amax history, scale and scale_inv equal the model's (to rtol), slot by slot."""
+    """Every FP8 sub-module's amax history, scale and scale_inv equal the model's (to rtol), role by role: the
+    module's numbers read through its quantizer of the role."""
     names = {m: name or type(m).__name__ for name, m in module.named_modules()}
     for m, (fwd_model, bwd_model) in model.states.items():
-        fwd_roles, bwd_roles = _roles(m)
-        fwd_state, bwd_state = ((m.fp8_scaling.fwd, m.fp8_scaling.bwd) if isinstance(m, te.DotProductAttention) else
-                                (m.fp8_fwd, m.fp8_bwd))
-        for kind, state, slots, roles in (("forward", fwd_state, fwd_model, fwd_roles),
-                                          ("backward", bwd_state, bwd_model, bwd_roles)):
-            assert state is not None, f"{names[m]}: no {kind} scaling state after an FP8 step"
-            assert state.scale.numel() == len(roles), f"{names[m]} {kind}: {state.scale.numel()} slots, roles {roles}"
+        quantizers = m.fp8_scaling.quantizers if isinstance(m, te.DotProductAttention) else m.quantizers
+        assert quantizers is not None, f"{names[m]}: no quantizers after an FP8 step"
+        for kind, slots, declared in (("forward", fwd_model, quantizers.forward_roles),
+                                      ("backward", bwd_model, quantizers.backward_roles)):
+            assert set(declared) == set(slots.roles), f"{names[m]} {kind}: roles {declared}, expected {slots.roles}"
             want = {"amax_history": slots.history, "scale": torch.tensor(slots.scale, dtype=torch.float64),
                     "scale_inv": torch.tensor(slots.scale_inv(), dtype=torch.float64)}
-            for what, expected in want.items():
-                got = getattr(state, what).detach().cpu().double()
-                assert got.shape == expected.shape, f"{names[m]} {kind} {what}: shape {tuple(got.shape)}"
-                for i, role in enumerate(roles):
-                    g, e = got[..., i], expected[..., i]
-                    ok = torch.allclose(g, e, rtol=rtol, atol=0)
-                    assert ok, (f"step {step}, {names[m]} {kind} slot {i} ({role}): {what} {g.tolist()}, the recipe "
-                                f"model says {e.tolist()}")
+            for i, role in enumerate(slots.roles):
+                quantizer = quantizers[role]
+                for what, expected in want.items():
+                    got = getattr(quantizer.state, what).detach().cpu().double()[..., quantizer.slot]
+                    e = expected[..., i]
+                    ok = got.shape == e.shape and torch.allclose(got, e, rtol=rtol, atol=0)
+                    assert ok, (f"step {step}, {names[m]} {kind} role {role.value}: {what} {got.tolist()}, the "
+                                f"recipe model says {e.tolist()}")
 
 
 def _build(kind, activation="gelu", device="cpu"):
@@ -378,14 +399,20 @@ def test_fp8_attention_slots_follow_the_recipe_model(kind):
 
 
 def test_the_check_catches_fc2_weight_cast_in_fc1s_slot(monkeypatch):
-    """A planted bookkeeping bug, LayerNormMLP casting its fc2 weight with fc1's weight slot (1 instead of 3), must
-    fail the check, naming the slot (the bug leaves the outputs plausible: fc2's weight is cast with a valid scale)."""
-    original = FP8ModuleBase._fp8_weight
+    """A planted bookkeeping bug, LayerNormMLP casting its fc2 weight with fc1's weight quantizer, must fail the
+    check, naming the role (the bug leaves the outputs plausible: fc2's weight is cast with a valid scale)."""
+    from transformer_fp8.module import layernorm_mlp
+    original = layernorm_mlp.fp8_weight
+    quantizer_of = {}  # id(fc2 weight quantizer's state) -> the fc1 weight quantizer of the same module
 
-    def fc2_in_fc1s_slot(self, name, weight, slot, *args):
-        return original(self, name, weight, 1 if name == "fc2_weight" else slot, *args)
+    def fc2_with_fc1s_quantizer(cache, name, weight, quantizer, *args):
+        if name == "fc1_weight":
+            quantizer_of[id(quantizer.state)] = quantizer
+        elif name == "fc2_weight":
+            quantizer = quantizer_of[id(quantizer.state)]
+        return original(cache, name, weight, quantizer, *args)
 
-    monkeypatch.setattr(FP8ModuleBase, "_fp8_weight", fc2_in_fc1s_slot)
+    monkeypatch.setattr(layernorm_mlp, "fp8_weight", fc2_with_fc1s_quantizer)
     for label in ("delayed-max-margin1-HYBRID", "current-HYBRID"):
-        with pytest.raises(AssertionError, match=r"forward slot [13] \(fc[12] weight\)"):
+        with pytest.raises(AssertionError, match=r"forward role fc[12]_weight"):
             run_and_check(_build("LayerNormMLP"), RECIPES[label], HIDDEN)

@@ -23,8 +23,8 @@ import contextlib
 import torch
 import torch.utils.checkpoint
 
-from . import autocast, distributed
-from .module.base import ScalingState
+from . import autocast, rng
+from .quantization import ScalingState
 
 
 class _Region:
@@ -91,7 +91,7 @@ def _replay_state(original, scales, calibrated):
     amax_history = torch.zeros(original.history_len, scales.shape[1], dtype=torch.float32, device=scales.device)
     replay = ScalingState.over(amax_history, scales[0], scales[1], calibrated)
     replay.pending = True
-    replay.amax_group, replay.calibration_group = original.amax_group, original.calibration_group
+    replay.calibration_group = original.calibration_group
     return replay
 
 
@@ -101,7 +101,7 @@ def checkpoint(function, *args, distribute_saved_activations=False, get_rng_stat
     """function(*args, **kwargs) with its activations recomputed in the backward instead of kept (TE's arguments).
     FP8 modules inside recompute in FP8 with the forward's scales (see the module docstring); the random states are
     restored for the recompute (dropout masks repeat): torch's, and the named states of the RNG tracker that
-    get_rng_state_tracker() returns (default: distributed.get_rng_state_tracker(); any object with get_states() and
+    get_rng_state_tracker() returns (default: rng.get_rng_state_tracker(); any object with get_states() and
     set_states(), e.g. Megatron's). The recomputation is always torch.utils.checkpoint's non-reentrant one, the mode
     PyTorch recommends; use_reentrant is accepted for TE compatibility, as is tp_group (TE uses it only with
     distribute_saved_activations=True, which is not supported). Under torch.compile the region runs eagerly (a graph
@@ -114,7 +114,7 @@ def checkpoint(function, *args, distribute_saved_activations=False, get_rng_stat
     if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
         raise TypeError(f"get_rng_state_tracker: expected None or a callable returning an RNG tracker, got "
                         f"{get_rng_state_tracker!r}")
-    tracker = (get_rng_state_tracker or distributed.get_rng_state_tracker)()
+    tracker = (get_rng_state_tracker or rng.get_rng_state_tracker)()
     if not (hasattr(tracker, "get_states") and hasattr(tracker, "set_states")):
         raise TypeError(f"get_rng_state_tracker: its tracker needs get_states() and set_states(), got "
                         f"{type(tracker).__name__}")

@@ -34,16 +34,13 @@ from .module.layernorm_linear import LayerNormLinear
 from .module.layernorm_mlp import LayerNormMLP
 from .module.linear import Linear
 from .module.norm import norm_fwd
+from .quantization import Role
 from .recipe import FP8_MAX
 
 __all__ = ["DebugSession", "call_counts", "disable", "disable_fp8", "enable", "report", "stats"]
 
-# (forward roles in forward-slot order, backward roles in backward-slot order) per module class
-ROLES = {
-    Linear: (("input", "weight"), ("grad_output",)),
-    LayerNormLinear: (("input", "weight"), ("grad_output",)),
-    LayerNormMLP: (("fc1_input", "fc1_weight", "fc2_input", "fc2_weight"), ("fc1_grad_output", "fc2_grad_output")),
-}
+# the module classes whose casts are reported, under their roles' names (forward_roles / backward_roles)
+ROLE_CLASSES = (Linear, LayerNormLinear, LayerNormMLP)
 
 # Half the smallest subnormal: |x * scale| at or below it rounds to 0 (a tie rounds to the even 0).
 FLUSH_BOUND = {torch.float8_e4m3fn: 2.0 ** -10, torch.float8_e5m2: 2.0 ** -17}
@@ -83,10 +80,10 @@ def _own_scale(x, state_scale, fp8_dtype):
 
 
 def _roles_of(module):
-    for cls, roles in ROLES.items():
-        if isinstance(module, cls):
-            return roles
-    return None
+    """(forward role names, backward role names) of a reported module, in slot order; None for another module."""
+    if not isinstance(module, ROLE_CLASSES):
+        return None
+    return tuple(r.value for r in module.forward_roles), tuple(r.value for r in module.backward_roles)
 
 
 def _first(output):
@@ -137,7 +134,7 @@ class _Recorder:
         self.values[self.roles.index(role)].copy_(values)
 
     def _record_forward(self, module, inp):
-        state, fp8_dtype = module.fp8_fwd, module.fwd_dtype
+        quantizers = module.quantizers
         if isinstance(module, Linear):
             tensors = {"input": inp, "weight": module.weight}
         else:
@@ -148,10 +145,11 @@ class _Recorder:
                 tensors = {"input": normed, "weight": module.weight}
             else:
                 tensors = {"fc1_input": normed, "fc1_weight": module.fc1_weight, "fc2_weight": module.fc2_weight}
-        for slot, role in enumerate(self.fwd_roles):
+        for role in self.fwd_roles:
             x = tensors.get(role)
             if x is not None and not module._fp8_params:  # (Float8Tensor weights: no cast to look at)
-                self._store(role, cast_stats(x, state.scales[slot], fp8_dtype))
+                quantizer = quantizers[Role(role)]
+                self._store(role, cast_stats(x, quantizer.scale, quantizer.fp8_dtype))
 
     def _on_grad_output(self, module, grad, fp8):
         """The module's output gradient, before its backward casts it (into the last backward slot)."""
@@ -159,12 +157,13 @@ class _Recorder:
             self.counts[role][0 if fp8 else 1] += 1
         if not fp8 or grad is None:
             return
-        slot, state, fp8_dtype = len(self.bwd_roles) - 1, module.fp8_bwd, module.bwd_dtype
+        role = self.bwd_roles[-1]  # (the role that casts the output gradient: the last backward role)
+        quantizer = module.quantizers[Role(role)]
         dy = grad.reshape(-1, grad.shape[-1])
-        scale = state.scales[slot]
-        if module.fp8_current or not state.calibrated:  # (the cast sets the scale from dy's own amax)
-            scale = _own_scale(dy, scale, fp8_dtype)
-        self._store(self.bwd_roles[slot], cast_stats(dy, scale, fp8_dtype))
+        scale = quantizer.scale
+        if not quantizer.known_scale:  # (the cast sets the scale from dy's own amax)
+            scale = _own_scale(dy, scale, quantizer.fp8_dtype)
+        self._store(role, cast_stats(dy, scale, quantizer.fp8_dtype))
 
     def read(self):
         """{role: {"fp8_calls", "high_precision_calls", "amax", "scale", "flushed", "saturated"}} (one device read)."""

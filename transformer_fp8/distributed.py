@@ -1,4 +1,5 @@
-"""Tensor and sequence parallelism over torch.distributed, and the dropout RNG tracker.
+"""Tensor and sequence parallelism over torch.distributed; the dropout RNG tracker (rng.py) and TE's
+`te.distributed.checkpoint` (checkpoint.py) are re-exported here under their TE names.
 
 Conventions (Megatron / Transformer Engine): a tensor-parallel (TP) group of `size` ranks. A column-parallel GEMM
 splits the weight's output rows ([out/tp, in] per rank; its output is split along the last dim), a row-parallel one
@@ -9,13 +10,13 @@ module all-gathers its (normalised) input right before its GEMM, in FP8 inside f
 module/_column_parallel.py), and the row-parallel output is reduce-scattered.
 `group=None` everywhere means the default group.
 """
-import contextlib
-
 import torch
 import torch.distributed as dist
 
+from .checkpoint import checkpoint  # noqa: F401  (TE's te.distributed.checkpoint)
+from .rng import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_state_tracker, model_parallel_rng  # noqa: F401
+
 PARALLEL_MODES = (None, "column", "row")
-MODEL_PARALLEL_RNG = "model-parallel-rng"  # the RNG tracker's state for dropout on split tensors
 
 
 def _initialized():
@@ -193,12 +194,6 @@ def scatter_to_sequence_parallel_region(x, group=None):
     return _ScatterToSP.apply(x, group)
 
 
-def checkpoint(function, *args, **kwargs):
-    """TE's te.distributed.checkpoint: transformer_fp8.checkpoint (see checkpoint.py)."""
-    from .checkpoint import checkpoint as fp8_checkpoint  # (here: checkpoint.py imports the modules, which import us)
-    return fp8_checkpoint(function, *args, **kwargs)
-
-
 # --- a module's TP settings ---
 class TensorParallel:
     """The TP settings of one module: group, size, rank, parallel_mode, sequence_parallel; gathers_input: the module
@@ -210,7 +205,7 @@ class TensorParallel:
     reduce_amax=True, the default), so the fp8_group must hold the TP group (check_amax_group; fp8_group=None, the
     default group, always does); with reduce_amax=False the scales are per rank and the sequence-parallel input is
     all-gathered in high precision instead. Current scaling: each amax is MAX-reduced over the TP group right before
-    its cast (ScalingState.amax_group)."""
+    its cast (quantization.CurrentScalingQuantizer.amax_group)."""
 
     def __init__(self, tp_group, tp_size, parallel_mode, sequence_parallel):
         if parallel_mode not in PARALLEL_MODES:
@@ -291,77 +286,3 @@ class TensorParallel:
                         full.shape[dim] == local.shape[dim] * self.size:
                     state_dict[prefix + name] = self.shard(full, dim, blocks)
         return hook
-
-
-# --- dropout RNG tracker ---
-class RNGStatesTracker:
-    """Named RNG states (CPU, and the current CUDA device's when CUDA is initialised). `fork(name)` runs its block on
-    that state and leaves the default one untouched: seed a name identically on every TP rank for the same dropout
-    masks, or per rank (e.g. seed + rank) for independent ones."""
-
-    def __init__(self):
-        self.states = {}
-
-    def reset(self):
-        self.states = {}
-
-    def get_states(self):
-        return dict(self.states)
-
-    def set_states(self, states):
-        self.states = dict(states)
-
-    def add(self, name, seed):
-        if name in self.states:
-            raise ValueError(f"name: RNG state {name!r} already exists")
-        with _saved_default_rng():
-            torch.manual_seed(seed)
-            self.states[name] = _current_rng()
-
-    @contextlib.contextmanager
-    def fork(self, name=MODEL_PARALLEL_RNG):
-        if name not in self.states:
-            raise KeyError(f"name: no RNG state {name!r} (add it first)")
-        with _saved_default_rng():
-            _set_rng(self.states[name])
-            try:
-                yield
-            finally:
-                self.states[name] = _current_rng()
-
-
-def _current_rng():
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng(state):
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda)
-
-
-@contextlib.contextmanager
-def _saved_default_rng():
-    saved = _current_rng()
-    try:
-        yield
-    finally:
-        _set_rng(saved)
-
-
-_RNG_TRACKER = RNGStatesTracker()
-
-
-def get_rng_state_tracker():
-    """The process-wide RNGStatesTracker."""
-    return _RNG_TRACKER
-
-
-def model_parallel_rng(active):
-    """The tracker's MODEL_PARALLEL_RNG fork when `active` and that state was added, else a no-op context: dropout
-    on tensors split across TP ranks (heads, sequence blocks) draws from it (seed it per rank)."""
-    if active and MODEL_PARALLEL_RNG in _RNG_TRACKER.states:
-        return _RNG_TRACKER.fork(MODEL_PARALLEL_RNG)
-    return contextlib.nullcontext()

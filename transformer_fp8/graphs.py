@@ -314,8 +314,8 @@ def _uncalibrated_states(module):
     """The delayed-scaling states of `module`'s FP8 modules that have not had their first update."""
     if module is None:
         return []
-    return [state for m in module.modules() if isinstance(m, FP8ModuleBase) and m.fp8_fwd is not None
-            and not m.fp8_current for _, state in _states(m) if not state.calibrated]
+    return [state for m in module.modules() if isinstance(m, FP8ModuleBase) and m.quantizers is not None
+            for state in m.quantizers.uncalibrated_states()]
 
 
 def _checked_arguments(modules, sample_args, num_warmup_iters, allow_unused_input, fp8_enabled, fp8_recipe,

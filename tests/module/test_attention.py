@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from tests.utils import check_against_float64, rel_error
-from transformer_fp8.module import attention as attention_module
+from transformer_fp8.attention import sdpa as attention_module
 from transformer_fp8.module import attention_cudnn
 from transformer_fp8.module.attention import ATTN_MASK_TYPES, DotProductAttention
 from transformer_fp8.module.rope import RotaryPositionEmbedding, apply_rotary_pos_emb

@@ -56,16 +56,16 @@ def test_backward_frees_ffn_sized_tensors_after_their_last_use(device, monkeypat
     seen, alive_at_gemm, wgrad_inputs, alive_at_dact = [], [], [], []
     dact, gemm_grads = layernorm_mlp._dact_to_fp8, layernorm_mlp.gemm_grads
 
-    def recording_dact(module, d_act, fc1_out, *flags):
+    def recording_dact(quantizer, activation, d_act, fc1_out, *flags):
         alive_at_dact.append([ref() is not None for ref in wgrad_inputs])
         seen.extend(weakref.ref(t) for t in (d_act, fc1_out))
-        return dact(module, d_act, fc1_out, *flags)
+        return dact(quantizer, activation, d_act, fc1_out, *flags)
 
-    def checking_gemm_grads(module, weight, dy_fp8, w_t, x_t, *args):
+    def checking_gemm_grads(dy, w_t, x_t, *args):  # (FP8Operands: x_t's data_t is the wgrad input)
         alive_at_gemm.append([ref() is not None for ref in seen])
         if x_t is not None:
-            wgrad_inputs.append(weakref.ref(x_t[0]))
-        return gemm_grads(module, weight, dy_fp8, w_t, x_t, *args)
+            wgrad_inputs.append(weakref.ref(x_t.data_t))
+        return gemm_grads(dy, w_t, x_t, *args)
 
     monkeypatch.setattr(layernorm_mlp, "_dact_to_fp8", recording_dact)
     monkeypatch.setattr(layernorm_mlp, "gemm_grads", checking_gemm_grads)
@@ -91,8 +91,8 @@ def test_delayed_scaling_makes_the_fp8_fc1_gradient_transpose_after_the_dgrad(de
     dact, transposes = layernorm_mlp._dact_to_fp8, []
 
     def recording_dact(*args):
-        result = dact(*args)
-        transposes.append(result[1] is not None)
+        result = dact(*args)  # (FP8Operand, dbias)
+        transposes.append(result[0].data_t is not None)
         return result
 
     monkeypatch.setattr(layernorm_mlp, "_dact_to_fp8", recording_dact)
@@ -112,6 +112,7 @@ def test_gelu_rides_in_the_fc1_epilogue_after_the_first_update(device, monkeypat
     """Delayed scaling, BF16, gelu: from the second step FC1's GEMM applies GELU and emits the FP8 activation itself
     (no activation kernel); results as with the activation kernel, within an FP8 rounding of the activation."""
     from transformer_fp8.module import layernorm_mlp
+    from transformer_fp8.quantization import gemm_ops as quantization_gemm
     torch.manual_seed(0)
     m = te.LayerNormMLP(64, 96, params_dtype=torch.bfloat16, device=device)
     randomize_vectors(m)
@@ -126,6 +127,7 @@ def test_gelu_rides_in_the_fc1_epilogue_after_the_first_update(device, monkeypat
             op = getattr(real_ops, name)
             return lambda *args, **kwargs: calls.append((name, kwargs.get("gelu", False))) or op(*args, **kwargs)
     monkeypatch.setattr(layernorm_mlp, "tfp8", Spy())
+    monkeypatch.setattr(quantization_gemm, "tfp8", Spy())  # (the GEMMs on FP8 operands)
     recipe = te.recipe.DelayedScaling()
     out, grads = fp8_steps(m, x, dy, recipe)
     # (step 1 calibrates: the activation in high precision, then a cast; step 2: the GEMM epilogue, no kernel)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..module.attention import scaled_dot_product_attention
+from ..attention.sdpa import scaled_dot_product_attention
 
 
 def pick_cache(cache: Any, past_key_values: Any) -> Any:
@@ -97,7 +97,7 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     Returns:
         [b, heads, q_len, d] in q's dtype. On CUDA: PyTorch's SDPA picks its kernel (flash, memory-efficient or,
         for what they do not take, math), with no backend forcing or retries on the host: a decode step is
-        host-bound. Elsewhere: our float32 reference (module.attention.scaled_dot_product_attention).
+        host-bound. Elsewhere: our float32 reference (attention.sdpa.scaled_dot_product_attention).
     """
     if q.device.type != "cuda":
         return scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)

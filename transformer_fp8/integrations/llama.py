@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import checkpoint
-from ..module.rope import apply_rotary_pos_emb
+from ..attention.rope import apply_rotary_pos_emb
 from ..module.transformer import TransformerLayer
 from .hf_mapping import LayerShape, fuse_hf_weights, layer_weight_map
 from .kv_cache import cached_attention, cached_attention_mask, pick_cache, update_cache

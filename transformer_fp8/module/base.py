@@ -1,14 +1,9 @@
-"""What every FP8 module shares: its scaling state, recipe adoption, the FP8 weight cast and cache, checkpoints.
+"""What every FP8 module shares: its quantizers (recipe adoption), the FP8 weight cast and cache, checkpoints.
 
-Forward slots per GEMM: (input, weight); backward slots per GEMM: (grad_output). A `ScalingState` holds one set:
-float32 amax_history [H, n] (row 0: this step's amax, max-accumulated by the casts), scale [n] (starts at 1),
-scale_inv [n]. H is the recipe's amax_history_len (1 for current scaling).
-Delayed scaling: each cast also writes 1/scale into its slot's `scale_invs[i]`, a one-element, 16-byte aligned
-(cuBLASLt's scale pointers need it) snapshot that the GEMMs read and that FP8 tensors are saved or cached with. The
-forward update gives the forward slots new snapshots (autocast.renew_scale_inv_snapshots), so a saved or cached tensor
-keeps the scale it was cast with; gradient snapshots are reused (nothing outlives the backward that casts them).
-Snapshots share one buffer (and so one autograd version counter): autograd Functions keep them as ctx attributes, not
-through save_for_backward, whose version check would trip on writes to the other slots.
+A module declares `forward_roles` / `backward_roles` (quantization.roles); on its first FP8 call under a recipe it
+builds a QuantizerSet over them (`self.quantizers`), which owns the forward and backward ScalingStates
+(`fp8_fwd` / `fp8_bwd` read them; their slot order is the roles' order, the checkpoint format) and one quantizer per
+role. The module casts with `self.quantizers[Role.X]` and never asks which recipe it runs (see quantization/).
 """
 import math
 import os
@@ -20,8 +15,9 @@ import torch.nn as nn
 from .. import autocast
 from ..float8_tensor import Float8Tensor
 from ..ops import tfp8
-from ._compiled_backward import file_backward_state
-from ..recipe import FP8_MAX, Float8CurrentScaling
+from ..quantization import FP8Operand, QuantizerSet, ScalingState, quantizer_class  # noqa: F401  (ScalingState:
+# re-exported, its former home)
+from ..recipe import FP8_MAX
 
 
 def _threshold_from_env(default):
@@ -80,117 +76,69 @@ _fallback_warned = False  # (one warning per process: see FP8ModuleBase._note_sm
 MIN_RECAST_WEIGHT_NUMEL = 2 ** 22
 
 
-class ScalingState:
-    """One set of FP8 slots, with one-element views of every slot made once (rebuilt when the tensors move).
-    amax_group: a process group (the module's TP group under current scaling) over which each current-scaling amax
-    is MAX-reduced before its scale is computed, or None.
-    calibrated: False until the state's first update (delayed scaling). Until then a cast takes its slot's scale from
-    the tensor's own amax (calibrate_scale) instead of the initial scale 1, under which gradients (~1e-4 and below)
-    would flush to zero in E4M3. calibration_group: (group,) to MAX-reduce those amaxes over, as the update does
-    (the autocast's fp8_group when the recipe reduces amaxes; (None,) = the default group), or None."""
-
-    amax_group = None
-    calibration_group = None
-
-    def __init__(self, n, history_len, device):
-        self.amax_history = torch.zeros(history_len, n, dtype=torch.float32, device=device)
-        self.scale = torch.ones(n, dtype=torch.float32, device=device)
-        self.scale_inv = torch.ones(n, dtype=torch.float32, device=device)
-        self.pending = False  # queued for the next update (see autocast.py)
-        self.calibrated = False
-        self._make_views()
-
-    def _make_views(self):
-        self.device = self.scale.device
-        self.scales = self.scale.split(1)
-        self.scale_inv_slots = self.scale_inv.split(1)
-        self.amaxes = self.amax_history[0].split(1)
-        self.histories = self.amax_history.split(1, dim=1)
-        autocast.renew_scale_inv_snapshots([self])
-
-    @property
-    def history_len(self):
-        return self.amax_history.shape[0]
-
-    def to(self, device):
-        if self.scale.device != device:
-            self.amax_history, self.scale, self.scale_inv = (
-                t.to(device) for t in (self.amax_history, self.scale, self.scale_inv))
-            self._make_views()
-            autocast.forget_update_plans()  # they group states by device
-
-    def state_dict(self):
-        return {"amax_history": self.amax_history, "scale": self.scale, "scale_inv": self.scale_inv}
-
-    @classmethod
-    def over(cls, amax_history, scale, scale_inv, calibrated):
-        """A state over these float32 tensors ([H, n], [n], [n]; used as they are, not copied)."""
-        self = cls.__new__(cls)
-        self.amax_history, self.scale, self.scale_inv = amax_history, scale, scale_inv
-        self.pending, self.calibrated = False, calibrated
-        self._make_views()
-        return self
-
-    @classmethod
-    def from_state_dict(cls, state, device):
-        return cls.over(*(state[k].detach().to(device=device, dtype=torch.float32, copy=True)
-                          for k in ("amax_history", "scale", "scale_inv")), calibrated=True)
-
-    def set_current_scale(self, x, i, fp8_max):
-        """Current scaling: slot i's scale from amax(x), MAX-reduced over amax_group if set (the update re-zeroes the
-        amax slot). The amax goes through histories[i] ([1, 1]), the view the update reads: torch.compile makes
-        overlapping views (amaxes[i]) separate graph inputs and loses writes through one of them in a backward."""
-        amax = self.histories[i]
-        tfp8.compute_amax(x, amax)
-        if self.amax_group is not None:
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_group)
-        tfp8.delayed_scaling_update([amax], [self.scales[i]], [self.scale_inv_slots[i]], fp8_max, 0.0, "most_recent")
-
-    def calibrate_scale(self, x, i, fp8_max):
-        """Delayed scaling before the first update: slot i's scale = fp8_max / amax(x) (amax MAX-reduced over
-        calibration_group; a zero or non-finite amax keeps the scale). The amax stays in history row 0, where the
-        cast accumulates it again and the update reads it. Returns a fresh scale_inv [1] for the cast to write (not
-        the slot's snapshot: a later cast of the slot in the same step may calibrate another scale)."""
-        amax = self.amaxes[i]
-        tfp8.compute_amax(x, amax)
-        if self.calibration_group is not None:
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.calibration_group[0])
-        usable = torch.isfinite(amax) & (amax > 0)
-        self.scales[i].copy_(torch.where(usable, fp8_max / amax, self.scales[i]))
-        return torch.empty(1, dtype=torch.float32, device=x.device)
-
-
-def cast_args(x, state, i, fp8_dtype, current):
-    """(scale, amax or None, scale_inv) for a cast of x into slot i of `state`.
-    Delayed scaling: the cast writes scale_inv into the slot's snapshot state.scale_invs[i] (before the state's first
-    update: the scale calibrated from x and a fresh scale_inv, see ScalingState.calibrate_scale). Current scaling
-    sets the slot's scale from amax(x) first and the cast writes a fresh scale_inv (the slot's next cast may come
-    before the backward that reads this one)."""
-    if not current:
-        scale_inv = state.scale_invs[i] if state.calibrated else state.calibrate_scale(x, i, FP8_MAX[fp8_dtype])
-        return state.scales[i], state.amaxes[i], scale_inv
-    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
-    state.set_current_scale(x, i, FP8_MAX[fp8_dtype])
-    return state.scales[i], None, scale_inv
-
-
-def cast_transpose(x, state, i, fp8_dtype, current, rowwise=True, transpose=True):
-    """x [M, N] -> (q [M, N] or empty, qT [N, M] or empty, scale_inv [1]) with slot i of `state` (see cast_args)."""
-    scale, amax, scale_inv = cast_args(x, state, i, fp8_dtype, current)
-    q, qt = tfp8.cast_transpose(x, scale, fp8_dtype, rowwise, transpose, amax, scale_inv)
-    return q, qt, scale_inv
-
-
-def fp8_output_args(state, i, fp8_dtype):
-    """(scale, fp8_dtype, amax, scale_inv) for an op that emits FP8 into slot i (delayed scaling); scale_inv is the
-    slot's snapshot state.scale_invs[i] (see cast_transpose)."""
-    return state.scales[i], fp8_dtype, state.amaxes[i], state.scale_invs[i]
-
-
 def keeps_weight_transpose(weight, is_first_microbatch):
     """Whether the forward makes (and the backward reuses) the FP8 Wᵀ of `weight`: cached weights and those under
     MIN_RECAST_WEIGHT_NUMEL elements; bigger uncached weights have Wᵀ cast again in the backward."""
     return is_first_microbatch is not None or weight.numel() < MIN_RECAST_WEIGHT_NUMEL
+
+
+def fp8_weight(cache, name, weight, quantizer, need_transpose, is_first_microbatch):
+    """FP8 copy of a weight [N, K] for the forward GEMM: an FP8Operand with data [N, K] and data_t [K, N] or None.
+    Call inside an autograd Function's forward (grad mode off: the weight goes to the cast as it is).
+
+    Args:
+        cache: the module's weight cache (a dict: name -> FP8Operand).
+        name: the weight's name (its cache key).
+        weight: the high-precision weight or a Float8Tensor.
+        quantizer: the weight role's quantizer.
+        need_transpose: the backward's dgrad needs Wᵀ: makes data_t, except for an uncached weight of at least
+            MIN_RECAST_WEIGHT_NUMEL elements (the backward then casts Wᵀ itself, see fp8_weight_transpose).
+        is_first_microbatch: True: cast and cache; False: reuse the cache (no cast); None: cast, no cache.
+
+    Returns:
+        The FP8Operand.
+    """
+    if is_first_microbatch is False:
+        cached = cache.get(name)
+        if cached is not None:
+            if need_transpose and cached.data_t is None:
+                cached = FP8Operand(cached.data, tfp8.fp8_transpose(cached.data), cached.scale_inv, cached.fp8_dtype)
+                cache[name] = cached
+            return cached
+    need_transpose = need_transpose and keeps_weight_transpose(weight, is_first_microbatch)
+    if isinstance(weight, Float8Tensor):
+        qt = weight.transpose_data() if need_transpose else None  # (kept on it: see keep_transpose_)
+        operand = FP8Operand(weight._data, qt, weight._scale_inv, weight._data.dtype)
+    else:
+        operand = quantizer.cast(weight, transpose=need_transpose)
+    if is_first_microbatch is not None:
+        cache[name] = operand
+    return operand
+
+
+def fp8_weight_transpose(weight, operand, quantizer):
+    """Returns:
+        The forward's weight operand with data_t (Wᵀ [K, N], for a dgrad GEMM): as it is when it has one (a cached
+        or kept copy), else the weight cast again with the operand's scale (no amax update), or a Float8Tensor's
+        data transposed."""
+    if operand.data_t is not None:
+        return operand
+    if isinstance(weight, Float8Tensor):
+        data_t = weight.transpose_data()
+    else:
+        data_t = quantizer.transpose_like(weight, operand)
+    return FP8Operand(None, data_t, operand.scale_inv, operand.fp8_dtype)
+
+
+def main_grad_of(weight):
+    """Returns:
+        weight.main_grad (FP32, the weight's shape), which fuse_wgrad_accumulation accumulates the wgrad into; a
+        RuntimeError saying so when it is missing."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError("fuse_wgrad_accumulation=True needs weight.main_grad (an FP32 tensor of the weight's "
+                           "shape) to accumulate into; it is missing")
+    return main_grad
 
 
 def check_dtype(params_dtype):
@@ -249,9 +197,13 @@ def default_init(weight):
 
 
 class FP8ModuleBase(nn.Module):
-    """Base of the FP8 modules. Subclasses call `_fp8_begin(autocast.STATE)` at the start of an FP8 forward."""
+    """Base of the FP8 modules. Subclasses declare `forward_roles` / `backward_roles` (tuples of quantization.Role,
+    in slot order) and call `_fp8_begin(autocast.STATE)` at the start of an FP8 forward."""
 
-    def __init__(self, num_gemms, params_dtype, device, fuse_wgrad_accumulation, gemm_n, fp8_min_gemm_size):
+    forward_roles: tuple = ()
+    backward_roles: tuple = ()
+
+    def __init__(self, params_dtype, device, fuse_wgrad_accumulation, gemm_n, fp8_min_gemm_size):
         """gemm_n: sum of the module's GEMM output widths, so that M*K*N summed over its GEMMs = inp.numel() * gemm_n.
         fp8_min_gemm_size: None (FP8_MIN_GEMM_SIZE, read at each call) or an int >= 0 (see FP8_MIN_GEMM_SIZE)."""
         super().__init__()
@@ -263,9 +215,8 @@ class FP8ModuleBase(nn.Module):
         self.fp8_min_gemm_size, self._gemm_n = fp8_min_gemm_size, gemm_n
         self._fp8_params = autocast.STATE.model_init  # Float8Tensor weights: always the FP8 path
         self._device = torch.device(device)
-        self._n_fwd, self._n_bwd = 2 * num_gemms, num_gemms
-        self.fp8_fwd = self.fp8_bwd = None
-        self._fp8_recipe = None
+        self.quantizers = None  # a QuantizerSet, made at the first FP8 call (or by set_extra_state)
+        self._fp8_recipe = None  # the recipe self.quantizers were made for (None: none yet)
         self._weight_cache = {}
         self._last_forward_fp8 = False  # (see _check_recompute_precision)
         # forwards inside fp8_autocast: [FP8, high precision] (a list: an increment costs no nn.Module.__setattr__)
@@ -343,30 +294,20 @@ class FP8ModuleBase(nn.Module):
             self._last_forward_fp8 = True
         if state.checkpoint is not None and state.checkpoint.recording:
             state.checkpoint.record(self, "fp8_fwd")
-        if not self.fp8_current:
-            if not self.fp8_fwd.pending:
-                autocast.register_forward(self.fp8_fwd, recipe, state.group)
-            if not self.fp8_bwd.calibrated:  # (the forward state calibrates in this step too, or has already)
-                reduces = recipe.reduce_amax and autocast.distributed_initialized()
-                self.fp8_fwd.calibration_group = self.fp8_bwd.calibration_group = (state.group,) if reduces else None
-            if torch.compiler.is_compiling():  # (for the compiled backward: see _compiled_backward.py)
-                file_backward_state(self.fp8_bwd, recipe, state.group)
+        self.quantizers.begin_forward(state)
         return recipe
 
     def _calibrate(self, *tensors):
         """Inside fp8_autocast(calibrating=True), on the high-precision path: max-accumulate the amax of tensors[i]
-        (the tensor the FP8 path casts into forward slot i; None or a Float8Tensor: skipped) into slot i and queue
-        the forward state for the update at the autocast's exit (delayed scaling; current scaling: nothing)."""
+        (the tensor the FP8 path casts for forward_roles[i]; None or a Float8Tensor: skipped) and queue the forward
+        state for the update at the autocast's exit (recipes whose scales come from an amax history; else nothing:
+        see QuantizerSet.record_amaxes)."""
         state = autocast.STATE
-        if isinstance(state.recipe, Float8CurrentScaling):
+        if not quantizer_class(state.recipe).updates_by_history:  # (nothing to record: no state is made)
             return
         if state.recipe is not self._fp8_recipe:
             self._adopt_recipe(state.recipe)
-        if not self.fp8_fwd.pending:
-            autocast.register_forward(self.fp8_fwd, state.recipe, state.group)
-        for t, amax in zip(tensors, self.fp8_fwd.amaxes):
-            if t is not None and not isinstance(t, Float8Tensor):
-                tfp8.compute_amax(t.detach().contiguous(), amax)
+        self.quantizers.record_amaxes(tensors, state)
 
     def _check_recompute_precision(self):
         """Call on a forward's high-precision path when self._last_forward_fp8. Outside fp8_autocast, inside a
@@ -384,87 +325,61 @@ class FP8ModuleBase(nn.Module):
         self._last_forward_fp8 = False
 
     def _adopt_recipe(self, recipe):
-        self.fp8_current = isinstance(recipe, Float8CurrentScaling)
-        history_len = 1 if self.fp8_current else recipe.amax_history_len
-        if self.fp8_fwd is None or self.fp8_fwd.history_len != history_len:
-            if torch.compiler.is_compiling():  # (a compiled backward's writes to a state made in its graph are lost)
-                raise RuntimeError(f"{type(self).__name__}: torch.compile(fullgraph=True) needs the module's FP8 "
-                                   "scaling state before the compiled call: run one forward eagerly inside "
-                                   "fp8_autocast with this recipe first (or load a checkpoint saved with it)")
-            device = self._param_device()
-            self.fp8_fwd = ScalingState(self._n_fwd, history_len, device)
-            self.fp8_bwd = ScalingState(self._n_bwd, history_len, device)
-        tp = getattr(self, "tp", None)  # (TP modules: current-scaling amaxes are shared over the TP group)
-        self.fp8_fwd.amax_group = self.fp8_bwd.amax_group = tp.group if tp is not None and self.fp8_current else None
-        self.fwd_dtype, self.bwd_dtype = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+        """Build the QuantizerSet for `recipe`, keeping the existing states when their history length suits it."""
+        old = self.quantizers
+        states = None if old is None else (old.fwd_state, old.bwd_state)
+        needs_new = states is None or states[0].history_len != quantizer_class(recipe).history_len(recipe)
+        if needs_new and torch.compiler.is_compiling():  # (a compiled backward's writes to a state made in its graph
+            raise RuntimeError(f"{type(self).__name__}: torch.compile(fullgraph=True) needs the module's FP8 "  # lost)
+                               "scaling state before the compiled call: run one forward eagerly inside "
+                               "fp8_autocast with this recipe first (or load a checkpoint saved with it)")
+        tp = getattr(self, "tp", None)  # (TP modules: quantizers that share amaxes do so over the TP group)
+        self.quantizers = QuantizerSet(recipe, self.forward_roles, self.backward_roles,
+                                       self._param_device() if needs_new else states[0].device,
+                                       tp.group if tp is not None else None, states)
+        self.fwd_dtype, self.bwd_dtype = self.quantizers.fwd_dtype, self.quantizers.bwd_dtype
         self._fp8_recipe = recipe
+
+    # --- the scaling states (read by checkpoints, graphs, debug and tests; a checkpoint region swaps them) ---
+    @property
+    def fp8_fwd(self):
+        """The forward roles' ScalingState, or None before the first FP8 call."""
+        return None if self.quantizers is None else self.quantizers.fwd_state
+
+    @fp8_fwd.setter
+    def fp8_fwd(self, state):
+        self.quantizers.fwd_state = state
+
+    @property
+    def fp8_bwd(self):
+        """The backward roles' ScalingState, or None before the first FP8 call."""
+        return None if self.quantizers is None else self.quantizers.bwd_state
+
+    @fp8_bwd.setter
+    def fp8_bwd(self, state):
+        self.quantizers.bwd_state = state
 
     def _param_device(self):
         return next(self.parameters()).device
 
-    # --- weights ---
-    def _fp8_weight(self, name, weight, slot, need_transpose, is_first_microbatch):
-        """FP8 copy of a weight [N, K] for the forward GEMM: (q [N, K], qT [K, N] or None, scale_inv [1]). Call inside
-        an autograd Function's forward (grad mode off: the weight goes to the cast as it is).
-        is_first_microbatch True: cast and cache; False: reuse the cache (no cast); None: cast, no cache.
-        need_transpose (the backward's dgrad needs Wᵀ) makes qT, except for an uncached weight of at least
-        MIN_RECAST_WEIGHT_NUMEL elements: then qT is None and the backward casts Wᵀ itself (_fp8_weight_transpose)."""
-        if is_first_microbatch is False:
-            cached = self._weight_cache.get(name)
-            if cached is not None:
-                if need_transpose and cached[1] is None:
-                    cached = (cached[0], tfp8.fp8_transpose(cached[0]), cached[2])
-                    self._weight_cache[name] = cached
-                return cached
-        need_transpose = need_transpose and keeps_weight_transpose(weight, is_first_microbatch)
-        if isinstance(weight, Float8Tensor):
-            q, scale_inv = weight._data, weight._scale_inv
-            qt = weight.transpose_data() if need_transpose else None  # (kept on it: see keep_transpose_)
-        else:
-            q, qt, scale_inv = cast_transpose(weight, self.fp8_fwd, slot, self.fwd_dtype, self.fp8_current,
-                                              transpose=need_transpose)
-            qt = qt if need_transpose else None
-        if is_first_microbatch is not None:
-            self._weight_cache[name] = (q, qt, scale_inv)
-        return q, qt, scale_inv
-
-    def _fp8_weight_transpose(self, weight, qt, scale_inv):
-        """Wᵀ [K, N] in FP8 for a dgrad GEMM: qt when the forward has one (a cached copy), else the weight cast again
-        with the forward's scale (1 / scale_inv; no amax update), or a Float8Tensor's data transposed."""
-        if qt is not None:
-            return qt
-        if isinstance(weight, Float8Tensor):
-            return weight.transpose_data()
-        return tfp8.cast_transpose(weight, torch.reciprocal(scale_inv), self.fwd_dtype, False, True)[1]
-
-    def _main_grad(self, weight):
-        main_grad = getattr(weight, "main_grad", None)
-        if main_grad is None:
-            raise RuntimeError("fuse_wgrad_accumulation=True needs weight.main_grad (an FP32 tensor of the weight's "
-                               "shape) to accumulate into; it is missing")
-        return main_grad
-
     # --- checkpoints and device moves ---
     def get_extra_state(self):
-        if self.fp8_fwd is None:
-            return None
-        return {"fwd": self.fp8_fwd.state_dict(), "bwd": self.fp8_bwd.state_dict()}
+        return None if self.quantizers is None else self.quantizers.extra_state()
 
     def set_extra_state(self, state):
         if state is None:
             return
         device = self._param_device()
-        self.fp8_fwd = ScalingState.from_state_dict(state["fwd"], device)
-        self.fp8_bwd = ScalingState.from_state_dict(state["bwd"], device)
+        self.quantizers = QuantizerSet.from_states(self.forward_roles, self.backward_roles,
+                                                   ScalingState.from_state_dict(state["fwd"], device),
+                                                   ScalingState.from_state_dict(state["bwd"], device))
         self._fp8_recipe = None
         self._weight_cache.clear()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        if self.fp8_fwd is not None:
-            device = self._param_device()
-            self.fp8_fwd.to(device)
-            self.fp8_bwd.to(device)
+        if self.quantizers is not None:
+            self.quantizers.to(self._param_device())
         self._weight_cache.clear()
         return self
 

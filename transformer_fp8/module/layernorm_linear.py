@@ -1,46 +1,54 @@
 """LayerNormLinear: y = norm(x) Wᵀ + b, the norm emitting FP8 straight into the GEMM inside fp8_autocast.
 
 Parameters: layer_norm_weight / layer_norm_bias [in] (bias only for LayerNorm), weight [out, in], bias [out].
-FP8 forward slots: 0 normalised input, 1 weight; backward slot: 0 grad_output.
+Roles (quantization.Role): forward INPUT (the normalised input), WEIGHT; backward GRAD_OUTPUT.
 Returns out, (out, bias) with return_bias, (out, ln_out) with return_layernorm_output, (out, bias, ln_out) with both.
 """
 import torch
 
 from .. import autocast
 from ..distributed import TensorParallel, gather_from_sequence_parallel_region
+from ..quantization import GEMM_ROLES, Role
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_norm, gathered_shape, gathers_input,
                                output_grads)
-from ._gemm import fp8_gemm_bias, high_precision_linear, register_backward
-from .base import FP8ModuleBase, check_choice, check_input, check_positive, pack_outputs
-from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
+from ._gemm import fp8_gemm_bias, high_precision_linear
+from .base import (FP8ModuleBase, check_choice, check_input, check_positive, fp8_weight, fp8_weight_transpose,
+                   main_grad_of, pack_outputs)
+from .norm import NORMALIZATIONS, NormSpec, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
 
 
 class _FP8LayerNormLinear(torch.autograd.Function):
-    """Saves x (high precision, for the norm backward), mean/rstd, and the FP8 norm(x)ᵀ and Wᵀ. Tensor parallel: the
-    gradient of norm(x) is summed over the TP ranks before the norm backward (so the norm's weight gradients are
-    complete); sequence parallel: x, mean/rstd are this rank's block, norm(x) is all-gathered in FP8 and its
-    gradient reduce-scattered (see _column_parallel.py)."""
+    """Saves x (high precision, for the norm backward), mean/rstd, and the FP8 norm(x)ᵀ and Wᵀ. Casts by
+    `quantizers` (roles INPUT: the normalised input, WEIGHT, GRAD_OUTPUT). Tensor parallel (tp): the gradient of
+    norm(x) is summed over the TP ranks before the norm backward (so the norm's weight gradients are complete);
+    sequence parallel: x, mean/rstd are this rank's block, norm(x) is all-gathered in FP8 and its gradient
+    reduce-scattered (see _column_parallel.py). spec: the norm's NormSpec; weight_cache: the module's FP8 weight
+    cache; fuse_wgrad: the wgrad goes into weight.main_grad; keep_ln_out: return_layernorm_output."""
 
     @staticmethod
-    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, module, training, is_first_microbatch, relay):
+    def forward(ctx, inp, ln_weight, ln_bias, weight, bias, quantizers, tp, spec, weight_cache, fuse_wgrad,
+                keep_ln_out, training, is_first_microbatch, relay):
         ctx.set_materialize_grads(False)
         need_dgrad = training and any(ctx.needs_input_grad[:3])
         need_wgrad = training and ctx.needs_input_grad[3]
         x = inp.reshape(-1, inp.shape[-1])
         out_shape = inp.shape
-        if gathers_input(module):
-            out_shape = gathered_shape(inp.shape, module)
-            lnq, lnqt, lnsinv, mean, rstd = gather_norm(module, x, need_wgrad)
+        ln_quantizer = quantizers[Role.INPUT]
+        if tp is not None and tp.gathers_input:
+            out_shape = gathered_shape(inp.shape, tp)
+            ln_op, mean, rstd = gather_norm(quantizers, ln_quantizer, spec, tp, x, ln_weight, ln_bias, need_wgrad)
             ln_out = None
         else:
-            lnq, lnqt, lnsinv, ln_out, mean, rstd = norm_to_fp8(module, x, need_wgrad, module.return_layernorm_output)
-        wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
-        out = fp8_gemm_bias(lnq, lnsinv, wq, wsinv, inp.dtype, bias)
+            ln_op, ln_out, mean, rstd = norm_to_fp8(spec, ln_quantizer, x, ln_weight, ln_bias, need_wgrad,
+                                                    keep_ln_out)
+        w_op = fp8_weight(weight_cache, "weight", weight, quantizers[Role.WEIGHT], need_dgrad, is_first_microbatch)
+        out = fp8_gemm_bias(ln_op, w_op, inp.dtype, bias)
         if training:
-            ctx.save_for_backward(x, mean, rstd, ln_weight, lnqt, wqt)
-            ctx.scale_invs = (lnsinv, wsinv)  # snapshots: outside save_for_backward (see base.py)
+            ctx.save_for_backward(x, mean, rstd, ln_weight, ln_op.data_t, w_op.data_t)
+            # scale_inv snapshots: outside save_for_backward (see quantization/state.py), in data-less operands
+            ctx.operands = (ln_op.transposed_only(), w_op.transposed_only())
             ctx.weight = weight  # for main_grad, its dtype and the backward's Wᵀ cast
-            ctx.module, ctx.fp8_state = module, (autocast.STATE.recipe, autocast.STATE.group)
+            ctx.setup = (quantizers, tp, spec, fuse_wgrad, autocast.STATE.group)
             ctx.need, ctx.inp_shape = (need_dgrad, need_wgrad), inp.shape
             ctx.relay = relay
             if relay is not None:
@@ -50,22 +58,25 @@ class _FP8LayerNormLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, grad_ln_out):
-        x, mean, rstd, ln_weight, lnqt, wqt = ctx.saved_tensors
-        lnsinv, wsinv = ctx.scale_invs
-        module, (need_dgrad, need_wgrad) = ctx.module, ctx.need
+        x, mean, rstd, ln_weight, ln_t, w_t = ctx.saved_tensors
+        ln_op, w_op = (op.transposed_only(t) for op, t in zip(ctx.operands, (ln_t, w_t)))
+        quantizers, tp, spec, fuse_wgrad, group = ctx.setup
+        need_dgrad, need_wgrad = ctx.need
+        weight = ctx.weight
         dw = dbias = d_ln = None
         if grad is not None:
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
-            wqt = module._fp8_weight_transpose(ctx.weight, wqt, wsinv) if need_dgrad else None
-            d_ln, dw, dbias = output_grads(module, dgrad_collective(module, True), ctx.weight, dy,
-                                           ctx.needs_input_grad[4], (wqt, wsinv) if need_dgrad else None,
-                                           (lnqt, lnsinv) if need_wgrad else None, x.dtype)
-            register_backward(module, *ctx.fp8_state)
+            w_op = fp8_weight_transpose(weight, w_op, quantizers[Role.WEIGHT]) if need_dgrad else None
+            main_grad = main_grad_of(weight) if need_wgrad and fuse_wgrad else None
+            d_ln, dw, dbias = output_grads(tp, dgrad_collective(tp, True), quantizers[Role.GRAD_OUTPUT], dy,
+                                           ctx.needs_input_grad[4], w_op, ln_op if need_wgrad else None, x.dtype,
+                                           weight.dtype, main_grad)
+            quantizers.register_backward(group)
         handed = ctx.relay.take() if ctx.relay is not None else None
-        dx, dgamma, dbeta = norm_backward(module, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
+        dx, dgamma, dbeta = norm_backward(spec, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
                                           ln_weight, ctx.inp_shape,
                                           None if handed is None else handed.reshape(x.shape).contiguous())
-        return dx, dgamma, dbeta, dw, dbias, None, None, None, None
+        return dx, dgamma, dbeta, dw, dbias, *(None,) * 9
 
 
 class LayerNormLinear(FP8ModuleBase):
@@ -82,6 +93,8 @@ class LayerNormLinear(FP8ModuleBase):
     else in high precision), the output covering the whole dim 0. The norm's weight gradients are all-reduced over
     the TP group. return_layernorm_output is not supported with tensor parallelism."""
 
+    forward_roles, backward_roles = GEMM_ROLES
+
     def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
                  zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None, device="cuda",
                  init_method=None, fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None,
@@ -93,7 +106,7 @@ class LayerNormLinear(FP8ModuleBase):
         if tp is not None and return_layernorm_output:
             raise NotImplementedError("return_layernorm_output: not supported with tensor parallelism")
         local_out = out_features if tp is None else tp.local("out_features", out_features)
-        super().__init__(1, params_dtype, device, fuse_wgrad_accumulation, local_out, fp8_min_gemm_size)
+        super().__init__(params_dtype, device, fuse_wgrad_accumulation, local_out, fp8_min_gemm_size)
         self.tp, self.parallel_mode, self.sequence_parallel = tp, parallel_mode, bool(sequence_parallel)
         self.in_features, self.out_features, self.eps = in_features, out_features, float(eps)
         self.normalization, self.zero_centered_gamma = normalization, bool(zero_centered_gamma)
@@ -121,7 +134,9 @@ class LayerNormLinear(FP8ModuleBase):
             ln_weight, ln_bias = tp.replicated(ln_weight), tp.replicated(ln_bias)
         if fp8:  # (TP: the Function sums the input gradient over the ranks itself)
             self._fp8_begin(state)
-            out, ln_out = _FP8LayerNormLinear.apply(inp, ln_weight, ln_bias, self.weight, bias, self,
+            out, ln_out = _FP8LayerNormLinear.apply(inp, ln_weight, ln_bias, self.weight, bias, self.quantizers, tp,
+                                                    NormSpec.of(self), self._weight_cache,
+                                                    self.fuse_wgrad_accumulation, self.return_layernorm_output,
                                                     torch.is_grad_enabled(), is_first_microbatch, residual_grad_relay)
         else:
             if self._last_forward_fp8:

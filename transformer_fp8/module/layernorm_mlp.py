@@ -3,22 +3,26 @@
 
 Parameters: layer_norm_weight / layer_norm_bias [hidden], fc1_weight [F1, hidden] (F1 = ffn, or 2*ffn for swiglu
 whose rows are [gate | up]), fc1_bias [F1], fc2_weight [hidden, ffn], fc2_bias [hidden].
-FP8 forward slots: 0 fc1 input, 1 fc1 weight, 2 fc2 input, 3 fc2 weight; backward: 0 fc1 grad_output, 1 fc2 grad_output.
+Roles (quantization.Role, slot order): forward FC1_INPUT, FC1_WEIGHT, FC2_INPUT, FC2_WEIGHT; backward FC1_GRAD_OUTPUT,
+FC2_GRAD_OUTPUT.
 Returns out, plus fc2_bias (return_bias, not added) and ln_out (return_layernorm_output), in that order.
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from .. import autocast
 from ..distributed import TensorParallel, gather_from_sequence_parallel_region
 from ..ops import activation_high_precision, tfp8
-from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear, register_backward
+from ..quantization import MLP_ROLES, FP8Operand, QuantizerSet, Role, gemm_gelu_to_fp8
+from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear
 from ._row_parallel import epilogue_terms, sum_partials
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_norm, gathered_shape, gathers_input,
                                start_dgrad_sum)
-from .base import (FP8ModuleBase, cast_transpose, check_choice, check_input, check_positive, check_residual,
-                   fp8_output_args, pack_outputs, residual_rows)
-from .norm import NORMALIZATIONS, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
+from .base import (FP8ModuleBase, check_choice, check_input, check_positive, check_residual, fp8_weight,
+                   fp8_weight_transpose, main_grad_of, pack_outputs, residual_rows)
+from .norm import NORMALIZATIONS, NormSpec, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
 
 
 def _swiglu(x):
@@ -29,34 +33,23 @@ def _swiglu(x):
 ACTIVATIONS = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "swiglu": _swiglu}
 
 
-def _activation_to_fp8(module, fc1_out, need_transpose):
-    """act(fc1_out [M, F1]) into FP8 forward slot 2: (q [M, F], qT [F, M] or None, scale_inv [1])."""
-    if module.fp8_current or not module.fp8_fwd.calibrated:  # (unfused: the cast's scale comes from act)
-        act = activation_high_precision(fc1_out, module.activation)
-        q, qt, scale_inv = cast_transpose(act, module.fp8_fwd, 2, module.fwd_dtype, module.fp8_current,
-                                          transpose=need_transpose)
-        return q, (qt if need_transpose else None), scale_inv
-    fp8_args = fp8_output_args(module.fp8_fwd, 2, module.fwd_dtype)
-    q = tfp8.activation_fwd(fc1_out, module.activation, *fp8_args)
-    return q, (tfp8.fp8_transpose(q) if need_transpose else None), fp8_args[3]
+def _activation_to_fp8(quantizer, activation, fc1_out, need_transpose):
+    """act(fc1_out [M, F1]) cast by `quantizer` (FC2_INPUT): an FP8Operand with data [M, F] (data_t [F, M] when
+    need_transpose). With a known scale the activation kernel emits FP8 itself."""
+    if not (quantizer.fused_per_tensor and quantizer.known_scale):  # (unfused: the cast's scale comes from act)
+        return quantizer.cast(activation_high_precision(fc1_out, activation), transpose=need_transpose)
+    fp8_args = quantizer.output_args()
+    operand = FP8Operand(tfp8.activation_fwd(fc1_out, activation, *fp8_args), None, fp8_args[3], fp8_args[1])
+    return operand.with_transpose() if need_transpose else operand
 
 
-def _gelu_in_fc1_epilogue(module, dtype, fc1_bias):
+def _gelu_in_fc1_epilogue(quantizer, activation, dtype, fc1_bias):
     """True when FC1's GEMM itself applies GELU and emits the FP8 activation (cuBLASLt's GELU_AUX(_BIAS) epilogue with
-    an E4M3 output, as TE's FC1; its aux output, the pre-activation, is what the backward keeps): gelu, delayed
-    scaling with a known scale (after the first update: the output's scale must exist before the GEMM), BF16."""
-    return (module.activation == "gelu" and not module.fp8_current and module.fp8_fwd.calibrated and
+    an E4M3 output, as TE's FC1; its aux output, the pre-activation, is what the backward keeps): gelu, a per-tensor
+    FC2_INPUT quantizer with a known scale (delayed scaling after the first update: the output's scale must exist
+    before the GEMM), BF16."""
+    return (activation == "gelu" and quantizer.fused_per_tensor and quantizer.known_scale and
             dtype == torch.bfloat16 and (fc1_bias is None or fc1_bias.dtype == dtype))
-
-
-def _fc1_gelu_to_fp8(module, lnq, lnsinv, w1q, w1sinv, fc1_bias, need_transpose):
-    """gelu(lnq w1ᵀ + fc1_bias) into FP8 forward slot 2 in the FC1 GEMM's epilogue: (q [M, F], qT [F, M] or None,
-    scale_inv [1], fc1_out [M, F] BF16, the pre-activation)."""
-    scale, fp8_dtype, amax, scale_inv = fp8_output_args(module.fp8_fwd, 2, module.fwd_dtype)
-    q, fc1_out = tfp8.fp8_gemm(lnq, lnsinv, w1q, w1sinv, fp8_dtype, bias=fc1_bias, gelu=True, out_scale=scale,
-                               out_amax=amax, use_split_accumulator=False)  # (a forward GEMM: see fp8_gemm_bias)
-    torch.reciprocal(scale, out=scale_inv)  # (the snapshot a cast would have written)
-    return q, (tfp8.fp8_transpose(q) if need_transpose else None), scale_inv, fc1_out
 
 
 def _take(stash, key):
@@ -65,66 +58,87 @@ def _take(stash, key):
     return stash[key] if torch.compiler.is_compiling() else stash.pop(key)
 
 
-def _dact_to_fp8(module, d_act, fc1_out, with_dbias, need_wgrad):
-    """d(fc1_out) = act'(fc1_out) * d_act into FP8 backward slot 0: (q, qT or None, scale_inv, dbias or None).
-    Delayed scaling writes q only: qT (for the FC1 wgrad) is made from q after the FC1 dgrad, once fc1_out and d_act
-    are gone, so that the backward's peak (here) holds half the FP8 bytes."""
-    if module.fp8_current or not module.fp8_bwd.calibrated:  # (unfused: the cast's scale comes from d_fc1)
-        d_fc1 = tfp8.activation_bwd(d_act, fc1_out, module.activation)
-        return cast_grad_output(d_fc1, module, 0, with_dbias, True, need_wgrad)  # (qT: the FC1 wgrad's only)
-    scale, fp8_dtype, amax, scale_inv = fp8_output_args(module.fp8_bwd, 0, module.bwd_dtype)
-    q, _, dbias = tfp8.dact_cast_transpose(d_act, fc1_out, module.activation, scale, fp8_dtype, amax, scale_inv,
+def _dact_to_fp8(quantizer, activation, d_act, fc1_out, with_dbias, need_wgrad):
+    """d(fc1_out) = act'(fc1_out) * d_act cast by `quantizer` (FC1_GRAD_OUTPUT): (FP8Operand, dbias or None).
+    With a known scale the fused kernel writes the rowwise data only: data_t (for the FC1 wgrad) is made from it
+    after the FC1 dgrad, once fc1_out and d_act are gone, so that the backward's peak (here) holds half the FP8
+    bytes."""
+    if not (quantizer.fused_per_tensor and quantizer.known_scale):  # (unfused: the cast's scale comes from d_fc1)
+        d_fc1 = tfp8.activation_bwd(d_act, fc1_out, activation)
+        return cast_grad_output(d_fc1, quantizer, with_dbias, True, need_wgrad)  # (data_t: the FC1 wgrad's only)
+    scale, fp8_dtype, amax, scale_inv = quantizer.output_args()
+    q, _, dbias = tfp8.dact_cast_transpose(d_act, fc1_out, activation, scale, fp8_dtype, amax, scale_inv,
                                            with_dbias, False)
-    return q, None, scale_inv, (dbias if with_dbias else None)
+    return FP8Operand(q, None, scale_inv, fp8_dtype), (dbias if with_dbias else None)
+
+
+class _MLPSetup(NamedTuple):
+    """What _FP8LayerNormMLP needs of its module besides tensors."""
+
+    quantizers: QuantizerSet
+    tp: object  # distributed.TensorParallel or None
+    spec: NormSpec
+    activation: str
+    weight_cache: dict
+    fuse_wgrad: bool
+    keep_ln_out: bool  # return_layernorm_output
 
 
 class _FP8LayerNormMLP(torch.autograd.Function):
-    """Saves x, mean/rstd, fc1_out (high precision, for the activation backward) and the FP8 transposes. Sequence
+    """Saves x, mean/rstd, fc1_out (high precision, for the activation backward) and the FP8 transposes. Casts by
+    setup.quantizers (roles FC1_INPUT, FC1_WEIGHT, FC2_INPUT, FC2_WEIGHT, FC1_GRAD_OUTPUT, FC2_GRAD_OUTPUT). Sequence
     parallel: x, mean/rstd are this rank's block, norm(x) is all-gathered in FP8. Tensor parallel: the gradient of
     norm(x) is summed over the TP ranks (all-reduce, or SP reduce-scatter) while the FC1 wgrad GEMM runs, before the
     norm backward (see _column_parallel.py); FC2 is row-parallel: fc2_bias and the residual in rank 0's epilogue,
     the output all-reduced here, or reduce-scattered by the caller with SP (see _row_parallel.py)."""
 
     @staticmethod
-    def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, training,
+    def forward(ctx, inp, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, setup, training,
                 is_first_microbatch, residual, adds_input):
         ctx.set_materialize_grads(False)
         needs = [training and n for n in ctx.needs_input_grad[:7]]
         need_dgrad, need_fc1_wgrad, need_fc2_wgrad = any(needs[:3]), needs[3], needs[5]
         need_fc2_dgrad = any(needs[:5])
+        quantizers, tp, cache = setup.quantizers, setup.tp, setup.weight_cache
         x = inp.reshape(-1, inp.shape[-1])
         dtype, out_shape = inp.dtype, inp.shape
-        if gathers_input(module):
-            out_shape = gathered_shape(inp.shape, module)
-            lnq, lnqt, lnsinv, mean, rstd = gather_norm(module, x, need_fc1_wgrad)
+        ln_quantizer, act_quantizer = quantizers[Role.FC1_INPUT], quantizers[Role.FC2_INPUT]
+        if tp is not None and tp.gathers_input:
+            out_shape = gathered_shape(inp.shape, tp)
+            ln_op, mean, rstd = gather_norm(quantizers, ln_quantizer, setup.spec, tp, x, ln_weight, ln_bias,
+                                            need_fc1_wgrad)
             ln_out = None
         else:
-            lnq, lnqt, lnsinv, ln_out, mean, rstd = norm_to_fp8(module, x, need_fc1_wgrad,
-                                                                module.return_layernorm_output)
-        w1q, w1qt, w1sinv = module._fp8_weight("fc1_weight", fc1_weight, 1, need_dgrad, is_first_microbatch)
-        if _gelu_in_fc1_epilogue(module, dtype, fc1_bias):
-            aq, aqt, asinv, fc1_out = _fc1_gelu_to_fp8(module, lnq, lnsinv, w1q, w1sinv, fc1_bias, need_fc2_wgrad)
+            ln_op, ln_out, mean, rstd = norm_to_fp8(setup.spec, ln_quantizer, x, ln_weight, ln_bias, need_fc1_wgrad,
+                                                    setup.keep_ln_out)
+        w1_op = fp8_weight(cache, "fc1_weight", fc1_weight, quantizers[Role.FC1_WEIGHT], need_dgrad,
+                           is_first_microbatch)
+        if _gelu_in_fc1_epilogue(act_quantizer, setup.activation, dtype, fc1_bias):
+            act_op, fc1_out = gemm_gelu_to_fp8(ln_op, w1_op, fc1_bias, act_quantizer)
+            act_op = act_op.with_transpose() if need_fc2_wgrad else act_op
         else:
-            fc1_out = fp8_gemm_bias(lnq, lnsinv, w1q, w1sinv, dtype, fc1_bias)
-            aq, aqt, asinv = _activation_to_fp8(module, fc1_out, need_fc2_wgrad)
-        w2q, w2qt, w2sinv = module._fp8_weight("fc2_weight", fc2_weight, 3, need_fc2_dgrad, is_first_microbatch)
-        bias_here, residual_here = epilogue_terms(module.tp, fc2_bias, x if adds_input else residual_rows(residual))
-        out = sum_partials(module.tp, fp8_gemm_bias(aq, asinv, w2q, w2sinv, dtype, bias_here, residual_here))
+            fc1_out = fp8_gemm_bias(ln_op, w1_op, dtype, fc1_bias)
+            act_op = _activation_to_fp8(act_quantizer, setup.activation, fc1_out, need_fc2_wgrad)
+        w2_op = fp8_weight(cache, "fc2_weight", fc2_weight, quantizers[Role.FC2_WEIGHT], need_fc2_dgrad,
+                           is_first_microbatch)
+        bias_here, residual_here = epilogue_terms(tp, fc2_bias, x if adds_input else residual_rows(residual))
+        out = sum_partials(tp, fp8_gemm_bias(act_op, w2_op, dtype, bias_here, residual_here))
         ctx.has_residual, ctx.adds_input = residual is not None, adds_input
         if training:
             # The big intermediates sit outside save_for_backward so that the backward can drop each one right
             # after its last use (save_for_backward holds everything until the backward returns); inside a
             # checkpoint region they go through it, which the region frees until the recompute (see checkpoint.py).
-            stash = dict(lnqt=lnqt, w1qt=w1qt, fc1_out=fc1_out, aqt=aqt, w2qt=w2qt)
+            stash = dict(lnqt=ln_op.data_t, w1qt=w1_op.data_t, fc1_out=fc1_out, aqt=act_op.data_t,
+                         w2qt=w2_op.data_t)
             if autocast.STATE.checkpoint is None:
                 ctx.save_for_backward(x, mean, rstd, ln_weight)
                 ctx.stash = stash
             else:
                 ctx.save_for_backward(x, mean, rstd, ln_weight, *stash.values())
                 ctx.stash = tuple(stash)  # (the keys)
-            ctx.scale_invs = (lnsinv, w1sinv, asinv, w2sinv)  # snapshots: outside save_for_backward (see base.py)
+            ctx.operands = tuple(op.transposed_only() for op in (ln_op, w1_op, act_op, w2_op))
             ctx.weights = (fc1_weight, fc2_weight)  # for main_grad, dtypes and the backward's Wᵀ casts
-            ctx.module, ctx.fp8_state = module, (autocast.STATE.recipe, autocast.STATE.group)
+            ctx.setup, ctx.group = setup, autocast.STATE.group
             ctx.needs, ctx.inp_shape = needs, inp.shape
         out = out.view(*out_shape[:-1], out.shape[-1])
         return out, (ln_out.view(inp.shape) if ln_out is not None else inp.new_empty(0))
@@ -139,43 +153,50 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         if ctx.stash is None:
             raise RuntimeError("LayerNormMLP: backward ran twice through one forward (retain_graph is not supported)")
         stash, ctx.stash = (dict(zip(ctx.stash, stashed)) if stashed else ctx.stash), None
-        lnsinv, w1sinv, asinv, w2sinv = ctx.scale_invs
+        ln_op, w1_op, act_op, w2_op = ctx.operands
         fc1_weight, fc2_weight = ctx.weights
-        module, needs, dtype = ctx.module, ctx.needs, x.dtype
+        setup, needs, dtype = ctx.setup, ctx.needs, x.dtype
+        quantizers, tp = setup.quantizers, setup.tp
         need_dgrad, need_fc2_dgrad = any(needs[:3]), any(needs[:5])
+        main_grad1 = main_grad_of(fc1_weight) if setup.fuse_wgrad and needs[3] else None
+        main_grad2 = main_grad_of(fc2_weight) if setup.fuse_wgrad and needs[5] else None
         dw1 = dbias1 = dw2 = dbias2 = d_ln = residual_grad = None
         if grad is not None:
             dy = grad.reshape(-1, grad.shape[-1]).contiguous()
             residual_grad = dy if ctx.adds_input else None  # (added to dx inside the norm backward)
-            dq, dqt, dsinv, dbias2 = cast_grad_output(dy, module, 1, needs[6], need_fc2_dgrad, needs[5])
-            register_backward(module, *ctx.fp8_state)
-            _, dw2 = gemm_grads(module, fc2_weight, (None, dqt, dsinv), None, (_take(stash, "aqt"), asinv), dtype,
-                                False, needs[5])
-            del dy, dqt
-            w2t = module._fp8_weight_transpose(fc2_weight, _take(stash, "w2qt"), w2sinv) if need_fc2_dgrad else None
-            d_act, _ = gemm_grads(module, fc2_weight, (dq, None, dsinv), (w2t, w2sinv), None, dtype, need_fc2_dgrad,
-                                  False)
-            del dq, w2t
+            dy_op, dbias2 = cast_grad_output(dy, quantizers[Role.FC2_GRAD_OUTPUT], needs[6], need_fc2_dgrad,
+                                             needs[5])
+            quantizers.register_backward(ctx.group)
+            _, dw2 = gemm_grads(dy_op, None, act_op.transposed_only(_take(stash, "aqt")), dtype, fc2_weight.dtype,
+                                main_grad2, False, needs[5])
+            del dy
+            dy_op.data_t = None
+            w2_op = w2_op.transposed_only(_take(stash, "w2qt"))
+            w2_op = fp8_weight_transpose(fc2_weight, w2_op, quantizers[Role.FC2_WEIGHT]) if need_fc2_dgrad else None
+            d_act, _ = gemm_grads(dy_op, w2_op, None, dtype, fc2_weight.dtype, None, need_fc2_dgrad, False)
+            del dy_op, w2_op
             d_fc1 = None
             if d_act is not None:
-                d_fc1 = _dact_to_fp8(module, d_act, _take(stash, "fc1_out"), needs[4], needs[3])
+                d_fc1 = _dact_to_fp8(quantizers[Role.FC1_GRAD_OUTPUT], setup.activation, d_act, _take(stash, "fc1_out"),
+                                     needs[4], needs[3])
                 del d_act
             if d_fc1 is not None:
-                dq1, dqt1, dsinv1, dbias1 = d_fc1
+                d_fc1_op, dbias1 = d_fc1
                 del d_fc1
-                w1t = module._fp8_weight_transpose(fc1_weight, _take(stash, "w1qt"), w1sinv) if need_dgrad else None
-                d_ln, _ = gemm_grads(module, fc1_weight, (dq1, None, dsinv1), (w1t, w1sinv), None, dtype, need_dgrad,
-                                     False)
-                if dqt1 is None and needs[3]:
-                    dqt1 = tfp8.fp8_transpose(dq1)
-                del dq1, w1t
-                d_ln_sum = start_dgrad_sum(module, dgrad_collective(module, True), d_ln)
-                _, dw1 = gemm_grads(module, fc1_weight, (None, dqt1, dsinv1), None, (_take(stash, "lnqt"), lnsinv),
-                                    dtype, False, needs[3])
-                del dqt1
+                w1_op = w1_op.transposed_only(_take(stash, "w1qt"))
+                w1_op = fp8_weight_transpose(fc1_weight, w1_op, quantizers[Role.FC1_WEIGHT]) if need_dgrad else None
+                d_ln, _ = gemm_grads(d_fc1_op, w1_op, None, dtype, fc1_weight.dtype, None, need_dgrad, False)
+                if needs[3]:
+                    d_fc1_op.with_transpose()
+                d_fc1_op.data = None
+                del w1_op
+                d_ln_sum = start_dgrad_sum(tp, dgrad_collective(tp, True), d_ln)
+                _, dw1 = gemm_grads(d_fc1_op, None, ln_op.transposed_only(_take(stash, "lnqt")), dtype,
+                                    fc1_weight.dtype, main_grad1, False, needs[3])
+                del d_fc1_op
                 d_ln = d_ln_sum.wait()
         del stash
-        dx, dgamma, dbeta = norm_backward(module, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
+        dx, dgamma, dbeta = norm_backward(setup.spec, d_ln, grad_ln_out if need_dgrad else None, x, mean, rstd,
                                           ln_weight, ctx.inp_shape, residual_grad)
         return (dx, dgamma, dbeta, dw1, dbias1, dw2, dbias2, None, None, None, (grad if ctx.has_residual else None),
                 None)
@@ -200,6 +221,8 @@ class LayerNormMLP(FP8ModuleBase):
     precision), and the output reduce-scattered back to the block. The norm's weight gradients are all-reduced over
     the TP group. Full checkpoints load (sliced by rank). return_layernorm_output is not supported with TP."""
 
+    forward_roles, backward_roles = MLP_ROLES
+
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
                  activation="gelu", zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None,
                  device="cuda", init_method=None, output_layer_init_method=None, fuse_wgrad_accumulation=False,
@@ -214,7 +237,7 @@ class LayerNormMLP(FP8ModuleBase):
             raise NotImplementedError("return_layernorm_output: not supported with tensor parallelism")
         local_ffn = ffn_hidden_size if tp is None else tp.local("ffn_hidden_size", ffn_hidden_size)
         blocks = 2 if activation == "swiglu" else 1
-        super().__init__(2, params_dtype, device, fuse_wgrad_accumulation, blocks * local_ffn + local_ffn,
+        super().__init__(params_dtype, device, fuse_wgrad_accumulation, blocks * local_ffn + local_ffn,
                          fp8_min_gemm_size)
         self.tp, self.set_parallel_mode, self.sequence_parallel = tp, bool(set_parallel_mode), bool(sequence_parallel)
         self.hidden_size, self.ffn_hidden_size, self.eps = hidden_size, ffn_hidden_size, float(eps)
@@ -258,8 +281,10 @@ class LayerNormMLP(FP8ModuleBase):
             ln_weight, ln_bias = tp.replicated(ln_weight), tp.replicated(ln_bias)
         if fp8:  # (TP: the Function sums the norm output's gradient and, without SP, its output over the ranks)
             self._fp8_begin(state)
+            setup = _MLPSetup(self.quantizers, tp, NormSpec.of(self), self.activation, self._weight_cache,
+                              self.fuse_wgrad_accumulation, self.return_layernorm_output)
             out, ln_out = _FP8LayerNormMLP.apply(inp, ln_weight, ln_bias, self.fc1_weight, self.fc1_bias,
-                                                 self.fc2_weight, fc2_bias, self, torch.is_grad_enabled(),
+                                                 self.fc2_weight, fc2_bias, setup, torch.is_grad_enabled(),
                                                  is_first_microbatch, None if adds_input else residual, adds_input)
             return (tp.row_output(out) if gathers else out), ln_out
         if self._last_forward_fp8:

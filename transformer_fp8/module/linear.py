@@ -1,19 +1,20 @@
 """Linear: y = x Wᵀ + b with TE's arguments; FP8 GEMMs inside fp8_autocast, plain F.linear outside.
 
 Parameters `weight` [out, in] and `bias` [out] (names and shapes of nn.Linear: its state dict loads).
-FP8 forward slots: 0 input, 1 weight; backward slot: 0 grad_output.
+Roles (quantization.Role): forward INPUT, WEIGHT; backward GRAD_OUTPUT.
 """
 import torch
 import torch.nn.functional as F
 
 from .. import _C, autocast
 from ..distributed import TensorParallel
-from ._column_parallel import (check_sequence_block, dgrad_collective, gather_cast, gathered_shape, gathers_input,
-                               output_grads)
-from ._gemm import fp8_gemm_bias, fused_forward, fused_forward_applies, high_precision_linear, register_backward
+from ..quantization import GEMM_ROLES, Role
+from ._column_parallel import check_sequence_block, dgrad_collective, gather_cast, gathered_shape, output_grads
+from ._gemm import fp8_gemm_bias, fused_forward, fused_forward_applies, high_precision_linear
 from ._row_parallel import epilogue_terms, sum_partials
 from . import base
-from .base import FP8ModuleBase, cast_transpose, check_input, check_positive, check_residual, residual_rows
+from .base import (FP8ModuleBase, check_input, check_positive, check_residual, fp8_weight, fp8_weight_transpose,
+                   main_grad_of, residual_rows)
 
 # A plain FP8 Linear (see Linear._native_node_applies) runs through the C++ autograd node of csrc/autograd_linear.cpp:
 # one Python call per step instead of a Python autograd.Function's forward, backward and engine round trips (the host
@@ -24,63 +25,69 @@ _C.set_backward_registrar(autocast.register_backward)
 
 class _FP8Linear(torch.autograd.Function):
     """inp [..., K] (contiguous), weight [N, K], bias [N] or None, residual [..., N] or None -> [..., N] (the
-    residual added in the GEMM's epilogue). Saves only the FP8 xᵀ (+ scale_invs; Wᵀ only when cached: the backward
-    casts it, see FP8ModuleBase._fp8_weight). Row-parallel: bias and residual in rank 0's epilogue, the output
-    summed over the TP ranks here (or reduce-scattered by the caller): see _row_parallel.py."""
+    residual added in the GEMM's epilogue), cast by `quantizers` (the module's QuantizerSet: roles INPUT, WEIGHT,
+    GRAD_OUTPUT). Saves only the FP8 xᵀ (+ scale_invs; Wᵀ only when cached: the backward casts it, see
+    base.fp8_weight). tp: the module's distributed.TensorParallel or None. Row-parallel: bias and residual in rank
+    0's epilogue, the output summed over the TP ranks here (or reduce-scattered by the caller): see
+    _row_parallel.py. weight_cache: the module's FP8 weight cache; fuse_wgrad: accumulate the wgrad into
+    weight.main_grad."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, module, training, is_first_microbatch, residual, relay):
+    def forward(ctx, inp, weight, bias, quantizers, tp, weight_cache, fuse_wgrad, training, is_first_microbatch,
+                residual, relay):
         need_dgrad = training and ctx.needs_input_grad[0]
         need_wgrad = training and ctx.needs_input_grad[1]
         x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
         out_shape = inp.shape
-        row_tp = module.tp if module.parallel_mode == "row" else None
+        row_tp = tp if tp is not None and tp.mode == "row" else None
         bias_here, residual_here = epilogue_terms(row_tp, bias, residual)
-        gathers = gathers_input(module)
-        if not gathers and fused_forward_applies(weight, bias_here, inp.dtype, is_first_microbatch):
+        gathers = tp is not None and tp.gathers_input
+        x_quantizer, w_quantizer = quantizers[Role.INPUT], quantizers[Role.WEIGHT]
+        if not gathers and fused_forward_applies(quantizers, weight, bias_here, inp.dtype, is_first_microbatch):
             # (casts and GEMM in one op call: the common case, where a small layer's host time counts)
-            out, (xqt, xsinv), (wqt, wsinv) = fused_forward(
-                module, x, weight, bias_here, inp.dtype, need_wgrad,
+            out, x_op, w_op = fused_forward(
+                x_quantizer, w_quantizer, x, weight, bias_here, inp.dtype, need_wgrad,
                 need_dgrad and base.keeps_weight_transpose(weight, is_first_microbatch), residual_rows(residual_here))
         else:
             if gathers:  # sequence parallel: x is this rank's block, cast and all-gathered in FP8
-                xq, xqt, xsinv = gather_cast(module, x, need_wgrad)
-                out_shape = gathered_shape(inp.shape, module)
+                x_op = gather_cast(quantizers, x_quantizer, tp, x, need_wgrad)
+                out_shape = gathered_shape(inp.shape, tp)
             else:
-                xq, xqt, xsinv = cast_transpose(x, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
-                                                transpose=need_wgrad)
-            wq, wqt, wsinv = module._fp8_weight("weight", weight, 1, need_dgrad, is_first_microbatch)
-            out = fp8_gemm_bias(xq, xsinv, wq, wsinv, inp.dtype, bias_here, residual_rows(residual_here))
+                x_op = x_quantizer.cast(x, transpose=need_wgrad)
+            w_op = fp8_weight(weight_cache, "weight", weight, w_quantizer, need_dgrad, is_first_microbatch)
+            out = fp8_gemm_bias(x_op, w_op, inp.dtype, bias_here, residual_rows(residual_here))
         out = sum_partials(row_tp, out)
         ctx.has_residual = residual is not None
         ctx.relay = relay if residual is not None and relay is not None and relay.armed else None
         if training:
-            ctx.save_for_backward(xqt if need_wgrad else None, wqt)
-            state = autocast.STATE
-            # scale_inv snapshots ride outside save_for_backward (their buffer's other slots get written: see base.py);
-            # the weight is kept for main_grad, its dtype and the backward's Wᵀ cast
-            ctx.info = (module, weight, xsinv, wsinv, state.recipe, state.group, need_dgrad, need_wgrad, inp.dtype)
+            ctx.save_for_backward(x_op.data_t if need_wgrad else None, w_op.data_t)
+            # scale_inv snapshots ride outside save_for_backward (their buffer's other slots get written: see
+            # quantization/state.py); the weight is kept for main_grad, its dtype and the backward's Wᵀ cast
+            ctx.info = (quantizers, tp, fuse_wgrad, weight, x_op.transposed_only(), w_op.transposed_only(),
+                        autocast.STATE.group, need_dgrad, need_wgrad, inp.dtype)
         return out if inp.dim() == 2 else out.view(*out_shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        xqt, wqt = ctx.saved_tensors
-        module, weight, xsinv, wsinv, recipe, group, need_dgrad, need_wgrad, dx_dtype = ctx.info
+        x_t, w_t = ctx.saved_tensors
+        quantizers, tp, fuse_wgrad, weight, x_op, w_op, group, need_dgrad, need_wgrad, dx_dtype = ctx.info
+        x_op, w_op = x_op.transposed_only(x_t), w_op.transposed_only(w_t)  # (the saved tensors)
         dy = grad if grad.dim() == 2 and grad.is_contiguous() else grad.reshape(-1, grad.shape[-1]).contiguous()
-        wqt = module._fp8_weight_transpose(weight, wqt, wsinv) if need_dgrad else None
+        w_op = fp8_weight_transpose(weight, w_op, quantizers[Role.WEIGHT]) if need_dgrad else None
+        main_grad = main_grad_of(weight) if need_wgrad and fuse_wgrad else None
         # (sequence parallel: dx reduce-scattered to this rank's block while the wgrad GEMM runs)
-        dx, dw, dbias = output_grads(module, dgrad_collective(module, False), weight, dy, ctx.needs_input_grad[2],
-                                     (wqt, wsinv) if need_dgrad else None, (xqt, xsinv) if need_wgrad else None,
-                                     dx_dtype)
-        register_backward(module, recipe, group)
-        if dx is not None and gathers_input(module):
+        dx, dw, dbias = output_grads(tp, dgrad_collective(tp, False), quantizers[Role.GRAD_OUTPUT], dy,
+                                     ctx.needs_input_grad[2], w_op, x_op if need_wgrad else None, dx_dtype,
+                                     weight.dtype, main_grad)
+        quantizers.register_backward(group)
+        if dx is not None and tp is not None and tp.gathers_input:
             dx = dx.view(-1, *grad.shape[1:-1], dx.shape[-1])
         elif dx is not None and grad.dim() != 2:
             dx = dx.view(*grad.shape[:-1], dx.shape[-1])
         residual_grad = grad if ctx.has_residual else None
         if ctx.relay is not None:  # (handed to the norm backward of the LayerNormLinear that added it: see
             ctx.relay.grad, residual_grad = grad, None  # _residual_relay.py)
-        return dx, dw, dbias, None, None, None, residual_grad, None
+        return dx, dw, dbias, None, None, None, None, None, None, residual_grad, None
 
 
 class Linear(FP8ModuleBase):
@@ -106,6 +113,8 @@ class Linear(FP8ModuleBase):
     initialising the full [out, in] tensor and keeping this rank's part; load_state_dict takes full tensors (sliced
     by rank) or shards. parallel_mode=None: nothing is split."""
 
+    forward_roles, backward_roles = GEMM_ROLES
+
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device="cuda", init_method=None,
                  fuse_wgrad_accumulation=False, return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1,
                  parallel_mode=None, sequence_parallel=False):
@@ -116,7 +125,7 @@ class Linear(FP8ModuleBase):
             local_out = tp.local("out_features", out_features)
         elif tp is not None:
             tp.local("in_features", in_features)  # (checks that tp divides it)
-        super().__init__(1, params_dtype, device, fuse_wgrad_accumulation, local_out, fp8_min_gemm_size)
+        super().__init__(params_dtype, device, fuse_wgrad_accumulation, local_out, fp8_min_gemm_size)
         self.in_features, self.out_features, self.return_bias = in_features, out_features, bool(return_bias)
         self.tp, self.parallel_mode, self.sequence_parallel = tp, parallel_mode, bool(sequence_parallel)
         shard_dim = 0 if tp is not None and tp.mode == "column" else 1  # rows (column) or columns (row)
@@ -166,16 +175,19 @@ class Linear(FP8ModuleBase):
         precision."""
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp):
-            recipe = self._fp8_begin(state)
+            self._fp8_begin(state)
             inp = inp if inp.is_contiguous() else inp.contiguous()
-            if self._native_node_applies(inp, bias, is_first_microbatch, residual, state):
-                fwd, bwd = self.fp8_fwd, self.fp8_bwd
-                return _C.fp8_linear(inp, self.weight, bias, (bwd, recipe, state.group), fwd.scales[0],
-                                     fwd.amaxes[0], fwd.scale_invs[0], fwd.scales[1], fwd.amaxes[1],
-                                     fwd.scale_invs[1], self.fwd_dtype,
-                                     base.keeps_weight_transpose(self.weight, is_first_microbatch), bwd.scales[0],
-                                     bwd.amaxes[0], bwd.scale_invs[0], self.bwd_dtype)
-            return _FP8Linear.apply(inp, self.weight, bias, self, torch.is_grad_enabled(), is_first_microbatch,
+            quantizers = self.quantizers
+            if self._native_node_applies(quantizers, inp, bias, is_first_microbatch, residual, state):
+                x_scale, fwd_dtype, x_amax, x_sinv = quantizers[Role.INPUT].output_args()
+                w_scale, _, w_amax, w_sinv = quantizers[Role.WEIGHT].output_args()
+                dy_scale, bwd_dtype, dy_amax, dy_sinv = quantizers[Role.GRAD_OUTPUT].output_args()
+                return _C.fp8_linear(inp, self.weight, bias, quantizers.backward_registration(state.group), x_scale,
+                                     x_amax, x_sinv, w_scale, w_amax, w_sinv, fwd_dtype,
+                                     base.keeps_weight_transpose(self.weight, is_first_microbatch), dy_scale,
+                                     dy_amax, dy_sinv, bwd_dtype)
+            return _FP8Linear.apply(inp, self.weight, bias, quantizers, self.tp, self._weight_cache,
+                                    self.fuse_wgrad_accumulation, torch.is_grad_enabled(), is_first_microbatch,
                                     residual, relay)
         if self._last_forward_fp8:
             self._check_recompute_precision()
@@ -187,15 +199,16 @@ class Linear(FP8ModuleBase):
             out = F.linear(inp, self.weight, bias)  # (the small-shape path's host time matters: F.linear directly)
         return out if residual is None else out + residual
 
-    def _native_node_applies(self, inp, bias, is_first_microbatch, residual, state):
+    def _native_node_applies(self, quantizers, inp, bias, is_first_microbatch, residual, state):
         """Whether this FP8 call takes the C++ node (NATIVE_NODE): a plain Linear (no TP, no return_bias, no wgrad
-        fusion, high-precision weight) with no residual and no weight cache, delayed scaling past the first update of
-        both its states (the first step calibrates them in Python), a bias in the input's 16-bit dtype, outside
-        checkpoint regions and torch.compile (which trace the Function)."""
+        fusion, high-precision weight) with no residual and no weight cache, per-tensor quantizers whose scales are
+        known before the casts (delayed scaling past the first update of both its states: the first step
+        calibrates them in Python; the node casts with the slots' scales and registers the gradient state), a bias
+        in the input's 16-bit dtype, outside checkpoint regions and torch.compile (which trace the Function)."""
         return (NATIVE_NODE and self._plain and residual is None and is_first_microbatch is None and
-                not self.fp8_current and self.fp8_fwd.calibrated and self.fp8_bwd.calibrated and
-                state.checkpoint is None and (bias is None or bias.dtype == inp.dtype != torch.float32) and
-                not torch.compiler.is_compiling())
+                quantizers.fused_per_tensor and quantizers[Role.INPUT].known_scale and
+                quantizers[Role.GRAD_OUTPUT].known_scale and state.checkpoint is None and
+                (bias is None or bias.dtype == inp.dtype != torch.float32) and not torch.compiler.is_compiling())
 
     def _parallel_forward(self, inp, is_first_microbatch, residual, relay):
         tp = self.tp
@@ -214,7 +227,8 @@ class Linear(FP8ModuleBase):
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp):  # (the Function adds bias and residual once and sums the ranks)
             self._fp8_begin(state)
-            out = _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
+            out = _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias,
+                                   self.quantizers, tp, self._weight_cache, self.fuse_wgrad_accumulation,
                                    torch.is_grad_enabled(), is_first_microbatch, residual, relay)
             out = tp.row_output(out) if tp.sequence_parallel else out
         else:
@@ -232,7 +246,8 @@ class Linear(FP8ModuleBase):
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp, self.tp.size):
             self._fp8_begin(state)
-            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, self,
+            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias,
+                                    self.quantizers, self.tp, self._weight_cache, self.fuse_wgrad_accumulation,
                                     torch.is_grad_enabled(), is_first_microbatch, None, None)
         return self._local_linear(self.tp.column_input(inp), bias, is_first_microbatch)
 

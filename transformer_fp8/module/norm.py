@@ -1,13 +1,30 @@
 """LayerNorm and RMSNorm modules on our norm kernels (high precision in and out), and the norm helpers the fused
 modules share. Parameters: `weight` [hidden] (and `bias` [hidden] for LayerNorm); zero_centered_gamma stores
 gamma - 1 (initialised to 0)."""
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 
 from ..ops import tfp8
-from .base import cast_transpose, check_dtype, check_input, check_positive, fp8_output_args
+from ..quantization import FP8Operand
+from .base import check_dtype, check_input, check_positive
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+class NormSpec(NamedTuple):
+    """What a norm's kernels need besides the tensors (a fused module's norm settings, handed to its Function)."""
+
+    normalization: str
+    eps: float
+    zero_centered_gamma: bool
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "NormSpec":
+        """Returns:
+            The NormSpec of a module with normalization, eps and zero_centered_gamma attributes."""
+        return cls(module.normalization, module.eps, module.zero_centered_gamma)
 
 
 def norm_fwd(normalization, x, weight, bias, eps, zero_centered_gamma, scale=None, fp8_dtype=None, amax=None,
@@ -28,7 +45,7 @@ def norm_bwd(normalization, grad, x, mean, rstd, weight, zero_centered_gamma, dx
     return dx, dgamma, None
 
 
-def norm_backward(module, d_ln, grad_ln_out, x, mean, rstd, weight, inp_shape, dx_add=None):
+def norm_backward(spec, d_ln, grad_ln_out, x, mean, rstd, weight, inp_shape, dx_add=None):
     """The norm's backward at the end of LayerNormLinear / LayerNormMLP: the GEMM's input gradient d_ln plus the
     gradient of the returned norm output (either may be None) -> (dx in inp_shape, dgamma, dbeta), Nones if no grad.
     An empty grad_ln_out (that of the empty placeholder output) counts as None: torch.compile passes one.
@@ -37,8 +54,8 @@ def norm_backward(module, d_ln, grad_ln_out, x, mean, rstd, weight, inp_shape, d
         d_ln = grad_ln_out.reshape(x.shape) if d_ln is None else d_ln + grad_ln_out.reshape(x.shape)
     if d_ln is None:
         return (None if dx_add is None else dx_add.view(inp_shape)), None, None
-    dx, dgamma, dbeta = norm_bwd(module.normalization, d_ln.contiguous(), x, mean, rstd, weight,
-                                 module.zero_centered_gamma, dx_add)
+    dx, dgamma, dbeta = norm_bwd(spec.normalization, d_ln.contiguous(), x, mean, rstd, weight,
+                                 spec.zero_centered_gamma, dx_add)
     return dx.view(inp_shape), dgamma, dbeta
 
 
@@ -99,19 +116,17 @@ class RMSNorm(_Norm):
     normalization = "RMSNorm"
 
 
-def norm_to_fp8(module, x, need_transpose, keep_high_precision):
-    """Normalise x [M, K] into FP8 forward slot 0 of `module`: (q [M, K], qT [K, M] or None, scale_inv [1],
-    high-precision output or None, mean or None, rstd). Delayed scaling: the norm kernel emits FP8 directly;
-    current scaling, the calibrating first step or when the high-precision output is wanted: norm, then one
+def norm_to_fp8(spec, quantizer, x, ln_weight, ln_bias, need_transpose, keep_high_precision):
+    """Normalise x [M, K] (NormSpec `spec`, norm weight and bias) and cast it with `quantizer`: (FP8Operand with data
+    [M, K] and data_t [K, M] when need_transpose, high-precision output or None, mean or None, rstd).
+    With a known scale (delayed scaling past its first update) the norm kernel emits FP8 directly; otherwise
+    (current scaling, the calibrating first step) or when the high-precision output is wanted: norm, then one
     cast(-transpose)."""
-    args = (module.normalization, x, module.layer_norm_weight, module.layer_norm_bias, module.eps,
-            module.zero_centered_gamma)
-    if module.fp8_current or keep_high_precision or not module.fp8_fwd.calibrated:
+    args = (spec.normalization, x, ln_weight, ln_bias, spec.eps, spec.zero_centered_gamma)
+    if keep_high_precision or not (quantizer.fused_per_tensor and quantizer.known_scale):
         out, mean, rstd = norm_fwd(*args)
-        q, qt, scale_inv = cast_transpose(out, module.fp8_fwd, 0, module.fwd_dtype, module.fp8_current,
-                                          transpose=need_transpose)
-        return q, (qt if need_transpose else None), scale_inv, out, mean, rstd
-    fp8_args = fp8_output_args(module.fp8_fwd, 0, module.fwd_dtype)
+        return quantizer.cast(out, transpose=need_transpose), out, mean, rstd
+    fp8_args = quantizer.output_args()
     q, mean, rstd = norm_fwd(*args, *fp8_args)
-    qt = tfp8.fp8_transpose(q) if need_transpose else None
-    return q, qt, fp8_args[3], None, mean, rstd
+    operand = FP8Operand(q, None, fp8_args[3], fp8_args[1])
+    return (operand.with_transpose() if need_transpose else operand), None, mean, rstd

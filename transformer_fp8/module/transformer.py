@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import model_parallel_rng
-from .attention import MultiheadAttention
+from ..attention import MultiheadAttention
 from .layernorm_mlp import LayerNormMLP
 
 

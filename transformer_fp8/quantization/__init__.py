@@ -4,7 +4,7 @@ A recipe (recipe.py) picks a Quantizer class (QUANTIZER_FOR_RECIPE); a module bu
 casts each tensor with `qset[Role.X].cast(x, transpose=...)`, getting an FP8Operand that the GEMM helpers take.
 """
 from .factory import QUANTIZER_FOR_RECIPE, QuantizerSet, quantizer_class
-from .gemm import gemm, gemm_accumulate, gemm_gelu_to_fp8
+from .gemm_ops import gemm, gemm_accumulate, gemm_gelu_to_fp8
 from .operand import FP8Operand
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
 from .roles import ATTENTION_ROLES, GEMM_ROLES, MLP_ROLES, Role

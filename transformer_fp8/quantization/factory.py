@@ -186,6 +186,12 @@ class QuantizerSet:
         else:
             update.register_backward(state, self.recipe, group)
 
+    def backward_registration(self, group: Any) -> tuple:
+        """Returns:
+            The arguments of update.register_backward for this set's gradient state (what the C++ Linear node calls
+            after its backward; delayed rules only)."""
+        return (self._bwd_state, self.recipe, group)
+
     def record_amaxes(self, tensors: tuple[torch.Tensor | None, ...], autocast_state: Any) -> None:
         """fp8_autocast(calibrating=True) on the high-precision path: max-accumulate the amax of tensors[i] (the
         tensor the FP8 path casts for forward role i; None or a Float8Tensor: skipped) and queue the forward state

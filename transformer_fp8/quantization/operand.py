@@ -40,10 +40,18 @@ class FP8Operand:
             self.data_t = tfp8.fp8_transpose(self.data)
         return self
 
-    def without_data(self) -> "FP8Operand":
-        """Returns:
-            A new operand with data_t and the scales only (what a backward keeps of a forward operand)."""
-        return FP8Operand(None, self.data_t, self.scale_inv, self.fp8_dtype, self.layout, self.scale_inv_t)
+    def transposed_only(self, data_t: torch.Tensor | None = None) -> "FP8Operand":
+        """A new operand with this one's scales, no data and `data_t` (what a backward rebuilds from the forward's
+        scales and the transposed copy it kept; the scale_inv snapshots ride outside save_for_backward, see
+        state.py).
+
+        Args:
+            data_t: the transposed data, or None.
+
+        Returns:
+            The new FP8Operand.
+        """
+        return FP8Operand(None, data_t, self.scale_inv, self.fp8_dtype, self.layout, self.scale_inv_t)
 
     def __repr__(self) -> str:
         shape = tuple(self.data.shape) if self.data is not None else None
