@@ -24,12 +24,10 @@ from .. import autocast
 from ..float8_tensor import Float8Tensor
 from ..grouped_gemm import ALIGN, group_offsets, padded_groups
 from ..ops import tfp8
-from ..quantization import FP8Operand, QuantizerSet, Role
+from ..quantization import FP8Operand, Role
 from ..recipe import Format
-from .base import FP8ModuleBase, check_positive
-
-FORWARD_ROLES, BACKWARD_ROLES = (Role.INPUT, Role.WEIGHT), (Role.GRAD_OUTPUT,)
-
+from ._gemm import high_precision_linear
+from .base import FP8ModuleBase, check_positive, main_grad_of
 
 def _e4m3_recipe(recipe):
     """The recipe with E4M3 gradients (the grouped kernel's only FP8 type): itself when already so."""
@@ -58,7 +56,7 @@ class _GroupedLinearFP8(torch.autograd.Function):
         need_dgrad = training and ctx.needs_input_grad[0]
         need_wgrad = training and any(ctx.needs_input_grad[6:6 + g])
         loop = host_splits if loops_over_groups(host_splits, x) else None
-        qset = module._qset
+        qset = module.quantizers
         offs = group_offsets(m_splits)
         x_op = qset[Role.INPUT].cast(x, rowwise=True, transpose=need_wgrad and aligned)
         w_data, w_scale_inv, w_t = module._fp8_weights(weights, need_dgrad)
@@ -89,7 +87,7 @@ class _GroupedLinearFP8(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.need
         dy = grad.contiguous()
         rowwise = need_dgrad or (need_wgrad and not ctx.aligned)
-        dy_op = module._qset[Role.GRAD_OUTPUT].cast(dy, rowwise=rowwise, transpose=need_wgrad and ctx.aligned)
+        dy_op = module.quantizers[Role.GRAD_OUTPUT].cast(dy, rowwise=rowwise, transpose=need_wgrad and ctx.aligned)
         dx = None
         if need_dgrad:
             w_t, w_scale_inv = ctx.w_op
@@ -106,7 +104,7 @@ class _GroupedLinearFP8(torch.autograd.Function):
         if ctx.group_ids is not None:
             sums = torch.zeros(g, dy.shape[1], dtype=torch.float32, device=dy.device)
             dbiases = tuple(sums.index_add_(0, ctx.group_ids, dy.float()).to(ctx.bias_dtype).unbind(0))
-        module._qset.register_backward(ctx.group)
+        module.quantizers.register_backward(ctx.group)
         ctx.x_op = ctx.w_op = None
         return (dx, None, None, None, None, None, *dws, *dbiases)
 
@@ -130,9 +128,8 @@ def _weight_grads(ctx, dy_op: FP8Operand, m_splits: torch.Tensor, offs: torch.Te
         dw = tfp8.grouped_fp8_gemm_wgrad(dy_t, dy_op.scale_inv, x_t, x_scale_inv, wgrad_offs, out_dtype)
     if not fuse:
         return tuple(dw.to(ctx.weight_dtype).unbind(0))
-    module = ctx.module
     for weight, grad in zip(ctx.weights, dw.unbind(0)):
-        module._main_grad(weight).add_(grad)
+        main_grad_of(weight).add_(grad)
     return (None,) * len(ctx.weights)
 
 
@@ -198,7 +195,8 @@ def _stacked_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 
 class GroupedLinear(FP8ModuleBase):
-    """num_gemms linears y_i = x_i W_iᵀ + b_i over the row groups x_i of one input.
+    """num_gemms linears y_i = x_i W_iᵀ + b_i over the row groups x_i of one input. FP8 roles: INPUT (the whole input),
+    WEIGHT (all the weights: one scale), GRAD_OUTPUT (E4M3 under every format, see the module docstring).
 
     Args:
         num_gemms: number of groups (experts), >= 1.
@@ -215,12 +213,15 @@ class GroupedLinear(FP8ModuleBase):
             fp8_autocast (its FP8 path is one grouped GEMM per direction, whatever the size).
     """
 
+    forward_roles = (Role.INPUT, Role.WEIGHT)
+    backward_roles = (Role.GRAD_OUTPUT,)
+
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
                  params_dtype: torch.dtype | None = None, device: str | torch.device = "cuda", init_method=None,
                  fuse_wgrad_accumulation: bool = False, return_bias: bool = False,
                  fp8_min_gemm_size: int | None = None) -> None:
         check_positive(num_gemms=num_gemms, in_features=in_features, out_features=out_features)
-        super().__init__(num_gemms, params_dtype, device, fuse_wgrad_accumulation, out_features, fp8_min_gemm_size)
+        super().__init__(params_dtype, device, fuse_wgrad_accumulation, out_features, fp8_min_gemm_size)
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.return_bias = bool(return_bias)
         for i in range(num_gemms):
@@ -228,8 +229,6 @@ class GroupedLinear(FP8ModuleBase):
             self.register_parameter(f"bias{i}", self._vector_param(out_features, 0.0) if bias else None)
         self._pack_weights()
         self.use_bias = bool(bias)
-        self._qset = None
-        self._qset_source = None  # the autocast recipe the quantizers were made for
 
     @property
     def weights(self) -> list[torch.Tensor]:
@@ -292,19 +291,15 @@ class GroupedLinear(FP8ModuleBase):
             raise ValueError(f"GroupedLinear: FP8 needs in_features and out_features multiples of {ALIGN} (the "
                              f"grouped FP8 kernel's alignment), got {self.in_features} and {self.out_features}")
         self._count_call(fp8=True)
-        if not self._last_forward_fp8:
-            self._last_forward_fp8 = True
-        if self._qset_source is not state.recipe:
-            self._adopt(state.recipe, x.device)
-        self._qset.begin_forward(state)
+        self._fp8_begin(state)
         return _GroupedLinearFP8.apply(x, splits, host_splits, aligned, self, torch.is_grad_enabled(), *self.weights,
                                        *biases)
 
-    def _adopt(self, recipe, device):
-        """Quantizers for `recipe` (with E4M3 gradients), keeping the states when their history length allows."""
-        states = None if self._qset is None else (self._qset.fwd_state, self._qset.bwd_state)
-        self._qset = QuantizerSet(_e4m3_recipe(recipe), FORWARD_ROLES, BACKWARD_ROLES, device, states=states)
-        self._qset_source = recipe
+    def _adopt_recipe(self, recipe):
+        """The base's QuantizerSet, made for `recipe` with E4M3 gradients (the grouped kernel's only FP8 type); the
+        module keeps `recipe` itself as the one it adopted (so that the next call with it adopts nothing)."""
+        super()._adopt_recipe(_e4m3_recipe(recipe))
+        self._fp8_recipe = recipe
 
     def _pack_weights(self) -> None:
         """Make the high-precision weights views of one [G, N, K] tensor (the same values), so that the FP8 path's
@@ -331,7 +326,7 @@ class GroupedLinear(FP8ModuleBase):
             raise TypeError("GroupedLinear: weights mix Float8Tensor and high-precision tensors")
         stacked = _stacked_view(weights)
         stacked = torch.stack(weights) if stacked is None else stacked
-        op = self._qset[Role.WEIGHT].cast(stacked.view(g * n, k), rowwise=True, transpose=need_t)
+        op = self.quantizers[Role.WEIGHT].cast(stacked.view(g * n, k), rowwise=True, transpose=need_t)
         w_t = op.data_t.view(k, g, n).permute(1, 0, 2) if need_t else None
         return op.data.view(g, n, k), op.scale_inv, w_t
 
@@ -350,33 +345,15 @@ class GroupedLinear(FP8ModuleBase):
                 weight = weight.dequantize()
             bias = biases[i] if biases else None
             if self.fuse_wgrad_accumulation:
-                from ._gemm import high_precision_linear
-
                 outs.append(high_precision_linear(self, part, weight, bias))
             else:
                 outs.append(F.linear(part, weight, bias))
         return torch.cat(outs) if outs else x.new_empty(0, self.out_features)
 
-    # --- checkpoints and device moves ---
-    def get_extra_state(self):
-        return None if self._qset is None else self._qset.extra_state()
-
-    def set_extra_state(self, state):
-        if state is None:
-            return
-        from ..quantization import ScalingState
-
-        device = self._param_device()
-        fwd = ScalingState.from_state_dict(state["fwd"], device)
-        bwd = ScalingState.from_state_dict(state["bwd"], device)
-        self._qset = QuantizerSet.from_states(FORWARD_ROLES, BACKWARD_ROLES, fwd, bwd)
-        self._qset_source = None
-
+    # --- device moves ---
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self._pack_weights()  # (a move or cast makes each weight its own tensor again)
-        if self._qset is not None:
-            self._qset.to(self._param_device())
         return self
 
     def extra_repr(self) -> str:
