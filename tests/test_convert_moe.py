@@ -14,7 +14,8 @@ import torch.nn as nn
 import transformer_fp8 as te
 from tests.utils import FP8_RTOL, rel_error
 from transformer_fp8 import recipe
-from transformer_fp8.integrations import LlamaTransformerLayer, convert_model, layer_weight_map, to_hf_state_dict
+from transformer_fp8.integrations import (LlamaTransformerLayer, convert_model, gradient_checkpointing_enable,
+                                          layer_weight_map, to_hf_state_dict)
 from transformer_fp8.integrations.hf_mapping import fuse_hf_weights, split_fused_weights
 from transformer_fp8.integrations.moe_decoder import MoETransformerLayer
 from transformer_fp8.integrations.moe_mapping import expert_layout
@@ -250,7 +251,7 @@ def test_fp8_training_steps_on_cpu_stay_close(fp8_recipe):
 def test_gradient_checkpointing_gives_the_same_fp8_step():
     model = tiny_model("mixtral")
     plain, checkpointed = (convert_model(copy.deepcopy(model)).train() for _ in range(2))
-    checkpointed.gradient_checkpointing_enable()
+    gradient_checkpointing_enable(checkpointed)
     ids = torch.randint(0, VOCAB, (2, 16))
     for converted in (plain, checkpointed):
         with te.fp8_autocast(enabled=True, fp8_recipe=recipe.Float8CurrentScaling()):
