@@ -26,7 +26,8 @@ def reference(x, weights, biases, splits):
     return torch.cat(outs)
 
 
-def run_against_reference(module, splits, device, dtype, fp8_recipe, tensor_splits, tol, grad_tol, main_grad=False):
+def run_against_reference(module, splits, device, dtype, fp8_recipe, tensor_splits, tol, grad_tol, main_grad=False,
+                          splits_aligned=False):
     k = module.in_features
     x = torch.randn(sum(splits), k, device=device, dtype=dtype, requires_grad=True)
     m_splits = torch.tensor(splits, device=device) if tensor_splits else splits
@@ -39,7 +40,7 @@ def run_against_reference(module, splits, device, dtype, fp8_recipe, tensor_spli
         for p in module.parameters():
             p.grad = None
         with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
-            out = module(x, m_splits)
+            out = module(x, m_splits, splits_aligned=splits_aligned)
         grad = torch.randn_like(out)
         out.backward(grad)
     x64 = x.detach().double().requires_grad_()
@@ -89,6 +90,22 @@ def test_fp8_cpu_matches_float64(recipe, splits, tensor_splits):
     for b in module.biases:
         torch.nn.init.normal_(b, std=0.1)
     run_against_reference(module, splits, "cpu", torch.float32, RECIPES[recipe](), tensor_splits, FWD_TOL, GRAD_TOL)
+
+
+def forbid_padded_copies(monkeypatch):
+    """Make the padded-copy weight gradient fail: a test then proves the aligned path ran."""
+    def refuse(*args):
+        raise AssertionError("padded copy made for aligned groups")
+    monkeypatch.setattr("transformer_fp8.module.grouped_linear.padded_groups", refuse)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPES.keys())
+def test_fp8_cpu_aligned_device_splits_skip_padded_copies(recipe, monkeypatch):
+    forbid_padded_copies(monkeypatch)
+    splits = SPLITS["aligned"]
+    module = te.GroupedLinear(len(splits), 64, 48, device="cpu")
+    run_against_reference(module, splits, "cpu", torch.float32, RECIPES[recipe](), True, FWD_TOL, GRAD_TOL,
+                          splits_aligned=True)
 
 
 def test_fp8_fuse_wgrad_accumulation_and_no_bias():
@@ -161,6 +178,8 @@ def test_bad_inputs():
         module(torch.randn(5, 8), [2, 3])
     with pytest.raises(ValueError, match="multiples of 16"), te.fp8_autocast():
         te.GroupedLinear(2, 24, 16, device="cpu")(torch.randn(5, 24), [2, 3])
+    with pytest.raises(ValueError, match="splits_aligned=True expects multiples of 16"):
+        te.GroupedLinear(2, 16, 16, device="cpu")(torch.randn(37, 16), [16, 21], splits_aligned=True)
     with pytest.raises(ValueError, match="num_gemms: expected a positive int"):
         te.GroupedLinear(0, 16, 16, device="cpu")
 
@@ -191,9 +210,21 @@ def test_cuda_fp8_close_to_bf16_and_fused_wgrad(tensor_splits):
 
 
 @pytest.mark.gpu
-def test_cuda_fp8_step_never_syncs():
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPES.keys())
+def test_cuda_fp8_aligned_device_splits_skip_padded_copies(recipe, monkeypatch):
+    forbid_padded_copies(monkeypatch)
+    splits = [160, 0, 16, 512, 0, 48, 16, 32]
+    module = te.GroupedLinear(len(splits), 256, 128, params_dtype=torch.bfloat16)
+    run_against_reference(module, splits, "cuda", torch.bfloat16, RECIPES[recipe](), True, FWD_TOL, GRAD_TOL,
+                          splits_aligned=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits_aligned", (False, True))
+def test_cuda_fp8_step_never_syncs(splits_aligned):
     module = te.GroupedLinear(8, 256, 256, params_dtype=torch.bfloat16)
-    m_splits = torch.tensor([100, 0, 28, 300, 12, 0, 60, 12], device="cuda")
+    sizes = [96, 0, 32, 304, 16, 0, 48, 16] if splits_aligned else [100, 0, 28, 300, 12, 0, 60, 12]
+    m_splits = torch.tensor(sizes, device="cuda")
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     for recipe in (DelayedScaling(), Float8CurrentScaling()):
         for step in range(3):
@@ -202,7 +233,7 @@ def test_cuda_fp8_step_never_syncs():
                 torch.cuda.set_sync_debug_mode("error")
             try:
                 with te.fp8_autocast(fp8_recipe=recipe):
-                    module(x, m_splits).sum().backward()
+                    module(x, m_splits, splits_aligned=splits_aligned).sum().backward()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 

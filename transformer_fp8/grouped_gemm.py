@@ -58,10 +58,10 @@ def group_offsets(m_splits: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(m_splits, 0, dtype=torch.int32)
 
 
-def padded_rows_bound(rows: int, groups: int) -> int:
-    """Rows of the padded layout for `rows` rows in `groups` groups: enough for every group rounded up to ALIGN rows,
-    itself a multiple of ALIGN (known on the host without the group sizes)."""
-    return -(-(rows + (ALIGN - 1) * groups) // ALIGN) * ALIGN
+def padded_rows_bound(rows: int, groups: int, align: int = ALIGN) -> int:
+    """Rows of the padded layout for `rows` rows in `groups` groups: enough for every group rounded up to `align`
+    rows, itself a multiple of `align` (known on the host without the group sizes)."""
+    return -(-(rows + (align - 1) * groups) // align) * align
 
 
 def padded_groups(m_splits: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

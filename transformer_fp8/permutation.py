@@ -9,9 +9,14 @@ The row map (`row_id_map`, returned by moe_permute, passed to moe_unpermute) is 
 the permuted row of slot s of token t, or -1 where the slot is not routed or its row was dropped. Its slots are the
 experts (S = E) for map_type="mask" and the top-k choices (S = topk) for map_type="index"; merging_probs is laid out
 the same way ([T, E] or [T, topk]).
+
+With align_size > 1 (FP8 training: 16, what the grouped FP8 weight-gradient GEMM needs) every expert's rows start at a
+multiple of align_size: the rows between experts (and after the last) are zeros that no slot maps to, so that the
+expert GEMMs run on the permuted tensor as it is, without padded copies; moe_unpermute skips them.
 """
 import torch
 
+from .grouped_gemm import padded_rows_bound
 from .ops import tfp8
 from .quantization import FP8Operand
 
@@ -62,6 +67,32 @@ def _slot_of_row(row_id_map: torch.Tensor, num_rows: int) -> torch.Tensor:
     return out[:num_rows]
 
 
+def _aligned_rows(rows: torch.Tensor, expert_of_slot: torch.Tensor, counts: torch.Tensor, align_size: int,
+                  total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each expert's rows so that they start at a multiple of align_size (on the device, no sync).
+
+    Args:
+        rows: int32 [T, S], the unpadded row map (-1: not routed or dropped); expert e's kept rows are consecutive
+            from the sum of the kept counts before it (dropping only cuts the tail of the expert order).
+        expert_of_slot: integer [T, S], the expert of each slot.
+        counts: int32 [E], the kept rows of each expert.
+        align_size: the alignment in rows.
+        total: rows of the padded layout (padded_rows_bound of the unpadded rows).
+
+    Returns:
+        (the padded row map int32 [T, S], rows per expert int32 [E] including its padding: multiples of align_size
+        except the last, which also takes the rows up to `total`).
+    """
+    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    padded = (counts + (align_size - 1)) // align_size * align_size
+    padded_ends = torch.cumsum(padded, 0, dtype=torch.int32)
+    shift = padded_ends - padded - starts
+    aligned = torch.where(rows >= 0, rows + shift[expert_of_slot.long()], -1).to(torch.int32)
+    # (the last end set to `total` by a device op: a host number written into a device tensor would be a sync)
+    sizes = torch.diff(torch.cat((padded_ends[:-1], padded_ends.new_full((1,), total))), prepend=padded_ends[:1] * 0)
+    return aligned, sizes.to(torch.int32)
+
+
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, row_id_map, slot_of_row):
@@ -96,7 +127,7 @@ class _Unpermute(torch.autograd.Function):
 
 def moe_permute(inp: torch.Tensor | FP8Operand, routing_map: torch.Tensor, num_out_tokens: int = -1,
                 max_token_num: int = -1, map_type: str = "mask", *, return_tokens_per_expert: bool = False,
-                num_experts: int | None = None) -> tuple:
+                num_experts: int | None = None, align_size: int = 1) -> tuple:
     """Copy each token's row to the experts it is routed to, grouped by expert (Transformer Engine's moe_permute).
 
     Args:
@@ -111,7 +142,11 @@ def moe_permute(inp: torch.Tensor | FP8Operand, routing_map: torch.Tensor, num_o
         map_type: "mask" or "index".
         return_tokens_per_expert: also return the per-expert row counts (int32 [E] on the device, no sync): the
             m_splits of a GroupedLinear.
-        num_experts: E, needed with map_type="index" and return_tokens_per_expert.
+        num_experts: E, needed with map_type="index" and return_tokens_per_expert or align_size > 1.
+        align_size: every expert's rows start at a multiple of it (see the module docstring; 16 for FP8 training):
+            N becomes padded_rows_bound(rows, E, align_size) (a bound known without a sync), the padding rows are
+            zeros, and tokens_per_expert counts them (multiples of align_size, the trailing padding in the last
+            expert's count). 1: no padding.
 
     Returns:
         (permuted [N, H] (a tensor, or an FP8Operand like inp), row_id_map int32 [T, S] for moe_unpermute), plus
@@ -126,7 +161,17 @@ def moe_permute(inp: torch.Tensor | FP8Operand, routing_map: torch.Tensor, num_o
     if routing_map.shape[0] != data.shape[0] or routing_map.device != data.device:
         raise ValueError(f"routing_map: expected {data.shape[0]} rows on {data.device} (inp's tokens), got shape "
                          f"{tuple(routing_map.shape)} on {routing_map.device}")
+    if isinstance(align_size, bool) or not isinstance(align_size, int) or align_size < 1:
+        raise ValueError(f"align_size: expected an int >= 1, got {align_size!r}")
     row_id_map, n = _routing_rows(routing_map, num_out_tokens, map_type)
+    counts = None
+    if align_size > 1:
+        counts = _tokens_per_expert(routing_map, row_id_map, map_type, num_experts)
+        experts = counts.numel()
+        expert_of_slot = routing_map if map_type == "index" else \
+            torch.arange(experts, device=routing_map.device).expand(routing_map.shape)
+        n = padded_rows_bound(n, experts, align_size) if n else 0
+        row_id_map, counts = _aligned_rows(row_id_map, expert_of_slot, counts, align_size, n)
     slot_of_row = _slot_of_row(row_id_map, n)
     if fp8:
         permuted = _permuted_operand(inp, slot_of_row, row_id_map.shape[1])
@@ -134,7 +179,9 @@ def moe_permute(inp: torch.Tensor | FP8Operand, routing_map: torch.Tensor, num_o
         permuted = _Permute.apply(data.contiguous(), row_id_map, slot_of_row)
     if not return_tokens_per_expert:
         return permuted, row_id_map
-    return permuted, row_id_map, _tokens_per_expert(routing_map, row_id_map, map_type, num_experts)
+    if counts is None:
+        counts = _tokens_per_expert(routing_map, row_id_map, map_type, num_experts)
+    return permuted, row_id_map, counts
 
 
 def _permuted_operand(operand: FP8Operand, slot_of_row: torch.Tensor, slots: int) -> FP8Operand:
@@ -152,7 +199,8 @@ def _tokens_per_expert(routing_map: torch.Tensor, row_id_map: torch.Tensor, map_
     if map_type == "mask":
         return kept.sum(0, dtype=torch.int32)
     if num_experts is None or num_experts <= 0:
-        raise ValueError("num_experts: expected a positive int with map_type='index' and return_tokens_per_expert")
+        raise ValueError("num_experts: expected a positive int with map_type='index' and return_tokens_per_expert "
+                         "or align_size > 1")
     counts = torch.zeros(num_experts, dtype=torch.int32, device=routing_map.device)
     return counts.scatter_add_(0, routing_map.reshape(-1).long(), kept.reshape(-1))
 

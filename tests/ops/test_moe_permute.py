@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import transformer_fp8  # noqa: F401  (registers the ops)
+from transformer_fp8.grouped_gemm import padded_rows_bound
 from transformer_fp8.permutation import moe_permute, moe_unpermute
 from transformer_fp8.quantization import FP8Operand
 
@@ -205,6 +206,67 @@ def test_dropped_rows_and_padding():
     assert torch.equal(padded[:12], full) and torch.equal(padded[12:], torch.zeros(3, hidden))
 
 
+def segments(counts):
+    """[(start, end)] of each expert's rows from the per-expert counts."""
+    ends = torch.cumsum(counts.cpu(), 0).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+@pytest.mark.parametrize("map_type", ("mask", "index"))
+@pytest.mark.parametrize("align_size", (4, 16))
+def test_aligned_permute_pads_each_expert(map_type, align_size, device="cpu"):
+    tokens, experts, topk, hidden = 37, 6, 2, 8
+    mask, indices, probs_e = random_routing(tokens, experts, topk, device)
+    others = torch.tensor([0, 1, 3, 4, 5], device=device)  # (expert 2 gets no token: its padded count is 0)
+    indices = torch.stack([others[torch.randperm(5, device=device)[:topk]] for _ in range(tokens)])
+    mask = torch.zeros_like(mask).scatter_(1, indices, True)
+    routing = mask if map_type == "mask" else indices
+    probs = probs_e.masked_fill(~mask, 0.0) if map_type == "mask" else torch.rand(tokens, topk, device=device)
+    inp = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    args = dict(num_out_tokens=int(mask.sum()), map_type=map_type, return_tokens_per_expert=True,
+                num_experts=experts)
+    plain, plain_map, plain_counts = moe_permute(inp, routing, **args)
+    padded, padded_map, counts = moe_permute(inp, routing, align_size=align_size, **args)
+    assert padded.shape == (padded_rows_bound(int(mask.sum()), experts, align_size), hidden)
+    assert counts.dtype == torch.int32 and int(counts.sum()) == padded.shape[0]
+    assert all(c % align_size == 0 for c in counts.tolist()) and counts[2] == 0
+    for e, ((p0, p1), (q0, q1)) in enumerate(zip(segments(plain_counts), segments(counts))):
+        assert q0 % align_size == 0 and q1 - q0 >= p1 - p0 and (e == experts - 1 or q1 - q0 < p1 - p0 + align_size)
+        assert torch.equal(padded[q0:q0 + p1 - p0], plain[p0:p1])
+        assert torch.equal(padded[q0 + p1 - p0:q1], torch.zeros_like(padded[q0 + p1 - p0:q1]))
+    # the same expert outputs at the padded rows (garbage in the padding) unpermute to the same tokens and gradients
+    plain_out = torch.randn(plain.shape, device=device)
+    padded_out = torch.randn(padded.shape, device=device)
+    for (p0, p1), (q0, _) in zip(segments(plain_counts), segments(counts)):
+        padded_out[q0:q0 + p1 - p0] = plain_out[p0:p1]
+    results = []
+    for rows, row_map, out in ((plain, plain_map, plain_out), (padded, padded_map, padded_out)):
+        inp.grad = None
+        out, prob = out.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        merged = moe_unpermute(out, row_map, prob, map_type=map_type)
+        (merged.sum() + (rows * rows.detach()).sum()).backward()
+        results.append((merged, inp.grad, prob.grad, out.grad))
+    (merged, d_inp, d_prob, d_out), (merged_a, d_inp_a, d_prob_a, d_out_a) = results
+    torch.testing.assert_close(merged_a, merged, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(d_inp_a, d_inp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(d_prob_a, d_prob, rtol=1e-5, atol=1e-5)
+    for (p0, p1), (q0, q1) in zip(segments(plain_counts), segments(counts)):
+        assert torch.equal(d_out_a[q0:q0 + p1 - p0], d_out[p0:p1])
+        assert torch.equal(d_out_a[q0 + p1 - p0:q1], torch.zeros_like(d_out_a[q0 + p1 - p0:q1]))
+
+
+def test_aligned_permute_with_dropped_rows():
+    tokens, experts, hidden = 20, 4, 8
+    mask, _, _ = random_routing(tokens, experts, 2)
+    plain, _, plain_counts = moe_permute(torch.arange(tokens * hidden, dtype=torch.float32).view(tokens, hidden),
+                                         mask, num_out_tokens=23, return_tokens_per_expert=True)
+    padded, row_id_map, counts = moe_permute(torch.arange(tokens * hidden, dtype=torch.float32).view(tokens, hidden),
+                                             mask, num_out_tokens=23, return_tokens_per_expert=True, align_size=8)
+    assert int((row_id_map >= 0).sum()) == 23 and padded.shape[0] == padded_rows_bound(23, experts, 8)
+    for (p0, p1), (q0, q1) in zip(segments(plain_counts), segments(counts)):
+        assert torch.equal(padded[q0:q0 + p1 - p0], plain[p0:p1]) and not padded[q0 + p1 - p0:q1].any()
+
+
 def test_fp8_operand_keeps_scale():
     tokens, hidden = 8, 32
     mask, _, _ = random_routing(tokens, 4, 2)
@@ -231,6 +293,11 @@ def test_api_bad_inputs():
         moe_unpermute(torch.randn(8, 8), row_id_map, torch.ones(4, 3))
     with pytest.raises(ValueError, match="restore_shape"):
         moe_unpermute(torch.randn(8, 8), row_id_map, restore_shape=(5, 8))
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="align_size: expected an int >= 1"):
+            moe_permute(inp, mask, num_out_tokens=8, align_size=bad)
+    with pytest.raises(ValueError, match="num_experts: expected a positive int"):
+        moe_permute(inp, torch.zeros(4, 1, dtype=torch.long), map_type="index", align_size=16)
 
 
 # ------------------------------------------------------------------------------------------------------------- CUDA
@@ -279,14 +346,22 @@ def test_cuda_api_matches_loop(map_type):
 
 
 @pytest.mark.gpu
-def test_cuda_permute_never_syncs():
+@pytest.mark.parametrize("map_type", ("mask", "index"))
+def test_cuda_aligned_permute_pads_each_expert(map_type):
+    test_aligned_permute_pads_each_expert(map_type, 16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("align_size", (1, 16))
+def test_cuda_permute_never_syncs(align_size):
     mask, indices, probs = random_routing(4096, 8, 2, "cuda")
     inp = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     torch.cuda.set_sync_debug_mode("error")
     try:
         for routing, map_type in ((mask, "mask"), (indices, "index")):
             permuted, row_id_map, counts = moe_permute(inp, routing, num_out_tokens=8192, map_type=map_type,
-                                                       return_tokens_per_expert=True, num_experts=8)
+                                                       return_tokens_per_expert=True, num_experts=8,
+                                                       align_size=align_size)
             p = probs if map_type == "mask" else probs.gather(1, indices)
             moe_unpermute(permuted, row_id_map, p, map_type=map_type).sum().backward()
     finally:

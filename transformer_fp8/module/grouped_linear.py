@@ -11,8 +11,9 @@ FP8 details (from the grouped kernel, see grouped_gemm.py): the gradient is cast
 (Hopper's grouped FP8 GEMM takes E4M3 only: HYBRID's E5M2 gradients are not available here); GEMM outputs are rounded
 to bfloat16 before any other output dtype; in_features and out_features must be multiples of 16. The weight gradient
 contracts over each group's rows, which the kernel needs in multiples of 16: groups given as a list of such sizes run
-as they are, any other sizes (and every device tensor, whose sizes the host never reads) through a padded copy of the
-FP8 input and gradient (zeros between the groups; one gather each).
+as they are, any other sizes (and every device tensor, whose sizes the host never reads, unless the caller passes
+splits_aligned=True: moe_permute(..., align_size=16) makes such groups) through a padded copy of the FP8 input and
+gradient (zeros between the groups; one gather each).
 """
 import dataclasses
 from collections.abc import Sequence
@@ -241,18 +242,22 @@ class GroupedLinear(FP8ModuleBase):
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
 
     def forward(self, inp: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
-                is_first_microbatch: bool | None = None) -> torch.Tensor | tuple:
+                is_first_microbatch: bool | None = None, *, splits_aligned: bool = False) -> torch.Tensor | tuple:
         """Args:
             inp: [M, in_features] (or [..., in_features], flattened to rows), rows grouped by expert.
             m_splits: rows per group: a list of num_gemms ints summing to M, or an integer tensor [num_gemms] on
                 inp's device (its sum must be M; not checked on the host: that would synchronise).
             is_first_microbatch: Transformer Engine's FP8 weight cache switch; accepted, no cache (the weights are
                 cast at every call).
+            splits_aligned: the caller promises every m_splits entry is a multiple of 16 (the counts of
+                moe_permute(..., align_size=16)): with a device m_splits the FP8 weight gradient then runs on the
+                rows as they are, from the transposed copies the casts write, instead of padded copies. A host list
+                is checked (ValueError); a device tensor is not (a sync): a wrong promise fails in the kernel.
 
         Returns:
             [..., out_features] in inp's dtype; with return_bias, (out, [bias0, ...]).
         """
-        x, splits, aligned = self._check_forward(inp, m_splits)
+        x, splits, aligned = self._check_forward(inp, m_splits, splits_aligned)
         biases = [] if self.return_bias else self.biases
         state = autocast.STATE
         if state.enabled and not self.fp8_disabled:
@@ -263,7 +268,7 @@ class GroupedLinear(FP8ModuleBase):
         out = out.view(*inp.shape[:-1], self.out_features)
         return (out, self.biases) if self.return_bias else out
 
-    def _check_forward(self, inp, m_splits):
+    def _check_forward(self, inp, m_splits, splits_aligned):
         """-> (inp as contiguous rows [M, K], m_splits as an int32 tensor on inp's device, aligned)."""
         if not isinstance(inp, torch.Tensor) or inp.dim() < 1 or inp.shape[-1] != self.in_features:
             shape = tuple(inp.shape) if isinstance(inp, torch.Tensor) else type(inp).__name__
@@ -276,14 +281,17 @@ class GroupedLinear(FP8ModuleBase):
                 raise ValueError(f"m_splits: expected an integer tensor of {self.num_gemms} elements on "
                                  f"{inp.device}, got {m_splits.dtype} of shape {tuple(m_splits.shape)} on "
                                  f"{m_splits.device}")
-            return x, m_splits.to(torch.int32), False
+            return x, m_splits.to(torch.int32), bool(splits_aligned)
         splits = list(m_splits)
         if len(splits) != self.num_gemms or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
                                                 for s in splits) or sum(splits) != x.shape[0]:
             raise ValueError(f"m_splits: expected {self.num_gemms} non-negative ints summing to {x.shape[0]} (the "
                              f"input's rows), got {m_splits!r}")
+        aligned = all(s % ALIGN == 0 for s in splits)
+        if splits_aligned and not aligned:
+            raise ValueError(f"m_splits: splits_aligned=True expects multiples of {ALIGN}, got {splits!r}")
         tensor = torch.tensor(splits, dtype=torch.int32).to(inp.device, non_blocking=True)
-        return x, tensor, all(s % ALIGN == 0 for s in splits)
+        return x, tensor, aligned
 
     # --- FP8 ---
     def _fp8_forward(self, x, splits, host_splits, aligned, biases, state):

@@ -79,16 +79,18 @@ class GroupedMLP(nn.Module):
                                         init_method=output_layer_init_method or init_method, **common)
 
     def forward(self, permuted: torch.Tensor, tokens_per_expert: torch.Tensor | Sequence[int],
-                is_first_microbatch: bool | None = None) -> torch.Tensor:
+                is_first_microbatch: bool | None = None, splits_aligned: bool = False) -> torch.Tensor:
         """Args:
             permuted: [N, H] rows grouped by expert (moe_permute's output).
             tokens_per_expert: rows of each expert: an integer tensor [E] on the rows' device, or a list of ints.
             is_first_microbatch: the FP8 weight cache switch (see GroupedLinear).
+            splits_aligned: every count is a multiple of 16 (moe_permute(..., align_size=16); see GroupedLinear).
         Returns:
             [N, H], each row through its expert.
         """
-        hidden = self.linear_fc1(permuted, tokens_per_expert, is_first_microbatch=is_first_microbatch)
-        return self.linear_fc2(swiglu(hidden), tokens_per_expert, is_first_microbatch=is_first_microbatch)
+        common = dict(is_first_microbatch=is_first_microbatch, splits_aligned=splits_aligned)
+        hidden = self.linear_fc1(permuted, tokens_per_expert, **common)
+        return self.linear_fc2(swiglu(hidden), tokens_per_expert, **common)
 
 
 class SharedExpertMLP(nn.Module):

@@ -15,6 +15,8 @@ so that it can take a LayerNormMLP's place in a TransformerLayer.
 import torch
 import torch.nn as nn
 
+from .. import autocast
+from ..grouped_gemm import ALIGN
 from ..module.base import check_choice, check_dtype, check_input, check_positive
 from ..module.norm import NORMALIZATIONS, _NormFunction, init_norm_params
 from ..permutation import moe_permute, moe_unpermute
@@ -97,9 +99,12 @@ class MoELayer(nn.Module):
         if self.training and self.jitter_noise > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         logits, probs, indices = self.router(x)
+        # (in FP8, every expert's rows start at a multiple of 16: the expert GEMMs' weight gradients need no copies)
+        align = ALIGN if autocast.STATE.enabled else 1
         rows, row_id_map, tokens_per_expert = moe_permute(x, indices, map_type="index", return_tokens_per_expert=True,
-                                                          num_experts=self.num_experts)
-        expert_out = self.experts(rows, tokens_per_expert, is_first_microbatch=is_first_microbatch)
+                                                          num_experts=self.num_experts, align_size=align)
+        expert_out = self.experts(rows, tokens_per_expert, is_first_microbatch=is_first_microbatch,
+                                  splits_aligned=align > 1)
         out = moe_unpermute(expert_out, row_id_map, merging_probs=probs, map_type="index")
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, is_first_microbatch=is_first_microbatch)
