@@ -13,7 +13,8 @@
    expert) and a BF16 composition on torch._grouped_mm (no host sync). Target: FP8 >= 1.4x BF16.
 Times: GPU time per call (timing.gpu_time_ms), variants interleaved in rounds (timing.run_rounds): medians.
 
-Usage: python benchmarks/bench_moe.py [--json bench_moe.json] [--rounds 5] [--skip-layer]
+Usage: python benchmarks/bench_moe.py [--json bench_moe.json] [--rounds 5] [--skip-layer] [--skip-gemm]
+       [--profile top_kernels.txt]
 """
 import argparse
 import json
@@ -65,19 +66,38 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict
                 tfp8.fp8_gemm(x[start:start + size], one, w[g], one, torch.bfloat16, use_split_accumulator=False)
             start += size
 
+    ones = {rows: torch.ones(rows, device="cuda") for rows in {n * groups, k * groups}}
+    # the wgrad as a 3d x 3d batched GEMM: every group padded to the largest (sizes known on the host)
+    rows_max = max(splits16)
+    dy3, x3 = fp8(groups, n, rows_max), fp8(groups, k, rows_max)
+
+    def wgrad_bf16_on_fp8():  # (the exact BF16 images of the FP8 operands; the conversions included)
+        return torch._grouped_mm(dy_t.to(torch.bfloat16), x_t.to(torch.bfloat16).t(), offs=offs16)
+
     fns = {
         "fprop fp8 grouped": lambda: tfp8.grouped_fp8_gemm(x, one, w, one, offs, torch.bfloat16, False),
         "fprop bf16 grouped": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=offs),
         "fprop fp8 loop of dense": loop,
         "fprop fp8 dense (equal FLOPs)": lambda: tfp8.fp8_gemm(x, one, dense_w, one, torch.bfloat16,
                                                                use_split_accumulator=False),
-        "wgrad fp8 grouped": lambda: tfp8.grouped_fp8_gemm_wgrad(dy_t, one, x_t, one, offs16, torch.bfloat16),
+        "wgrad op (grouped_fp8_gemm_wgrad's choice)": lambda: tfp8.grouped_fp8_gemm_wgrad(dy_t, one, x_t, one, offs16,
+                                                                                          torch.bfloat16),
+        "wgrad fp8 grouped (torch FP8 kernel, split accumulator)": lambda: torch._scaled_grouped_mm(
+            dy_t, x_t.t(), ones[n * groups], ones[k * groups], offs=offs16, out_dtype=torch.bfloat16),
+        "wgrad fp8 grouped (torch FP8 kernel, fast accumulation)": lambda: torch._scaled_grouped_mm(
+            dy_t, x_t.t(), ones[n * groups], ones[k * groups], offs=offs16, out_dtype=torch.bfloat16,
+            use_fast_accum=True),
+        "wgrad bf16 kernel on fp8 values (+ conversions)": wgrad_bf16_on_fp8,
+        "wgrad fp8 3d batched, groups padded to the largest": lambda: torch._scaled_grouped_mm(
+            dy3, x3.transpose(-2, -1), ones[n * groups].view(groups, n), ones[k * groups].view(groups, k),
+            out_dtype=torch.bfloat16),
         "wgrad bf16 grouped": lambda: torch._grouped_mm(dy_tb, x_tb.t(), offs=offs16),
         "wgrad fp8 dense (equal FLOPs)": lambda: tfp8.fp8_gemm(dy_t, one, x_t, one, torch.bfloat16),
     }
     # (wgrad dense: [N, M] x [K, M]ᵀ -> [N, K], contracting over all M rows: the same FLOPs as the grouped wgrad)
     measures = {name: (lambda fn=fn: flops / gpu_time_ms(fn, warmup=3, iters=iters) / 1e9) for name, fn in fns.items()}
-    return measures, {"groups": groups, "M": m, "K": k, "N": n, "splits": splits, "wgrad_splits": splits16}
+    return measures, {"groups": groups, "M": m, "K": k, "N": n, "splits": splits, "wgrad_splits": splits16,
+                      "wgrad_3d_rows_per_group": rows_max}
 
 
 def bf16_grouped_moe(layer: torch.nn.Module):
@@ -98,15 +118,16 @@ def bf16_grouped_moe(layer: torch.nn.Module):
     return forward
 
 
-def host_split_moe(layer: torch.nn.Module):
+def host_split_moe(layer: torch.nn.Module, align_size: int = 16):
     """The MoELayer's computation with the group sizes read on the host once (counts.tolist(): one sync per layer, as
-    Transformer Engine's m_splits lists are), so that GroupedLinear runs its dense per-expert loop."""
+    Transformer Engine's m_splits lists are), so that GroupedLinear runs its dense per-expert loop; each expert's
+    rows padded to a multiple of align_size by the permutation (MoELayer's FP8 layout) unless it is 1."""
     from transformer_fp8.moe.experts import swiglu
 
     def forward(x):
         logits, probs, indices = layer.router(x)
         rows, row_id_map, counts = te.moe_permute(x, indices, map_type="index", return_tokens_per_expert=True,
-                                                  num_experts=layer.num_experts)
+                                                  num_experts=layer.num_experts, align_size=align_size)
         splits = counts.tolist()
         hidden = layer.experts.linear_fc1(rows, splits)
         y = layer.experts.linear_fc2(swiglu(hidden), splits)
@@ -115,35 +136,93 @@ def host_split_moe(layer: torch.nn.Module):
     return forward
 
 
-def layer_measures(iters: int) -> tuple[dict, dict]:
+def unaligned_moe(layer: torch.nn.Module):
+    """MoELayer's FP8 computation as before the aligned permutation: device splits of any size, so that each
+    GroupedLinear's weight gradient goes through padded copies of its FP8 input and gradient."""
+    def forward(x):
+        logits, probs, indices = layer.router(x)
+        rows, row_id_map, counts = te.moe_permute(x, indices, map_type="index", return_tokens_per_expert=True,
+                                                  num_experts=layer.num_experts)
+        y = layer.experts(rows, counts)
+        return te.moe_unpermute(y, row_id_map, probs, map_type="index")
+
+    return forward
+
+
+def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module | None = None):
+    """(run(): one fwd + bwd of the benchmark's MoE layer, the layer) for a recipe (None: BF16) and a variant:
+    "layer" (MoELayer itself), "host" (host_split_moe), "host unaligned", "unaligned" (unaligned_moe), "bf16 grouped"
+    (bf16_grouped_moe)."""
     from transformer_fp8.moe import MoELayer
 
     c = LAYER
-    torch.manual_seed(0)
-    layer = MoELayer(c["hidden"], c["ffn"], c["experts"], c["top_k"], params_dtype=torch.bfloat16, device="cuda")
+    if layer is None:
+        layer = MoELayer(c["hidden"], c["ffn"], c["experts"], c["top_k"], params_dtype=torch.bfloat16,
+                         device="cuda")
     x = torch.randn(c["tokens"], c["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
-    bf16_grouped = bf16_grouped_moe(layer)
+    fns = {"layer": None, "host": host_split_moe(layer), "host unaligned": host_split_moe(layer, 1),
+           "unaligned": unaligned_moe(layer), "bf16 grouped": bf16_grouped_moe(layer)}
+    fn = fns[variant]
 
-    host_split = host_split_moe(layer)
+    def run():
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            out = layer(x) if fn is None else fn(x)
+        out.backward(grad)
+    return run, layer
 
-    def step(recipe=None, fn=None):
-        def run():
-            x.grad = None
-            for p in layer.parameters():
-                p.grad = None
-            with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
-                out = layer(x) if fn is None else fn(x)
-            out.backward(grad)
-        return run
 
-    fns = {"fp8 delayed (device splits: grouped kernel, no sync)": step(DelayedScaling()),
-           "fp8 current (device splits)": step(Float8CurrentScaling()),
-           "fp8 delayed (host splits: dense loop, one sync)": step(DelayedScaling(), host_split),
-           "fp8 current (host splits)": step(Float8CurrentScaling(), host_split),
-           "bf16 (MoELayer, F.linear per expert)": step(), "bf16 (torch._grouped_mm)": step(fn=bf16_grouped)}
-    measures = {name: (lambda fn=fn: gpu_time_ms(fn, warmup=2, iters=iters)) for name, fn in fns.items()}
-    return measures, dict(c)
+LAYER_VARIANTS = {  # name: (recipe, variant of make_layer_step)
+    "fp8 delayed (device splits: grouped kernel, no sync)": (DelayedScaling, "layer"),
+    "fp8 current (device splits)": (Float8CurrentScaling, "layer"),
+    "fp8 delayed (device splits, unaligned permute: padded wgrad copies)": (DelayedScaling, "unaligned"),
+    "fp8 delayed (host splits: dense loop, one sync)": (DelayedScaling, "host"),
+    "fp8 current (host splits)": (Float8CurrentScaling, "host"),
+    "fp8 delayed (host splits, unaligned permute)": (DelayedScaling, "host unaligned"),
+    "bf16 (MoELayer, F.linear per expert)": (None, "layer"),
+    "bf16 (torch._grouped_mm)": (None, "bf16 grouped"),
+}
+
+
+def layer_measures(iters: int) -> tuple[dict, dict]:
+    """({variant: measure() -> ms per fwd + bwd}, the layer's shape); one layer (same weights) for all."""
+    torch.manual_seed(0)
+    _, layer = make_layer_step()
+    measures = {}
+    for name, (recipe, variant) in LAYER_VARIANTS.items():
+        run, _ = make_layer_step(recipe and recipe(), variant, layer)
+        measures[name] = lambda fn=run: gpu_time_ms(fn, warmup=2, iters=iters)
+    return measures, dict(LAYER)
+
+
+def profile_layer(names: list[str], path: str | None, steps: int = 3, top: int = 25) -> str:
+    """The top CUDA kernels (self CUDA time) of `steps` fwd + bwd of each named layer variant, as text tables
+    (written to `path` too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    _, layer = make_layer_step()
+    text = []
+    for name in names:
+        recipe, variant = LAYER_VARIANTS[name]
+        run, _ = make_layer_step(recipe and recipe(), variant, layer)
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                run()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90)
+        text.append(f"### {name}: {steps} steps\n{table}")
+    out = "\n".join(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(out)
+    return out
 
 
 def main():
@@ -152,10 +231,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--skip-layer", action="store_true")
+    parser.add_argument("--skip-gemm", action="store_true")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="also profile 3 steps of the FP8 delayed layer (device and host splits): top kernels "
+                             "printed and written to FILE")
     args = parser.parse_args()
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "gemm": [], "layer": None}
     print(f"# {results['gpu']}, torch {results['torch']}")
-    for shape in GEMM_SHAPES:
+    for shape in () if args.skip_gemm else GEMM_SHAPES:
         measures, info = gemm_measures(*shape, iters=args.iters)
         stats = run_rounds(measures, args.rounds)
         info["tflops"] = stats
@@ -181,6 +264,9 @@ def main():
             ms = s.get("median")
             ratio = lambda b: f"{b / ms:.2f}x" if ms and b else "-"  # noqa: E731
             print(f"| {name} | {ms if ms else s.get('error')} | {ratio(base)} | {ratio(grouped)} |")
+    if args.profile:
+        print(profile_layer(["fp8 delayed (device splits: grouped kernel, no sync)",
+                             "fp8 delayed (host splits: dense loop, one sync)"], args.profile))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -39,6 +39,15 @@ def _grouped_fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
+# The weight gradient of groups averaging fewer rows than this runs torch's BF16 grouped kernel on the exact BF16
+# images of the FP8 operands (every E4M3 value is a BF16 value; products summed in float32, the scales applied to the
+# result): the same numbers as an FP8 GEMM with a split accumulator, at the BF16 kernel's speed. H100, torch 2.11
+# (benchmarks/bench_moe.py, RESULTS.md 2026-11-26): torch's FP8 2d x 2d grouped kernel ran 64 groups of ~256 rows
+# (K=2048, N=1536) at 125 TFLOP/s against BF16's 364, and 8 groups of ~2048 rows at 747 against BF16's 594. Read at
+# each call; 0 turns the BF16 kernel off.
+WGRAD_BF16_BELOW_ROWS_PER_GROUP = 1024
+
+
 @torch.library.register_kernel("transformer_fp8::grouped_fp8_gemm_wgrad", "cuda")
 def _grouped_fp8_gemm_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor,
                             b_scale_inv: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -47,6 +56,10 @@ def _grouped_fp8_gemm_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: t
     _check_multiple_of_16(N=n, K=k, M=m)
     if m == 0:
         return a_t.new_zeros((g, n, k), dtype=out_dtype)
+    if m < WGRAD_BF16_BELOW_ROWS_PER_GROUP * g:
+        out = torch._grouped_mm(a_t.to(torch.bfloat16), b_t.to(torch.bfloat16).t(), offs=offs)
+        nonempty = torch.diff(offs, prepend=offs.new_zeros(1)).gt(0).view(g, 1, 1)  # (an empty group's dW is 0)
+        return torch.where(nonempty, out.float() * (a_scale_inv * b_scale_inv), 0.0).to(out_dtype)
     out = torch._scaled_grouped_mm(a_t, b_t.t(), a_scale_inv.expand(g * n).contiguous(),
                                    b_scale_inv.expand(g * k).contiguous(), offs=offs, out_dtype=torch.bfloat16,
                                    use_fast_accum=False)

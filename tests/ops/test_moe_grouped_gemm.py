@@ -146,7 +146,10 @@ def test_cuda_grouped_gemm(splits, per_group_scale, transposed_b):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", ([16, 48, 0, 32, 64], [0, 0, 0, 16], [32]))
-def test_cuda_grouped_wgrad(splits):
+@pytest.mark.parametrize("kernel", ("fp8", "bf16 on fp8 values"))
+def test_cuda_grouped_wgrad(splits, kernel, monkeypatch):
+    threshold = 0 if kernel == "fp8" else 1 << 30  # (small groups choose the BF16 kernel, see grouped_gemm.py)
+    monkeypatch.setattr("transformer_fp8.grouped_gemm.WGRAD_BF16_BELOW_ROWS_PER_GROUP", threshold)
     test_grouped_wgrad_matches_formula(splits, device="cuda")
 
 
