@@ -26,8 +26,20 @@ def reference(x, weights, biases, splits):
     return torch.cat(outs)
 
 
+def activate64(y, activation):
+    """float64 formulas of the output activations."""
+    if activation is None:
+        return y
+    if activation == "swiglu":
+        gate, up = y.chunk(2, dim=-1)
+        return gate * torch.sigmoid(gate) * up
+    if activation == "relu":
+        return y.clamp(min=0)
+    return 0.5 * y * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3)))
+
+
 def run_against_reference(module, splits, device, dtype, fp8_recipe, tensor_splits, tol, grad_tol, main_grad=False,
-                          splits_aligned=False):
+                          splits_aligned=False, output_activation=None):
     k = module.in_features
     x = torch.randn(sum(splits), k, device=device, dtype=dtype, requires_grad=True)
     m_splits = torch.tensor(splits, device=device) if tensor_splits else splits
@@ -40,13 +52,13 @@ def run_against_reference(module, splits, device, dtype, fp8_recipe, tensor_spli
         for p in module.parameters():
             p.grad = None
         with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
-            out = module(x, m_splits, splits_aligned=splits_aligned)
+            out = module(x, m_splits, splits_aligned=splits_aligned, output_activation=output_activation)
         grad = torch.randn_like(out)
         out.backward(grad)
     x64 = x.detach().double().requires_grad_()
     w64 = [w.detach().double().requires_grad_() for w in weights]
     b64 = [b.detach().double().requires_grad_() for b in biases]
-    ref = reference(x64, w64, b64, splits)
+    ref = activate64(reference(x64, w64, b64, splits), output_activation)
     ref.backward(grad.double())
     assert out.dtype == dtype and out.shape == ref.shape
     assert_close_rel(out, ref, tol)
@@ -106,6 +118,50 @@ def test_fp8_cpu_aligned_device_splits_skip_padded_copies(recipe, monkeypatch):
     module = te.GroupedLinear(len(splits), 64, 48, device="cpu")
     run_against_reference(module, splits, "cpu", torch.float32, RECIPES[recipe](), True, FWD_TOL, GRAD_TOL,
                           splits_aligned=True)
+
+
+class CallCounter:
+    """Wraps the ops namespace grouped_linear calls, counting the calls of one op."""
+
+    def __init__(self, ops, name):
+        self.ops, self.name, self.calls = ops, name, 0
+
+    def __getattr__(self, attr):
+        if attr == self.name:
+            self.calls += 1
+        return getattr(self.ops, attr)
+
+
+# (the gradients through an activation also carry the FP8 forward's error in the activation's derivative; relu's
+# derivative jumps at 0, where that error flips it: relu is checked in high precision only)
+ACTIVATION_GRAD_TOL = 0.12
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPES.keys())
+@pytest.mark.parametrize("activation", ("swiglu", "gelu"))
+@pytest.mark.parametrize("bias", (False, True))
+def test_fp8_cpu_output_activation_matches_float64(recipe, activation, bias, monkeypatch, device="cpu"):
+    from transformer_fp8.module import grouped_linear
+
+    counter = CallCounter(grouped_linear.tfp8, "dact_cast_transpose")
+    monkeypatch.setattr(grouped_linear, "tfp8", counter)
+    splits = SPLITS["aligned"]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    module = te.GroupedLinear(len(splits), 64, 96, bias=bias, device=device, params_dtype=dtype)
+    for b in module.biases:
+        torch.nn.init.normal_(b, std=0.1)
+    run_against_reference(module, splits, device, dtype, RECIPES[recipe](), True, FWD_TOL, ACTIVATION_GRAD_TOL,
+                          splits_aligned=True, output_activation=activation)
+    # the fused d(activation) + cast: delayed scaling's second step (its scale known), no biases
+    assert counter.calls == (1 if recipe.startswith("delayed") and not bias else 0)
+
+
+@pytest.mark.parametrize("activation", ("swiglu", "gelu", "relu"))
+def test_high_precision_output_activation_matches_float64(activation):
+    splits = SPLITS["uneven_empty"]
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        module = te.GroupedLinear(len(splits), 32, 48, device="cpu", params_dtype=dtype)
+        run_against_reference(module, splits, "cpu", dtype, None, True, tol, tol, output_activation=activation)
 
 
 def test_fp8_fuse_wgrad_accumulation_and_no_bias():
@@ -180,6 +236,12 @@ def test_bad_inputs():
         te.GroupedLinear(2, 24, 16, device="cpu")(torch.randn(5, 24), [2, 3])
     with pytest.raises(ValueError, match="splits_aligned=True expects multiples of 16"):
         te.GroupedLinear(2, 16, 16, device="cpu")(torch.randn(37, 16), [16, 21], splits_aligned=True)
+    with pytest.raises(ValueError, match="output_activation"):
+        module(x, [2, 3], output_activation="tanh")
+    with pytest.raises(ValueError, match="output_activation: not with return_bias"):
+        te.GroupedLinear(2, 16, 16, device="cpu", return_bias=True)(x, [2, 3], output_activation="swiglu")
+    with pytest.raises(ValueError, match="output_activation: swiglu needs an even out_features"):
+        te.GroupedLinear(2, 16, 15, device="cpu")(x, [2, 3], output_activation="swiglu")
     with pytest.raises(ValueError, match="num_gemms: expected a positive int"):
         te.GroupedLinear(0, 16, 16, device="cpu")
 
@@ -220,6 +282,13 @@ def test_cuda_fp8_aligned_device_splits_skip_padded_copies(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPES.keys())
+@pytest.mark.parametrize("bias", (False, True))
+def test_cuda_fp8_output_swiglu_matches_float64(recipe, bias, monkeypatch):
+    test_fp8_cpu_output_activation_matches_float64(recipe, "swiglu", bias, monkeypatch, device="cuda")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits_aligned", (False, True))
 def test_cuda_fp8_step_never_syncs(splits_aligned):
     module = te.GroupedLinear(8, 256, 256, params_dtype=torch.bfloat16)
@@ -233,7 +302,7 @@ def test_cuda_fp8_step_never_syncs(splits_aligned):
                 torch.cuda.set_sync_debug_mode("error")
             try:
                 with te.fp8_autocast(fp8_recipe=recipe):
-                    module(x, m_splits, splits_aligned=splits_aligned).sum().backward()
+                    module(x, m_splits, splits_aligned=splits_aligned, output_activation="swiglu").sum().backward()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 

@@ -24,11 +24,14 @@ import torch.nn.functional as F
 from .. import autocast
 from ..float8_tensor import Float8Tensor
 from ..grouped_gemm import ALIGN, group_offsets, padded_groups
-from ..ops import tfp8
+from ..ops import activation_high_precision, activation_out_features, tfp8
 from ..quantization import FP8Operand, Role
 from ..recipe import Format
 from ._gemm import high_precision_linear
-from .base import FP8ModuleBase, check_positive, main_grad_of
+from .base import FP8ModuleBase, check_choice, check_positive, main_grad_of
+
+# activations a GroupedLinear can apply to its output (output_activation: our fused kernels; swiglu halves the dim)
+OUTPUT_ACTIVATIONS = ("gelu", "relu", "swiglu")
 
 def _e4m3_recipe(recipe):
     """The recipe with E4M3 gradients (the grouped kernel's only FP8 type): itself when already so."""
@@ -43,19 +46,47 @@ def _group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offs, position, right=True).clamp_(max=offs.numel() - 1)
 
 
+class _Activation(torch.autograd.Function):
+    """act(x) on our activation kernels: one pass forward, one backward, saving only the input."""
+
+    @staticmethod
+    def forward(ctx, x, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(x)
+        return activation_high_precision(x, activation)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return tfp8.activation_bwd(grad.contiguous(), x, ctx.activation), None
+
+
+def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(x), differentiable: our kernels for the dtypes they take, PyTorch's ops (same formulas) for others."""
+    if x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return _Activation.apply(x.contiguous(), activation)
+    if activation == "swiglu":
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.relu(x) if activation == "relu" else F.gelu(x, approximate="tanh")
+
+
 class _GroupedLinearFP8(torch.autograd.Function):
     """x [M, K] (contiguous), m_splits (int tensor [G] on x's device), host_splits (the same sizes as a list when the
     caller gave one, else None), aligned (every group size a known multiple of 16), module, training (grad mode at the
-    call), then weight0..weight{G-1} and bias0..bias{G-1} (if any) -> [M, N]. With host sizes on CUDA and few groups
-    (loops_over_groups) each GEMM is a dense one per group (see _dense_loop); else one grouped GEMM per direction.
+    call), activation (applied to the output, or None), then weight0..weight{G-1} and bias0..bias{G-1} (if any) ->
+    [M, N] (activated: [M, N/2] for swiglu). With host sizes on CUDA and few groups (loops_over_groups) each GEMM is a
+    dense one per group (see _dense_loop); else one grouped GEMM per direction. With an activation the backward's
+    d(activation) writes the FP8 gradient itself when the GRAD_OUTPUT scale is known (delayed scaling, no biases):
+    dact_cast_transpose, one pass instead of activation_bwd and a cast-transpose.
     """
 
     @staticmethod
-    def forward(ctx, x, m_splits, host_splits, aligned, module, training, *params):
+    def forward(ctx, x, m_splits, host_splits, aligned, module, training, activation, *params):
         g = module.num_gemms
         weights, biases = params[:g], params[g:]
         need_dgrad = training and ctx.needs_input_grad[0]
-        need_wgrad = training and any(ctx.needs_input_grad[6:6 + g])
+        need_wgrad = training and any(ctx.needs_input_grad[7:7 + g])
         loop = host_splits if loops_over_groups(host_splits, x) else None
         qset = module.quantizers
         offs = group_offsets(m_splits)
@@ -69,6 +100,10 @@ class _GroupedLinearFP8(torch.autograd.Function):
         group = _group_of_rows(offs, x.shape[0]) if biases else None
         if biases:
             out += torch.stack(biases).to(out.dtype)[group]
+        ctx.activation = activation
+        pre_activation = out if activation else None
+        if activation:
+            out = activation_high_precision(out, activation)
         ctx.module, ctx.aligned, ctx.dtype, ctx.loop = module, aligned, x.dtype, loop
         ctx.need = (need_dgrad, need_wgrad)
         ctx.group_ids = group
@@ -78,17 +113,15 @@ class _GroupedLinearFP8(torch.autograd.Function):
         ctx.bias_dtype = biases[0].dtype if biases else None
         ctx.x_op = (x_op.data_t if aligned else x_op.data, x_op.scale_inv) if need_wgrad else None
         ctx.w_op = (w_t, w_scale_inv) if need_dgrad else None
-        ctx.save_for_backward(m_splits, offs)
+        ctx.save_for_backward(m_splits, offs, pre_activation)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        m_splits, offs = ctx.saved_tensors
+        m_splits, offs, pre_activation = ctx.saved_tensors
         module, g = ctx.module, ctx.module.num_gemms
         need_dgrad, need_wgrad = ctx.need
-        dy = grad.contiguous()
-        rowwise = need_dgrad or (need_wgrad and not ctx.aligned)
-        dy_op = module.quantizers[Role.GRAD_OUTPUT].cast(dy, rowwise=rowwise, transpose=need_wgrad and ctx.aligned)
+        dy, dy_op = _grad_output(ctx, grad.contiguous(), pre_activation, module.quantizers[Role.GRAD_OUTPUT])
         dx = None
         if need_dgrad:
             w_t, w_scale_inv = ctx.w_op
@@ -100,14 +133,31 @@ class _GroupedLinearFP8(torch.autograd.Function):
                                  fast_accumulation=False)
         dws = (None,) * g
         if need_wgrad:
-            dws = _weight_grads(ctx, dy_op, m_splits, offs, dy.shape[0])
+            dws = _weight_grads(ctx, dy_op, m_splits, offs, grad.shape[0])
         dbiases = ()
-        if ctx.group_ids is not None:
+        if ctx.group_ids is not None:  # (dy made: biases turn the fused d(activation) cast off)
             sums = torch.zeros(g, dy.shape[1], dtype=torch.float32, device=dy.device)
             dbiases = tuple(sums.index_add_(0, ctx.group_ids, dy.float()).to(ctx.bias_dtype).unbind(0))
         module.quantizers.register_backward(ctx.group)
         ctx.x_op = ctx.w_op = None
-        return (dx, None, None, None, None, None, *dws, *dbiases)
+        return (dx, None, None, None, None, None, None, *dws, *dbiases)
+
+
+def _grad_output(ctx, grad: torch.Tensor, pre_activation: torch.Tensor | None, quantizer) -> tuple:
+    """The GEMMs' output gradient: (high precision [M, N] or None when not made, FP8Operand: rowwise data for the
+    dgrad (and the unaligned wgrad's padded copy), data_t for the aligned wgrad). Through the output activation when
+    there is one: fused with the cast (dact_cast_transpose) when the scale is known and no bias needs dy."""
+    need_dgrad, need_wgrad = ctx.need
+    transpose = need_wgrad and ctx.aligned
+    if pre_activation is not None:
+        if quantizer.fused_per_tensor and quantizer.known_scale and ctx.group_ids is None:
+            scale, fp8_dtype, amax, scale_inv = quantizer.output_args()
+            q, qt, _ = tfp8.dact_cast_transpose(grad, pre_activation, ctx.activation, scale, fp8_dtype, amax,
+                                                scale_inv, False, transpose)
+            return None, FP8Operand(q, qt if transpose else None, scale_inv, fp8_dtype)
+        grad = tfp8.activation_bwd(grad, pre_activation, ctx.activation)
+    rowwise = need_dgrad or (need_wgrad and not ctx.aligned)
+    return grad, quantizer.cast(grad, rowwise=rowwise, transpose=transpose)
 
 
 def _weight_grads(ctx, dy_op: FP8Operand, m_splits: torch.Tensor, offs: torch.Tensor, rows: int) -> tuple:
@@ -242,7 +292,8 @@ class GroupedLinear(FP8ModuleBase):
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
 
     def forward(self, inp: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
-                is_first_microbatch: bool | None = None, *, splits_aligned: bool = False) -> torch.Tensor | tuple:
+                is_first_microbatch: bool | None = None, *, splits_aligned: bool = False,
+                output_activation: str | None = None) -> torch.Tensor | tuple:
         """Args:
             inp: [M, in_features] (or [..., in_features], flattened to rows), rows grouped by expert.
             m_splits: rows per group: a list of num_gemms ints summing to M, or an integer tensor [num_gemms] on
@@ -253,19 +304,31 @@ class GroupedLinear(FP8ModuleBase):
                 moe_permute(..., align_size=16)): with a device m_splits the FP8 weight gradient then runs on the
                 rows as they are, from the transposed copies the casts write, instead of padded copies. A host list
                 is checked (ValueError); a device tensor is not (a sync): a wrong promise fails in the kernel.
+            output_activation: "gelu", "relu" or "swiglu" (silu of the first half of the outputs times the second
+                half), applied to the output (after the bias), or None. In FP8 its backward writes the GEMMs' FP8
+                gradient in the same pass (delayed scaling after the first step, no biases): an MoE's fc1 + SwiGLU
+                takes one pass fewer each step than GroupedLinear followed by a SwiGLU.
 
         Returns:
-            [..., out_features] in inp's dtype; with return_bias, (out, [bias0, ...]).
+            [..., out_features] (out_features / 2 with swiglu) in inp's dtype; with return_bias, (out,
+            [bias0, ...]).
         """
         x, splits, aligned = self._check_forward(inp, m_splits, splits_aligned)
+        if output_activation is not None:
+            check_choice("output_activation", output_activation, OUTPUT_ACTIVATIONS)
+            if self.return_bias:
+                raise ValueError("output_activation: not with return_bias (the bias goes inside the activation)")
+            if output_activation == "swiglu" and self.out_features % 2:
+                raise ValueError(f"output_activation: swiglu needs an even out_features, got {self.out_features}")
         biases = [] if self.return_bias else self.biases
         state = autocast.STATE
         if state.enabled and not self.fp8_disabled:
             host_splits = None if isinstance(m_splits, torch.Tensor) else list(m_splits)
-            out = self._fp8_forward(x, splits, host_splits, aligned, biases, state)
+            out = self._fp8_forward(x, splits, host_splits, aligned, biases, state, output_activation)
         else:
             out = self._high_precision_forward(x, m_splits, splits, biases)
-        out = out.view(*inp.shape[:-1], self.out_features)
+            out = out if output_activation is None else _activate(out, output_activation)
+        out = out.view(*inp.shape[:-1], activation_out_features(output_activation, self.out_features))
         return (out, self.biases) if self.return_bias else out
 
     def _check_forward(self, inp, m_splits, splits_aligned):
@@ -294,14 +357,14 @@ class GroupedLinear(FP8ModuleBase):
         return x, tensor, aligned
 
     # --- FP8 ---
-    def _fp8_forward(self, x, splits, host_splits, aligned, biases, state):
+    def _fp8_forward(self, x, splits, host_splits, aligned, biases, state, activation):
         if self.in_features % ALIGN or self.out_features % ALIGN:
             raise ValueError(f"GroupedLinear: FP8 needs in_features and out_features multiples of {ALIGN} (the "
                              f"grouped FP8 kernel's alignment), got {self.in_features} and {self.out_features}")
         self._count_call(fp8=True)
         self._fp8_begin(state)
-        return _GroupedLinearFP8.apply(x, splits, host_splits, aligned, self, torch.is_grad_enabled(), *self.weights,
-                                       *biases)
+        return _GroupedLinearFP8.apply(x, splits, host_splits, aligned, self, torch.is_grad_enabled(), activation,
+                                       *self.weights, *biases)
 
     def _adopt_recipe(self, recipe):
         """The base's QuantizerSet, made for `recipe` with E4M3 gradients (the grouped kernel's only FP8 type); the

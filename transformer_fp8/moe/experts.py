@@ -89,8 +89,9 @@ class GroupedMLP(nn.Module):
             [N, H], each row through its expert.
         """
         common = dict(is_first_microbatch=is_first_microbatch, splits_aligned=splits_aligned)
-        hidden = self.linear_fc1(permuted, tokens_per_expert, **common)
-        return self.linear_fc2(swiglu(hidden), tokens_per_expert, **common)
+        # (fc1 applies the SwiGLU: in FP8 its backward then writes fc1's FP8 gradient in the d(SwiGLU) pass)
+        hidden = self.linear_fc1(permuted, tokens_per_expert, output_activation="swiglu", **common)
+        return self.linear_fc2(hidden, tokens_per_expert, **common)
 
 
 class SharedExpertMLP(nn.Module):
