@@ -10,7 +10,9 @@
    moe_unpermute): hidden 4096, 8 experts of ffn 14336, top-2, 8192 tokens, BF16 parameters: FP8 (delayed and current
    scaling; group sizes on the device (the grouped kernel, no host sync) or read on the host once per layer (the
    dense per-expert loop)) against the same layer outside fp8_autocast (its high-precision path: one F.linear per
-   expert) and a BF16 composition on torch._grouped_mm (no host sync). Target: FP8 >= 1.4x BF16.
+   expert) and a BF16 composition on torch._grouped_mm (no host sync). Target: FP8 >= 1.4x BF16. Rows that undo one
+   of MoELayer's FP8 choices measure what it brings: the permutation without 16-row padding (padded wgrad copies),
+   the SwiGLU as its own op (not fused into fc1's backward cast).
 Times: GPU time per call (timing.gpu_time_ms), variants interleaved in rounds (timing.run_rounds): medians.
 
 Usage: python benchmarks/bench_moe.py [--json bench_moe.json] [--rounds 5] [--skip-layer] [--skip-gemm]
@@ -118,32 +120,26 @@ def bf16_grouped_moe(layer: torch.nn.Module):
     return forward
 
 
-def host_split_moe(layer: torch.nn.Module, align_size: int = 16):
-    """The MoELayer's computation with the group sizes read on the host once (counts.tolist(): one sync per layer, as
-    Transformer Engine's m_splits lists are), so that GroupedLinear runs its dense per-expert loop; each expert's
-    rows padded to a multiple of align_size by the permutation (MoELayer's FP8 layout) unless it is 1."""
+def variant_moe(layer: torch.nn.Module, host_splits: bool = False, align_size: int = 16,
+                fused_swiglu: bool = True):
+    """The MoELayer's computation with one of its choices changed: the group sizes read on the host once
+    (counts.tolist(): one sync per layer, as Transformer Engine's m_splits lists are; GroupedLinear then runs its dense
+    per-expert loop), the permutation without padding (align_size 1: each GroupedLinear's weight gradient goes
+    through padded copies of its FP8 input and gradient), or the SwiGLU as its own op between fc1 and fc2 (not in
+    fc1's backward cast)."""
     from transformer_fp8.moe.experts import swiglu
 
     def forward(x):
         logits, probs, indices = layer.router(x)
         rows, row_id_map, counts = te.moe_permute(x, indices, map_type="index", return_tokens_per_expert=True,
                                                   num_experts=layer.num_experts, align_size=align_size)
-        splits = counts.tolist()
-        hidden = layer.experts.linear_fc1(rows, splits)
-        y = layer.experts.linear_fc2(swiglu(hidden), splits)
-        return te.moe_unpermute(y, row_id_map, probs, map_type="index")
-
-    return forward
-
-
-def unaligned_moe(layer: torch.nn.Module):
-    """MoELayer's FP8 computation as before the aligned permutation: device splits of any size, so that each
-    GroupedLinear's weight gradient goes through padded copies of its FP8 input and gradient."""
-    def forward(x):
-        logits, probs, indices = layer.router(x)
-        rows, row_id_map, counts = te.moe_permute(x, indices, map_type="index", return_tokens_per_expert=True,
-                                                  num_experts=layer.num_experts)
-        y = layer.experts(rows, counts)
+        splits = counts.tolist() if host_splits else counts
+        aligned = align_size % 16 == 0
+        if fused_swiglu:
+            y = layer.experts(rows, splits, splits_aligned=aligned)
+        else:
+            hidden = layer.experts.linear_fc1(rows, splits, splits_aligned=aligned)
+            y = layer.experts.linear_fc2(swiglu(hidden), splits, splits_aligned=aligned)
         return te.moe_unpermute(y, row_id_map, probs, map_type="index")
 
     return forward
@@ -151,7 +147,7 @@ def unaligned_moe(layer: torch.nn.Module):
 
 def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module | None = None):
     """(run(): one fwd + bwd of the benchmark's MoE layer, the layer) for a recipe (None: BF16) and a variant:
-    "layer" (MoELayer itself), "host" (host_split_moe), "host unaligned", "unaligned" (unaligned_moe), "bf16 grouped"
+    "layer" (MoELayer itself), "host", "host unaligned", "unaligned", "unfused swiglu" (variant_moe), "bf16 grouped"
     (bf16_grouped_moe)."""
     from transformer_fp8.moe import MoELayer
 
@@ -161,8 +157,10 @@ def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module 
                          device="cuda")
     x = torch.randn(c["tokens"], c["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
-    fns = {"layer": None, "host": host_split_moe(layer), "host unaligned": host_split_moe(layer, 1),
-           "unaligned": unaligned_moe(layer), "bf16 grouped": bf16_grouped_moe(layer)}
+    fns = {"layer": None, "host": variant_moe(layer, host_splits=True),
+           "host unaligned": variant_moe(layer, host_splits=True, align_size=1),
+           "unaligned": variant_moe(layer, align_size=1), "unfused swiglu": variant_moe(layer, fused_swiglu=False),
+           "bf16 grouped": bf16_grouped_moe(layer)}
     fn = fns[variant]
 
     def run():
@@ -179,6 +177,7 @@ LAYER_VARIANTS = {  # name: (recipe, variant of make_layer_step)
     "fp8 delayed (device splits: grouped kernel, no sync)": (DelayedScaling, "layer"),
     "fp8 current (device splits)": (Float8CurrentScaling, "layer"),
     "fp8 delayed (device splits, unaligned permute: padded wgrad copies)": (DelayedScaling, "unaligned"),
+    "fp8 delayed (device splits, SwiGLU as its own op)": (DelayedScaling, "unfused swiglu"),
     "fp8 delayed (host splits: dense loop, one sync)": (DelayedScaling, "host"),
     "fp8 current (host splits)": (Float8CurrentScaling, "host"),
     "fp8 delayed (host splits, unaligned permute)": (DelayedScaling, "host unaligned"),
