@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from timing import gpu_time_ms, run_rounds
 import transformer_fp8 as te
+from transformer_fp8 import grouped_gemm
 from transformer_fp8.grouped_gemm import group_offsets
 from transformer_fp8.ops import tfp8
 from transformer_fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -148,7 +149,7 @@ def variant_moe(layer: torch.nn.Module, host_splits: bool = False, align_size: i
 def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module | None = None):
     """(run(): one fwd + bwd of the benchmark's MoE layer, the layer) for a recipe (None: BF16) and a variant:
     "layer" (MoELayer itself), "host", "host unaligned", "unaligned", "unfused swiglu" (variant_moe), "bf16 grouped"
-    (bf16_grouped_moe)."""
+    (bf16_grouped_moe), "fast wgrad" (MoELayer, the FP8 wgrad kernel with fast accumulation)."""
     from transformer_fp8.moe import MoELayer
 
     c = LAYER
@@ -161,15 +162,20 @@ def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module 
            "host unaligned": variant_moe(layer, host_splits=True, align_size=1),
            "unaligned": variant_moe(layer, align_size=1), "unfused swiglu": variant_moe(layer, fused_swiglu=False),
            "bf16 grouped": bf16_grouped_moe(layer)}
-    fn = fns[variant]
+    fn = fns.get(variant)
+    fast_wgrad = variant == "fast wgrad"  # (MoELayer with grouped_gemm.WGRAD_FAST_ACCUMULATION on)
 
     def run():
         x.grad = None
         for p in layer.parameters():
             p.grad = None
-        with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
-            out = layer(x) if fn is None else fn(x)
-        out.backward(grad)
+        grouped_gemm.WGRAD_FAST_ACCUMULATION = fast_wgrad
+        try:
+            with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+                out = layer(x) if fn is None else fn(x)
+            out.backward(grad)
+        finally:
+            grouped_gemm.WGRAD_FAST_ACCUMULATION = False
     return run, layer
 
 
@@ -178,6 +184,7 @@ LAYER_VARIANTS = {  # name: (recipe, variant of make_layer_step)
     "fp8 current (device splits)": (Float8CurrentScaling, "layer"),
     "fp8 delayed (device splits, unaligned permute: padded wgrad copies)": (DelayedScaling, "unaligned"),
     "fp8 delayed (device splits, SwiGLU as its own op)": (DelayedScaling, "unfused swiglu"),
+    "fp8 delayed (device splits, wgrad FP8 fast accumulation)": (DelayedScaling, "fast wgrad"),
     "fp8 delayed (host splits: dense loop, one sync)": (DelayedScaling, "host"),
     "fp8 current (host splits)": (Float8CurrentScaling, "host"),
     "fp8 delayed (host splits, unaligned permute)": (DelayedScaling, "host unaligned"),

@@ -140,7 +140,8 @@ ACTIVATION_GRAD_TOL = 0.12
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPES.keys())
 @pytest.mark.parametrize("activation", ("swiglu", "gelu"))
 @pytest.mark.parametrize("bias", (False, True))
-def test_fp8_cpu_output_activation_matches_float64(recipe, activation, bias, monkeypatch, device="cpu"):
+def test_fp8_cpu_output_activation_matches_float64(recipe, activation, bias, monkeypatch, device="cpu",
+                                                   tensor_splits=True):
     from transformer_fp8.module import grouped_linear
 
     counter = CallCounter(grouped_linear.tfp8, "dact_cast_transpose")
@@ -150,8 +151,8 @@ def test_fp8_cpu_output_activation_matches_float64(recipe, activation, bias, mon
     module = te.GroupedLinear(len(splits), 64, 96, bias=bias, device=device, params_dtype=dtype)
     for b in module.biases:
         torch.nn.init.normal_(b, std=0.1)
-    run_against_reference(module, splits, device, dtype, RECIPES[recipe](), True, FWD_TOL, ACTIVATION_GRAD_TOL,
-                          splits_aligned=True, output_activation=activation)
+    run_against_reference(module, splits, device, dtype, RECIPES[recipe](), tensor_splits, FWD_TOL,
+                          ACTIVATION_GRAD_TOL, splits_aligned=True, output_activation=activation)
     # the fused d(activation) + cast: delayed scaling's second step (its scale known), no biases
     assert counter.calls == (1 if recipe.startswith("delayed") and not bias else 0)
 
@@ -284,8 +285,10 @@ def test_cuda_fp8_aligned_device_splits_skip_padded_copies(recipe, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPES.keys())
 @pytest.mark.parametrize("bias", (False, True))
-def test_cuda_fp8_output_swiglu_matches_float64(recipe, bias, monkeypatch):
-    test_fp8_cpu_output_activation_matches_float64(recipe, "swiglu", bias, monkeypatch, device="cuda")
+@pytest.mark.parametrize("tensor_splits", (True, False))  # (a host list on CUDA: the dense per-group loop)
+def test_cuda_fp8_output_swiglu_matches_float64(recipe, bias, tensor_splits, monkeypatch):
+    test_fp8_cpu_output_activation_matches_float64(recipe, "swiglu", bias, monkeypatch, device="cuda",
+                                                   tensor_splits=tensor_splits)
 
 
 @pytest.mark.gpu

@@ -39,13 +39,17 @@ def _grouped_fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
-# The weight gradient of groups averaging fewer rows than this runs torch's BF16 grouped kernel on the exact BF16
-# images of the FP8 operands (every E4M3 value is a BF16 value; products summed in float32, the scales applied to the
-# result): the same numbers as an FP8 GEMM with a split accumulator, at the BF16 kernel's speed. H100, torch 2.11
-# (benchmarks/bench_moe.py, RESULTS.md 2026-11-26): torch's FP8 2d x 2d grouped kernel ran 64 groups of ~256 rows
-# (K=2048, N=1536) at 125 TFLOP/s against BF16's 364, and 8 groups of ~2048 rows at 747 against BF16's 594. Read at
-# each call; 0 turns the BF16 kernel off.
+# The weight gradient of groups averaging fewer rows than this runs torch's BF16 grouped kernel on BF16 copies of the
+# FP8 operands (b_t's exact; a_t's times both scales, rounded to BF16: 2**-9, far below the FP8 rounding; float32
+# sums): about the numbers of an FP8 GEMM with a split accumulator, faster. H100, torch 2.11 (bench_moe.py, RESULTS.md
+# 2026-11-26 session 2): 64 groups of ~256 rows (K=2048, N=1536): torch's FP8 2d x 2d kernel 129 TFLOP/s with a
+# split accumulator, BF16 on converted operands 222 (conversions included); 8 groups of ~2048 rows: FP8 756, BF16
+# 465. Read at each call; 0 turns the BF16 kernel off.
 WGRAD_BF16_BELOW_ROWS_PER_GROUP = 1024
+# The FP8 wgrad kernel's accumulation: False (default, Transformer Engine's choice for wgrad) promotes the partial
+# sums to float32 (split accumulator); True keeps Hopper's fast FP8 accumulation, less precise over long groups and
+# faster: 947 against 756 TFLOP/s at 8 groups, 365 against 129 at 64 (same H100 run). Read at each call.
+WGRAD_FAST_ACCUMULATION = False
 
 
 @torch.library.register_kernel("transformer_fp8::grouped_fp8_gemm_wgrad", "cuda")
@@ -56,13 +60,13 @@ def _grouped_fp8_gemm_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: t
     _check_multiple_of_16(N=n, K=k, M=m)
     if m == 0:
         return a_t.new_zeros((g, n, k), dtype=out_dtype)
-    if m < WGRAD_BF16_BELOW_ROWS_PER_GROUP * g:
-        out = torch._grouped_mm(a_t.to(torch.bfloat16), b_t.to(torch.bfloat16).t(), offs=offs)
-        nonempty = torch.diff(offs, prepend=offs.new_zeros(1)).gt(0).view(g, 1, 1)  # (an empty group's dW is 0)
-        return torch.where(nonempty, out.float() * (a_scale_inv * b_scale_inv), 0.0).to(out_dtype)
-    out = torch._scaled_grouped_mm(a_t, b_t.t(), a_scale_inv.expand(g * n).contiguous(),
-                                   b_scale_inv.expand(g * k).contiguous(), offs=offs, out_dtype=torch.bfloat16,
-                                   use_fast_accum=False)
+    if m < WGRAD_BF16_BELOW_ROWS_PER_GROUP * g:  # (the scales go into a's copy: no pass over the output)
+        a = a_t.to(torch.bfloat16).mul_(a_scale_inv * b_scale_inv)
+        out = torch._grouped_mm(a, b_t.to(torch.bfloat16).t(), offs=offs)
+    else:
+        out = torch._scaled_grouped_mm(a_t, b_t.t(), a_scale_inv.expand(g * n).contiguous(),
+                                       b_scale_inv.expand(g * k).contiguous(), offs=offs, out_dtype=torch.bfloat16,
+                                       use_fast_accum=WGRAD_FAST_ACCUMULATION)
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 

@@ -129,7 +129,7 @@ class _GroupedLinearFP8(torch.autograd.Function):
                 dx = tfp8.grouped_fp8_gemm(dy_op.data, dy_op.scale_inv, w_t, w_scale_inv, offs, ctx.dtype, True)
             else:  # (w_t[g] [K, N], N contiguous: its transpose is column-major, as _scaled_mm's mat2 must be)
                 dx = _dense_loop(dy_op.data, dy_op.scale_inv, [w.transpose(0, 1) for w in w_t.unbind(0)],
-                                 w_scale_inv, ctx.loop, (dy.shape[0], module.in_features), ctx.dtype,
+                                 w_scale_inv, ctx.loop, (grad.shape[0], module.in_features), ctx.dtype,
                                  fast_accumulation=False)
         dws = (None,) * g
         if need_wgrad:
