@@ -259,6 +259,24 @@ def test_fp8_on_cpu_reference_kernels(fp8_recipe):
     assert all(m._fp8_call_counts == [2, 0] for m in gemms), [m._fp8_call_counts for m in gemms]
 
 
+@pytest.mark.parametrize("fp8", (False, True))
+def test_host_splits_give_the_same_step(fp8):
+    layer = make_layer(num_experts=4, top_k=2)
+    x = torch.randn(37, HIDDEN)
+    results = []
+    for host_splits in (False, True):
+        layer.host_splits = host_splits
+        xg = x.clone().requires_grad_()
+        layer.zero_grad()
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe.Float8CurrentScaling()):
+            out = layer(xg)
+        out.sum().backward()
+        results.append((out, xg.grad, [p.grad.clone() for p in layer.parameters()]))
+    (out0, dx0, dps0), (out1, dx1, dps1) = results
+    assert torch.equal(out0, out1) and torch.equal(dx0, dx1)
+    assert all(torch.equal(a, b) for a, b in zip(dps0, dps1))
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(top_k=0), "top_k"), (dict(top_k=5), "top_k"), (dict(jitter_noise=1.0), "jitter_noise"),
     (dict(aux_loss_coeff=-1.0), "aux_loss_coeff"), (dict(num_experts=0), "num_experts"),
