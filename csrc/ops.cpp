@@ -177,6 +177,42 @@ TORCH_LIBRARY(transformer_fp8, m) {
         "Tensor descale_s, Tensor scale_dp, Tensor descale_dp, Tensor scale_dq, Tensor scale_dk, Tensor scale_dv, "
         "Tensor(a!) amax_dp, Tensor(b!) amax_dq, Tensor(c!) amax_dk, Tensor(d!) amax_dv, float scale, "
         "bool causal=False) -> (Tensor, Tensor, Tensor)");
+
+  // --- moe family --- token permutation for mixture-of-experts layers (transformer_fp8/permutation.py builds the maps
+  // on the device with torch ops). row_id_map int32 [T, S] (contiguous): the permuted row of slot s of token t, or -1
+  // (slots: the experts for mask routing, the top-k choices for index routing); slot_of_row int32 [N]: its inverse,
+  // the flat slot t * S + s whose copy fills row n, or -1. Indices outside their range give zero rows / are skipped
+  // (never read out of bounds; not checked on the host: that would synchronise).
+  // inp [T, H] contiguous, any float dtype or FP8 (rows copied as bytes: the per-tensor scale_inv stays valid) ->
+  // out [N, H] in inp's dtype, row n = inp[slot_of_row[n] / S] (* probs[slot_of_row[n]] when probs, float32 [T, S]
+  // contiguous, is given: not with FP8; product rounded once), zeros for slot -1.
+  m.def("moe_permute_rows(Tensor inp, Tensor slot_of_row, int slots_per_token, Tensor? probs=None) -> Tensor");
+  // inp [N, H] contiguous float32 / float16 / bfloat16 -> out [T, H] in inp's dtype, row t = sum over s (in order) of
+  // probs[t, s] * inp[row_id_map[t, s]] (rows >= 0 only; probs float32 [T, S], absent: 1), each product and sum
+  // rounded to float32, the result once to inp's dtype.
+  m.def("moe_unpermute_rows(Tensor inp, Tensor row_id_map, Tensor? probs=None) -> Tensor");
+  // d(merging probs) of moe_unpermute_rows: float32 [T, S], dot(grad_out[t], inp[row_id_map[t, s]]) summed in float32
+  // (0 where row_id_map is -1). grad_out [T, H], inp [N, H]: one high-precision dtype, contiguous.
+  m.def("moe_merging_probs_grad(Tensor grad_out, Tensor inp, Tensor row_id_map) -> Tensor");
+  // --- grouped GEMM (a family of its own: the CUDA kernels are torch's CUTLASS grouped GEMM, torch._scaled_grouped_mm,
+  // registered from transformer_fp8/grouped_gemm.py; CPU reference: transformer_fp8/cpu/moe_grouped_gemm.py) ---
+  // offs: int32 [G] on a's device, the cumulative ends of the row groups (group g: rows offs[g-1] .. offs[g]; empty
+  // groups allowed; offs[G-1] <= M; rows past it: unspecified). E4M3 operands only (Hopper's grouped kernel),
+  // per-tensor a_scale_inv [1]; b_scale_inv [1] or [G] (one per group); each group's product is computed in float32
+  // and rounded to bfloat16 (the kernel's only output type), then converted to out_dtype (float32 / float16 /
+  // bfloat16). use_split_accumulator=False: FP8 fast accumulation (forward GEMMs).
+  // out [M, N], row m of group g = (a[m] * a_scale_inv) . (b[g] * b_scale_inv[g])ᵀ: a [M, K] (contiguous),
+  // b [G, N, K] with a contiguous last dim (any other strides: a transposed view of a [K, G*N] FP8 tensor is how the
+  // dgrad takes Wᵀ), K and N multiples of 16.
+  m.def("grouped_fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor offs, "
+        "ScalarType out_dtype, bool use_split_accumulator=True) -> Tensor");
+  // The weight gradient of a grouped GEMM, contracting over the grouped rows: a_t [N, M] and b_t [K, M] (contiguous,
+  // the transposed copies of dy and x), groups of columns by offs as above -> out [G, N, K], out[g] =
+  // (a_t[:, group g] * a_scale_inv) (b_t[:, group g] * b_scale_inv)ᵀ (zeros for an empty group), split accumulator.
+  // CUDA: M and every group size must be multiples of 16 (the kernel's 16-byte alignment; device-side assert
+  // otherwise: GroupedLinear pads its groups, see transformer_fp8/grouped_gemm.py).
+  m.def("grouped_fp8_gemm_wgrad(Tensor a_t, Tensor a_scale_inv, Tensor b_t, Tensor b_scale_inv, Tensor offs, "
+        "ScalarType out_dtype) -> Tensor");
 }
 
 // (The Python module transformer_fp8._C, whose import loads this library, is defined in csrc/python_module.cpp.)

@@ -216,3 +216,28 @@ def _(q, k, v, descale_q, descale_k, descale_v, scale_s, descale_s, scale_o, ama
 def _(grad_out, q, k, v, out, stats, descale_q, descale_k, descale_v, descale_o, descale_do, scale_s, descale_s,
       scale_dp, descale_dp, scale_dq, scale_dk, scale_dv, amax_dp, amax_dq, amax_dk, amax_dv, scale, causal=False):
     return tuple(dense_in_order_of(t, tuple(t.shape), dtype=grad_out.dtype) for t in (q, k, v))
+
+
+@_register_fake("transformer_fp8::moe_permute_rows")
+def _(inp, slot_of_row, slots_per_token, probs=None):
+    return inp.new_empty((slot_of_row.shape[0], inp.shape[1]))
+
+
+@_register_fake("transformer_fp8::moe_unpermute_rows")
+def _(inp, row_id_map, probs=None):
+    return inp.new_empty((row_id_map.shape[0], inp.shape[1]))
+
+
+@_register_fake("transformer_fp8::moe_merging_probs_grad")
+def _(grad_out, inp, row_id_map):
+    return inp.new_empty(tuple(row_id_map.shape), dtype=torch.float32)
+
+
+@_register_fake("transformer_fp8::grouped_fp8_gemm")
+def _(a, a_scale_inv, b, b_scale_inv, offs, out_dtype, use_split_accumulator=True):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@_register_fake("transformer_fp8::grouped_fp8_gemm_wgrad")
+def _(a_t, a_scale_inv, b_t, b_scale_inv, offs, out_dtype):
+    return a_t.new_empty((offs.shape[0], a_t.shape[0], b_t.shape[0]), dtype=out_dtype)

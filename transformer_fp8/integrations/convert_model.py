@@ -2,11 +2,14 @@
 
 Llama-like families (families.py: Llama 1/2/3/3.1, Mistral, Qwen2/2.5, Qwen3) get every decoder layer replaced by a
 LlamaTransformerLayer (llama.py: our TransformerLayer with the weights mapped by hf_mapping.py) and the final RMSNorm
-by ours; the converter is one skeleton, the families differ only in their Family data. Families known not to map
-(Gemma 2/3) are refused naming what differs. Any other model falls back to convert_linear_layers (its nn.Linear and
-transformers Conv1D layers become our Linear). What was converted is logged and kept in `model.tfp8_conversion`.
+by ours; the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) the same, their sparse MoE blocks becoming
+LayerNormMoE (a MoETransformerLayer, moe_decoder.py; Qwen-MoE's dense layers stay LlamaTransformerLayers). The
+converter is one skeleton, the families differ only in their Family data. Families known not to map (Gemma 2/3)
+are refused naming what differs. Any other model falls back to convert_linear_layers (its nn.Linear and transformers
+Conv1D layers become our Linear). What was converted is logged and kept in `model.tfp8_conversion`.
 Only the hook that makes output_hidden_states see the converted layers comes from transformers (imported there).
 """
+import dataclasses
 import logging
 import warnings
 from collections.abc import Sequence
@@ -21,6 +24,8 @@ from .families import FAMILIES, REFUSED, Family, family_of
 from .hf_export import route_save_pretrained
 from .hf_mapping import LayerShape
 from .llama import LlamaTransformerLayer
+from .moe_decoder import MoETransformerLayer
+from .moe_mapping import MoEShape, is_moe_block
 from .rope_angles import RopeAngles, inverse_frequencies
 
 logger = logging.getLogger(__name__)
@@ -45,8 +50,8 @@ class Conversion:
 
 def _check_config(config, family: Family) -> None:
     """Refuse configurations of a family that TransformerLayer cannot compute exactly, naming the config field."""
-    sliding = getattr(config, "sliding_window", None) if family.name == "mistral" else \
-        (getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None)
+    switch = family.sliding_window_switch
+    sliding = getattr(config, "sliding_window", None) if switch is None or getattr(config, switch, False) else None
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     unsupported = {"hidden_act": (getattr(config, "hidden_act", "silu"), "silu"),
                    "mlp_bias": (getattr(config, "mlp_bias", False), False),
@@ -103,6 +108,14 @@ def _record_hidden_states(layer: nn.Module) -> None:
     install_output_capuring_hook(layer, "hidden_states", 0, True)
 
 
+def _layer_class(family: Family, hf_layer: nn.Module, config, shape: LayerShape) -> tuple[type, LayerShape]:
+    """(class of the converted layer, its LayerShape): a MoETransformerLayer for a decoder layer whose MLP is a sparse
+    MoE block (the MoEShape read from it), else a LlamaTransformerLayer (also Qwen-MoE's dense layers)."""
+    if family.moe and is_moe_block(hf_layer.mlp):
+        return MoETransformerLayer, dataclasses.replace(shape, moe=MoEShape.from_hf_block(hf_layer.mlp, config))
+    return LlamaTransformerLayer, shape
+
+
 def _convert_family(model: nn.Module, family: Family, layers: list, params_dtype, fuse_wgrad_accumulation,
                     conversion: Conversion) -> None:
     config = layers[0][1].self_attn.config
@@ -112,9 +125,9 @@ def _convert_family(model: nn.Module, family: Family, layers: list, params_dtype
     for index, (name, hf_layer) in enumerate(layers):
         weight = hf_layer.self_attn.q_proj.weight
         layer_idx = getattr(hf_layer.self_attn, "layer_idx", None)
-        new = LlamaTransformerLayer(config, rope, params_dtype or weight.dtype, weight.device,
-                                    fuse_wgrad_accumulation, shape=shape,
-                                    layer_idx=index if layer_idx is None else layer_idx)
+        layer_class, layer_shape = _layer_class(family, hf_layer, config, shape)
+        new = layer_class(config, rope, params_dtype or weight.dtype, weight.device, fuse_wgrad_accumulation,
+                          shape=layer_shape, layer_idx=index if layer_idx is None else layer_idx)
         new.load_hf_layer(hf_layer)
         new.train(hf_layer.training)
         _record_hidden_states(new)

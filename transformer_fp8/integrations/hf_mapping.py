@@ -18,6 +18,9 @@ A converted layer and the Hugging Face layer it replaced sit under the same modu
 `<layer path>.` + either side's name. `layer_weight_map(config)` gives this table for one config;
 `fuse_hf_weights` and `split_fused_weights` apply it to state dicts. The loader (LlamaTransformerLayer.load_hf_layer),
 the exporter (hf_export.py) and the LoRA adapters (rows of q_proj inside the QKV weight, ...) all read it.
+A mixture-of-experts layer (Mixtral, Qwen2/3-MoE: LayerShape.moe set) maps its MLP rows by moe_mapping.MoEShape
+instead; there a part may be one expert's slice of a Hugging Face tensor that stacks all the experts
+(WeightPart.index), possibly transposed.
 """
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,17 +35,31 @@ OUR_LAYER_PREFIX = "layer."  # the TransformerLayer inside a converted decoder l
 
 @dataclass(frozen=True)
 class WeightPart:
-    """One Hugging Face tensor inside one of our parameters: rows [row_start, row_end) of ours are `hf_name`.
+    """One Hugging Face tensor inside one of our parameters: rows [row_start, row_end) of ours are `hf_name`
+    (or `hf_name[index]`, transposed when `transposed`).
 
     Attributes:
         hf_name: name relative to the Hugging Face decoder layer, e.g. "self_attn.k_proj.weight".
         row_start: first row (dim 0 index) of our parameter that holds it.
         row_end: one past its last row.
+        index: None: the whole tensor; i: its slice [i] along dim 0 (one expert of a [experts, ...] tensor).
+        transposed: the (sliced) tensor is stored transposed relative to ours.
     """
 
     hf_name: str
     row_start: int
     row_end: int
+    index: int | None = None
+    transposed: bool = False
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Args:
+            tensor: the Hugging Face tensor `hf_name`.
+        Returns:
+            The block of it that fills rows [row_start, row_end) of ours (a view).
+        """
+        tensor = tensor if self.index is None else tensor[self.index]
+        return tensor.t() if self.transposed else tensor
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,7 @@ class LayerShape:
         hidden: hidden size. heads / groups: query heads and key-value heads. head_dim: channels per head.
         ffn: the MLP's intermediate size. qkv_bias / o_bias: q, k, v (o) projections with a bias.
         qk_norm: per-head RMSNorm weights on q and k (Qwen3).
+        moe: for a mixture-of-experts MLP, its moe_mapping.MoEShape (which maps the MLP's weights); None: dense.
     """
 
     hidden: int
@@ -83,6 +101,7 @@ class LayerShape:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    moe: Any = None
 
     @classmethod
     def from_config(cls, config: Any, family: Family | None = None) -> "LayerShape":
@@ -137,8 +156,10 @@ def layer_weight_map(config_or_shape: Any) -> list[FusedWeight]:
     table.append(_stacked(attn + "proj.weight", [("self_attn.o_proj.weight", shape.hidden)]))
     if shape.o_bias:
         table.append(_stacked(attn + "proj.bias", [("self_attn.o_proj.bias", shape.hidden)]))
-    table += [_stacked(mlp + "layer_norm_weight", [("post_attention_layernorm.weight", shape.hidden)]),
-              _stacked(mlp + "fc1_weight", [("mlp.gate_proj.weight", shape.ffn), ("mlp.up_proj.weight", shape.ffn)]),
+    table.append(_stacked(mlp + "layer_norm_weight", [("post_attention_layernorm.weight", shape.hidden)]))
+    if shape.moe is not None:
+        return table + shape.moe.weight_map(mlp, "mlp.")
+    table += [_stacked(mlp + "fc1_weight", [("mlp.gate_proj.weight", shape.ffn), ("mlp.up_proj.weight", shape.ffn)]),
               _stacked(mlp + "fc2_weight", [("mlp.down_proj.weight", shape.hidden)])]
     return table
 
@@ -160,10 +181,11 @@ def fuse_hf_weights(hf_state: Mapping[str, torch.Tensor], table: list[FusedWeigh
         for part in fused.parts:
             if part.hf_name not in hf_state:
                 raise KeyError(f"hf_state: no {part.hf_name!r} (needed for {fused.name})")
-            tensor = hf_state[part.hf_name]
+            tensor = part.take(hf_state[part.hf_name])
             if tensor.shape[0] != part.row_end - part.row_start:
                 raise ValueError(f"hf_state[{part.hf_name!r}]: expected {part.row_end - part.row_start} rows, got "
-                                 f"shape {tuple(tensor.shape)}")
+                                 f"shape {tuple(tensor.shape)}"
+                                 + ("" if part.index is None else f" (expert {part.index})"))
             tensors.append(tensor)
         out[fused.name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
     return out
@@ -176,11 +198,12 @@ def split_fused_weights(our_state: Mapping[str, torch.Tensor], table: list[Fused
         our_state: tensors by name relative to the converted layer (entries not in the table are ignored).
         table: layer_weight_map(...) of that layer.
     Returns:
-        Hugging Face tensors by name relative to its decoder layer.
+        Hugging Face tensors by name relative to its decoder layer (views of ours, except the tensors that stack the
+        experts: those are new, stacked in expert order).
     Raises:
         KeyError: a parameter of the table missing from our_state. ValueError: one with the wrong number of rows.
     """
-    out = {}
+    out, stacked = {}, {}
     for fused in table:
         if fused.name not in our_state:
             raise KeyError(f"our_state: no {fused.name!r}")
@@ -188,5 +211,14 @@ def split_fused_weights(our_state: Mapping[str, torch.Tensor], table: list[Fused
         if tensor.shape[0] != fused.rows:
             raise ValueError(f"our_state[{fused.name!r}]: expected {fused.rows} rows, got {tuple(tensor.shape)}")
         for part in fused.parts:
-            out[part.hf_name] = tensor[part.row_start:part.row_end]
+            block = tensor[part.row_start:part.row_end]
+            block = block.t() if part.transposed else block
+            if part.index is None:
+                out[part.hf_name] = block
+            else:
+                stacked.setdefault(part.hf_name, {})[part.index] = block
+    for hf_name, blocks in stacked.items():
+        if sorted(blocks) != list(range(len(blocks))):
+            raise ValueError(f"table: the experts of {hf_name!r} are {sorted(blocks)}, expected 0..{len(blocks) - 1}")
+        out[hf_name] = torch.stack([blocks[i] for i in range(len(blocks))])
     return out

@@ -1,0 +1,282 @@
+"""Mixture-of-experts benchmarks (issue 23): the grouped FP8 GEMM and an MoE layer, FP8 against BF16.
+
+1. Grouped GEMM TFLOP/s, forward form (out [M, N] = x_g W_gᵀ per group) and weight-gradient form (dW_g = dy_gᵀ x_g),
+   uneven group sizes (drawn once, seeded; the wgrad's rounded to multiples of 16, which its kernel needs):
+   - fp8 grouped: tfp8.grouped_fp8_gemm / grouped_fp8_gemm_wgrad (torch._scaled_grouped_mm's CUTLASS kernel);
+   - bf16 grouped: torch._grouped_mm on the same shapes;
+   - fp8 loop: one tfp8.fp8_gemm (our cuBLASLt dense GEMM) per group, sizes known on the host;
+   - fp8 dense: one tfp8.fp8_gemm of the same FLOPs (M x K x N): the target is grouped >= 85% of it.
+2. MoE layer fwd + bwd (transformer_fp8.moe.MoELayer: router, moe_permute, GroupedLinear fc1 / SwiGLU / fc2,
+   moe_unpermute): hidden 4096, 8 experts of ffn 14336, top-2, 8192 tokens, BF16 parameters: FP8 (delayed and current
+   scaling; group sizes on the device (the grouped kernel, no host sync) or read on the host once per layer (the
+   dense per-expert loop)) against the same layer outside fp8_autocast (its high-precision path: one F.linear per
+   expert) and a BF16 composition on torch._grouped_mm (no host sync). Target: FP8 >= 1.4x BF16. Rows that undo one
+   of MoELayer's FP8 choices measure what it brings: the permutation without 16-row padding (padded wgrad copies),
+   the SwiGLU as its own op (not fused into fc1's backward cast).
+Times: GPU time per call (timing.gpu_time_ms), variants interleaved in rounds (timing.run_rounds): medians.
+
+Usage: python benchmarks/bench_moe.py [--json bench_moe.json] [--rounds 5] [--skip-layer] [--skip-gemm]
+       [--profile top_kernels.txt]
+"""
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from timing import gpu_time_ms, run_rounds
+import transformer_fp8 as te
+from transformer_fp8 import grouped_gemm
+from transformer_fp8.grouped_gemm import group_offsets
+from transformer_fp8.ops import tfp8
+from transformer_fp8.recipe import DelayedScaling, Float8CurrentScaling
+
+E4M3 = torch.float8_e4m3fn
+# (experts, rows M, K, N): Mixtral-8x7B's fc1 (gate | up) and a 64-expert layer of small experts
+GEMM_SHAPES = ((8, 16384, 4096, 28672), (64, 16384, 2048, 1536))
+LAYER = dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=8192)
+
+
+def uneven_splits(groups: int, rows: int, align: int = 1, seed: int = 0) -> list[int]:
+    """Group sizes summing to rows, drawn from a skewed distribution (one group gets none), multiples of align."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(groups, generator=gen) ** 2
+    weights[groups // 2] = 0.0
+    sizes = (weights / weights.sum() * rows / align).floor().long() * align
+    sizes[torch.argmax(weights)] += rows - int(sizes.sum())
+    return sizes.tolist()
+
+
+def fp8(*shape: int) -> torch.Tensor:
+    return (torch.randn(*shape, device="cuda") * 0.5).to(E4M3)
+
+
+def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict, dict]:
+    """({variant: measure() -> TFLOP/s}, info) for one shape."""
+    splits, splits16 = uneven_splits(groups, m), uneven_splits(groups, m, 16)
+    offs, offs16 = (group_offsets(torch.tensor(s, device="cuda")) for s in (splits, splits16))
+    x, w, one = fp8(m, k), fp8(groups, n, k), torch.ones(1, device="cuda")
+    xb, wb = x.bfloat16(), w.bfloat16()
+    dense_w = fp8(n, k)
+    dy_t, x_t = fp8(n, m), fp8(k, m)
+    dy_tb, x_tb = dy_t.bfloat16(), x_t.bfloat16()
+    flops = 2.0 * m * k * n
+
+    def loop():
+        start = 0
+        for g, size in enumerate(splits):
+            if size:
+                tfp8.fp8_gemm(x[start:start + size], one, w[g], one, torch.bfloat16, use_split_accumulator=False)
+            start += size
+
+    ones = {rows: torch.ones(rows, device="cuda") for rows in {n * groups, k * groups}}
+    # the wgrad as a 3d x 3d batched GEMM: every group padded to the largest (sizes known on the host)
+    rows_max = max(splits16)
+    dy3, x3 = fp8(groups, n, rows_max), fp8(groups, k, rows_max)
+
+    def wgrad_bf16_on_fp8():  # (the exact BF16 images of the FP8 operands; the conversions included)
+        return torch._grouped_mm(dy_t.to(torch.bfloat16), x_t.to(torch.bfloat16).t(), offs=offs16)
+
+    fns = {
+        "fprop fp8 grouped": lambda: tfp8.grouped_fp8_gemm(x, one, w, one, offs, torch.bfloat16, False),
+        "fprop bf16 grouped": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=offs),
+        "fprop fp8 loop of dense": loop,
+        "fprop fp8 dense (equal FLOPs)": lambda: tfp8.fp8_gemm(x, one, dense_w, one, torch.bfloat16,
+                                                               use_split_accumulator=False),
+        "wgrad op (grouped_fp8_gemm_wgrad's choice)": lambda: tfp8.grouped_fp8_gemm_wgrad(dy_t, one, x_t, one, offs16,
+                                                                                          torch.bfloat16),
+        "wgrad fp8 grouped (torch FP8 kernel, split accumulator)": lambda: torch._scaled_grouped_mm(
+            dy_t, x_t.t(), ones[n * groups], ones[k * groups], offs=offs16, out_dtype=torch.bfloat16),
+        "wgrad fp8 grouped (torch FP8 kernel, fast accumulation)": lambda: torch._scaled_grouped_mm(
+            dy_t, x_t.t(), ones[n * groups], ones[k * groups], offs=offs16, out_dtype=torch.bfloat16,
+            use_fast_accum=True),
+        "wgrad bf16 kernel on fp8 values (+ conversions)": wgrad_bf16_on_fp8,
+        "wgrad fp8 3d batched, groups padded to the largest": lambda: torch._scaled_grouped_mm(
+            dy3, x3.transpose(-2, -1), ones[n * groups].view(groups, n), ones[k * groups].view(groups, k),
+            out_dtype=torch.bfloat16),
+        "wgrad bf16 grouped": lambda: torch._grouped_mm(dy_tb, x_tb.t(), offs=offs16),
+        "wgrad fp8 dense (equal FLOPs)": lambda: tfp8.fp8_gemm(dy_t, one, x_t, one, torch.bfloat16),
+    }
+    # (wgrad dense: [N, M] x [K, M]ᵀ -> [N, K], contracting over all M rows: the same FLOPs as the grouped wgrad)
+    measures = {name: (lambda fn=fn: flops / gpu_time_ms(fn, warmup=3, iters=iters) / 1e9) for name, fn in fns.items()}
+    return measures, {"groups": groups, "M": m, "K": k, "N": n, "splits": splits, "wgrad_splits": splits16,
+                      "wgrad_3d_rows_per_group": rows_max}
+
+
+def bf16_grouped_moe(layer: torch.nn.Module):
+    """The same MoE computation in BF16 on torch._grouped_mm (differentiable, no host sync): router and permutation
+    as MoELayer's, fc1 / SwiGLU / fc2 per group on the layer's own weights."""
+    def forward(x):
+        logits, probs, indices = layer.router(x)
+        rows, row_id_map, counts = te.moe_permute(x, indices, map_type="index", return_tokens_per_expert=True,
+                                                  num_experts=layer.num_experts)
+        offs = group_offsets(counts)
+        w1 = torch.stack(layer.experts.linear_fc1.weights)  # (a copy per call, as the FP8 path's stacked cast)
+        w2 = torch.stack(layer.experts.linear_fc2.weights)
+        h = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(-2, -1), offs=offs)
+        return te.moe_unpermute(y, row_id_map, probs, map_type="index")
+
+    return forward
+
+
+def variant_moe(layer: torch.nn.Module, host_splits: bool = False, align_size: int = 16,
+                fused_swiglu: bool = True):
+    """The MoELayer's computation with one of its choices changed: the group sizes read on the host once
+    (counts.tolist(): one sync per layer, as Transformer Engine's m_splits lists are; GroupedLinear then runs its dense
+    per-expert loop), the permutation without padding (align_size 1: each GroupedLinear's weight gradient goes
+    through padded copies of its FP8 input and gradient), or the SwiGLU as its own op between fc1 and fc2 (not in
+    fc1's backward cast)."""
+    from transformer_fp8.moe.experts import swiglu
+
+    def forward(x):
+        logits, probs, indices = layer.router(x)
+        rows, row_id_map, counts = te.moe_permute(x, indices, map_type="index", return_tokens_per_expert=True,
+                                                  num_experts=layer.num_experts, align_size=align_size)
+        splits = counts.tolist() if host_splits else counts
+        aligned = align_size % 16 == 0
+        if fused_swiglu:
+            y = layer.experts(rows, splits, splits_aligned=aligned)
+        else:
+            hidden = layer.experts.linear_fc1(rows, splits, splits_aligned=aligned)
+            y = layer.experts.linear_fc2(swiglu(hidden), splits, splits_aligned=aligned)
+        return te.moe_unpermute(y, row_id_map, probs, map_type="index")
+
+    return forward
+
+
+def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module | None = None):
+    """(run(): one fwd + bwd of the benchmark's MoE layer, the layer) for a recipe (None: BF16) and a variant:
+    "layer" (MoELayer itself), "host", "host unaligned", "unaligned", "unfused swiglu" (variant_moe), "bf16 grouped"
+    (bf16_grouped_moe), "fast wgrad" (MoELayer, the FP8 wgrad kernel with fast accumulation)."""
+    from transformer_fp8.moe import MoELayer
+
+    c = LAYER
+    if layer is None:
+        layer = MoELayer(c["hidden"], c["ffn"], c["experts"], c["top_k"], params_dtype=torch.bfloat16,
+                         device="cuda")
+    x = torch.randn(c["tokens"], c["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    fns = {"layer": None, "host": variant_moe(layer, host_splits=True),
+           "host unaligned": variant_moe(layer, host_splits=True, align_size=1),
+           "unaligned": variant_moe(layer, align_size=1), "unfused swiglu": variant_moe(layer, fused_swiglu=False),
+           "bf16 grouped": bf16_grouped_moe(layer)}
+    fn = fns.get(variant)
+    fast_wgrad = variant == "fast wgrad"  # (MoELayer with grouped_gemm.WGRAD_FAST_ACCUMULATION on)
+
+    def run():
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        grouped_gemm.WGRAD_FAST_ACCUMULATION = fast_wgrad
+        try:
+            with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+                out = layer(x) if fn is None else fn(x)
+            out.backward(grad)
+        finally:
+            grouped_gemm.WGRAD_FAST_ACCUMULATION = False
+    return run, layer
+
+
+LAYER_VARIANTS = {  # name: (recipe, variant of make_layer_step)
+    "fp8 delayed (device splits: grouped kernel, no sync)": (DelayedScaling, "layer"),
+    "fp8 current (device splits)": (Float8CurrentScaling, "layer"),
+    "fp8 delayed (device splits, unaligned permute: padded wgrad copies)": (DelayedScaling, "unaligned"),
+    "fp8 delayed (device splits, SwiGLU as its own op)": (DelayedScaling, "unfused swiglu"),
+    "fp8 delayed (device splits, wgrad FP8 fast accumulation)": (DelayedScaling, "fast wgrad"),
+    "fp8 delayed (host splits: dense loop, one sync)": (DelayedScaling, "host"),
+    "fp8 current (host splits)": (Float8CurrentScaling, "host"),
+    "fp8 delayed (host splits, unaligned permute)": (DelayedScaling, "host unaligned"),
+    "bf16 (MoELayer, F.linear per expert)": (None, "layer"),
+    "bf16 (torch._grouped_mm)": (None, "bf16 grouped"),
+}
+
+
+def layer_measures(iters: int) -> tuple[dict, dict]:
+    """({variant: measure() -> ms per fwd + bwd}, the layer's shape); one layer (same weights) for all."""
+    torch.manual_seed(0)
+    _, layer = make_layer_step()
+    measures = {}
+    for name, (recipe, variant) in LAYER_VARIANTS.items():
+        run, _ = make_layer_step(recipe and recipe(), variant, layer)
+        measures[name] = lambda fn=run: gpu_time_ms(fn, warmup=2, iters=iters)
+    return measures, dict(LAYER)
+
+
+def profile_layer(names: list[str], path: str | None, steps: int = 3, top: int = 25) -> str:
+    """The top CUDA kernels (self CUDA time) of `steps` fwd + bwd of each named layer variant, as text tables
+    (written to `path` too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    _, layer = make_layer_step()
+    text = []
+    for name in names:
+        recipe, variant = LAYER_VARIANTS[name]
+        run, _ = make_layer_step(recipe and recipe(), variant, layer)
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                run()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=90)
+        text.append(f"### {name}: {steps} steps\n{table}")
+    out = "\n".join(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(out)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--skip-layer", action="store_true")
+    parser.add_argument("--skip-gemm", action="store_true")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="also profile 3 steps of the FP8 delayed layer (device and host splits): top kernels "
+                             "printed and written to FILE")
+    args = parser.parse_args()
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "gemm": [], "layer": None}
+    print(f"# {results['gpu']}, torch {results['torch']}")
+    for shape in () if args.skip_gemm else GEMM_SHAPES:
+        measures, info = gemm_measures(*shape, iters=args.iters)
+        stats = run_rounds(measures, args.rounds)
+        info["tflops"] = stats
+        results["gemm"].append(info)
+        print(f"\n## grouped GEMM: {info['groups']} experts, M={info['M']} K={info['K']} N={info['N']}, uneven splits "
+              f"{info['splits']}\n| variant | TFLOP/s (median) |\n|---|---|")
+        for name, s in stats.items():
+            print(f"| {name} | {s.get('median', s.get('error'))} |")
+        dense = stats["fprop fp8 dense (equal FLOPs)"].get("median")
+        grouped = stats["fprop fp8 grouped"].get("median")
+        if dense and grouped:
+            print(f"fprop fp8 grouped / dense: {grouped / dense:.2f}")
+    if not args.skip_layer:
+        measures, info = layer_measures(args.iters)
+        stats = run_rounds(measures, args.rounds)
+        info["ms"] = stats
+        results["layer"] = info
+        print(f"\n## MoE layer fwd+bwd: {LAYER}\n| variant | ms (median) | speedup vs bf16 F.linear | vs bf16 "
+              "grouped |\n|---|---|---|---|")
+        base = stats["bf16 (MoELayer, F.linear per expert)"].get("median")
+        grouped = stats["bf16 (torch._grouped_mm)"].get("median")
+        for name, s in stats.items():
+            ms = s.get("median")
+            ratio = lambda b: f"{b / ms:.2f}x" if ms and b else "-"  # noqa: E731
+            print(f"| {name} | {ms if ms else s.get('error')} | {ratio(base)} | {ratio(grouped)} |")
+    if args.profile:
+        print(profile_layer(["fp8 delayed (device splits: grouped kernel, no sync)",
+                             "fp8 delayed (host splits: dense loop, one sync)"], args.profile))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

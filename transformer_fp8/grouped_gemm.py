@@ -1,0 +1,110 @@
+"""The CUDA kernels of the grouped FP8 GEMM ops (grouped_fp8_gemm, grouped_fp8_gemm_wgrad; contracts in csrc/ops.cpp),
+and the device-side group bookkeeping GroupedLinear uses with them.
+
+What the grouped GEMM is built on: torch._scaled_grouped_mm (torch >= 2.9), whose Hopper kernel is a CUTLASS grouped
+GEMM reading the group offsets on the device: no host sync, empty groups allowed. It was the fastest option we
+measured on the H100 with torch 2.11 (benchmarks/bench_moe.py); cuBLASLt 13.1 has no grouped FP8 GEMM on Hopper, and a
+loop of dense GEMMs needs the group sizes on the host. Its limits, which the ops' contracts carry: E4M3 operands only
+(GroupedLinear casts gradients to E4M3 under every format), a bfloat16 output, rowwise float32 scales (a per-tensor
+scale is expanded), and for the weight gradient (the contraction over the grouped rows) every group size a multiple
+of 16 (padded_groups below makes such a layout from any group sizes).
+"""
+import torch
+
+from .cpu.moe_grouped_gemm import check_grouped_gemm, check_grouped_wgrad
+
+ALIGN = 16  # rows per group the wgrad kernel needs (16 bytes of FP8)
+
+
+def _check_multiple_of_16(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if value % ALIGN:
+            raise ValueError(f"{name}: expected a multiple of {ALIGN} (the grouped FP8 kernel's 16-byte alignment), "
+                             f"got {value}")
+
+
+@torch.library.register_kernel("transformer_fp8::grouped_fp8_gemm", "cuda")
+def _grouped_fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                      offs: torch.Tensor, out_dtype: torch.dtype, use_split_accumulator: bool = True) -> torch.Tensor:
+    check_grouped_gemm(a, a_scale_inv, b, b_scale_inv, offs, out_dtype)
+    g, n, k = b.shape
+    _check_multiple_of_16(N=n, K=k)
+    m = a.shape[0]
+    if m == 0:
+        return a.new_empty((0, n), dtype=out_dtype)
+    scale_a = a_scale_inv.expand(m).contiguous()
+    scale_b = b_scale_inv.reshape(-1, 1).expand(g, n).contiguous()
+    out = torch._scaled_grouped_mm(a, b.transpose(-2, -1), scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
+                                   use_fast_accum=not use_split_accumulator)
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+
+# The weight gradient of groups averaging fewer rows than this runs torch's BF16 grouped kernel on BF16 copies of the
+# FP8 operands (b_t's exact; a_t's times both scales, rounded to BF16: 2**-9, far below the FP8 rounding; float32
+# sums): about the numbers of an FP8 GEMM with a split accumulator, faster. H100, torch 2.11 (bench_moe.py, RESULTS.md
+# 2026-11-26 session 2): 64 groups of ~256 rows (K=2048, N=1536): torch's FP8 2d x 2d kernel 129 TFLOP/s with a
+# split accumulator, BF16 on converted operands 222 (conversions included); 8 groups of ~2048 rows: FP8 756, BF16
+# 465. Read at each call; 0 turns the BF16 kernel off.
+WGRAD_BF16_BELOW_ROWS_PER_GROUP = 1024
+# The FP8 wgrad kernel's accumulation: False (default, Transformer Engine's choice for wgrad) promotes the partial
+# sums to float32 (split accumulator); True keeps Hopper's fast FP8 accumulation, less precise over long groups and
+# faster: 947 against 756 TFLOP/s at 8 groups, 365 against 129 at 64 (same H100 run). Read at each call.
+WGRAD_FAST_ACCUMULATION = False
+
+
+@torch.library.register_kernel("transformer_fp8::grouped_fp8_gemm_wgrad", "cuda")
+def _grouped_fp8_gemm_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tensor,
+                            b_scale_inv: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    check_grouped_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offs, out_dtype)
+    g, n, k, m = offs.numel(), a_t.shape[0], b_t.shape[0], a_t.shape[1]
+    _check_multiple_of_16(N=n, K=k, M=m)
+    if m == 0:
+        return a_t.new_zeros((g, n, k), dtype=out_dtype)
+    if m < WGRAD_BF16_BELOW_ROWS_PER_GROUP * g:  # (the scales go into a's copy: no pass over the output)
+        a = a_t.to(torch.bfloat16).mul_(a_scale_inv * b_scale_inv)
+        out = torch._grouped_mm(a, b_t.to(torch.bfloat16).t(), offs=offs)
+    else:
+        out = torch._scaled_grouped_mm(a_t, b_t.t(), a_scale_inv.expand(g * n).contiguous(),
+                                       b_scale_inv.expand(g * k).contiguous(), offs=offs, out_dtype=torch.bfloat16,
+                                       use_fast_accum=WGRAD_FAST_ACCUMULATION)
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+
+def group_offsets(m_splits: torch.Tensor) -> torch.Tensor:
+    """Rows per group (integer tensor [G]) -> the groups' cumulative ends, int32 [G] (the ops' offs)."""
+    return torch.cumsum(m_splits, 0, dtype=torch.int32)
+
+
+def padded_rows_bound(rows: int, groups: int, align: int = ALIGN) -> int:
+    """Rows of the padded layout for `rows` rows in `groups` groups: enough for every group rounded up to `align`
+    rows, itself a multiple of `align` (known on the host without the group sizes)."""
+    return -(-(rows + (align - 1) * groups) // align) * align
+
+
+def padded_groups(m_splits: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layout where every group starts at a multiple of ALIGN rows, made on the device (no sync).
+
+    Args:
+        m_splits: rows per group, an integer tensor [G] (summing to `rows`).
+        rows: the number of rows of the unpadded tensor.
+
+    Returns:
+        (source_rows int32 [padded_rows_bound(rows, G)]: the unpadded row each padded row copies, -1 for padding
+        (moe_permute_rows with slots_per_token=1 makes the padded tensor, zeros in the padding),
+        offs int32 [G]: the padded groups' cumulative ends, the last one extended to the padded size (the trailing
+        padding joins the last group: zeros add nothing to its wgrad)).
+    """
+    groups = m_splits.numel()
+    total = padded_rows_bound(rows, groups)
+    sizes = m_splits.to(torch.int32)
+    starts = torch.cumsum(sizes, 0, dtype=torch.int32) - sizes
+    padded = (sizes + (ALIGN - 1)) // ALIGN * ALIGN
+    padded_ends = torch.cumsum(padded, 0, dtype=torch.int32)
+    padded_starts = padded_ends - padded
+    position = torch.arange(total, dtype=torch.int32, device=m_splits.device)
+    group = torch.searchsorted(padded_ends, position, right=True).clamp_(max=groups - 1)
+    local = position - padded_starts[group]
+    source = torch.where(local < sizes[group], starts[group] + local, -1).to(torch.int32)
+    # (the last end set to `total` by a device op: an indexed assignment of a host number would copy it over, a sync)
+    offs = torch.cat((padded_ends[:-1], padded_ends.new_full((1,), total)))
+    return source, offs
