@@ -22,17 +22,17 @@ from typing import Dict, List
 HERE = Path(__file__).resolve().parent
 
 
-def run_workloads(tree: Path) -> Dict[str, float]:
+def run_workloads(tree: Path, only_host: bool) -> Dict[str, float]:
     """One process of ab_workloads.py with `tree`'s transformer_fp8 first on the path.
 
     Args:
-        tree: a source tree with transformer_fp8 built in place.
+        tree: a source tree with transformer_fp8 built in place. only_host: pass --only-host.
     Returns:
         {workload: value}.
     """
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}
-    done = subprocess.run([sys.executable, str(HERE / "ab_workloads.py")], env=env, capture_output=True, text=True,
-                          check=False)
+    command = [sys.executable, str(HERE / "ab_workloads.py"), *(["--only-host"] if only_host else [])]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"ab_workloads.py on {tree} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--llama", action="store_true", help="also the Llama 1.1B step (about a minute a run)")
     parser.add_argument("--llama-steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only-host", action="store_true", help="only the Linear host-time workload")
     parser.add_argument("--json", help="write the table here")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -93,7 +94,7 @@ def main() -> None:
         order = list(trees)
         rng.shuffle(order)
         for side in order:
-            result = run_workloads(trees[side])
+            result = run_workloads(trees[side], args.only_host)
             if args.llama:
                 result.update(run_llama(trees[side], args.llama_steps))
             for workload, value in result.items():

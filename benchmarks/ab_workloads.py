@@ -2,8 +2,9 @@
 
 Measures, with whichever transformer_fp8 is first on sys.path and only its public API (so that two versions of the
 library run the same code):
-- `linear_host_us`: host time of one FP8 te.Linear(1024, 1024) forward+backward at 128 tokens (DelayedScaling, the
-  small-shape automatic path off): the per-call Python and dispatch cost a refactor can add;
+- `linear_host_{delayed,current}_us`: host time of one FP8 te.Linear(1024, 1024) forward+backward at 128 tokens (the
+  small-shape automatic path off; delayed runs the C++ node, current the autograd Function): the per-call Python and
+  dispatch cost a refactor can add;
 - GPU time per forward+backward (CUDA events around back-to-back calls) of te.Linear 8192x4096->4096,
   te.LayerNormMLP 8192x4096 (ffn 16384) and the performance guide's te.TransformerLayer (hidden 4096, ffn 16384,
   32 heads, seq 2048 x batch 4, fp16), each under DelayedScaling and Float8CurrentScaling.
@@ -57,19 +58,26 @@ def modules(dtype: torch.dtype) -> Dict[str, tuple]:
     }
 
 
-def measure() -> Dict[str, float]:
-    """Returns:
-        {workload: value}: µs for linear_host_us, ms per forward+backward for the others."""
+def measure(only_host: bool = False) -> Dict[str, float]:
+    """Args:
+        only_host: measure the linear_host_* workloads only.
+    Returns:
+        {workload: value}: µs for the linear_host_* ones, ms per forward+backward for the others."""
     te.set_fp8_min_gemm_size(0)
     torch.manual_seed(0)
     result = {}
-    small = te.Linear(1024, 1024, params_dtype=torch.bfloat16, device="cuda")
-    step = train_step(small, torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16), RECIPES["delayed"])
-    for _ in range(20):
-        step()
-    # host time from an idle GPU, few calls at a time (the launch queue must not fill): the median of 15 samples
-    host = [host_time_us(step, iters=8, warmup=1) for _ in range(15)]
-    result["linear_host_us"] = round(sorted(host)[len(host) // 2], 1)
+    x_small = torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16)
+    for recipe_name, fp8_recipe in RECIPES.items():  # (delayed: the C++ node; current: the autograd Function)
+        small = te.Linear(1024, 1024, params_dtype=torch.bfloat16, device="cuda")
+        step = train_step(small, x_small, fp8_recipe)
+        for _ in range(20):
+            step()
+        # at this size the host is slower than the GPU's kernels, so the launch queue never fills: the median of 9
+        # samples of 100 calls each (short bursts from an idle GPU varied 300-535 µs between processes)
+        host = [host_time_us(step, iters=100, warmup=5) for _ in range(9)]
+        result[f"linear_host_{recipe_name}_us"] = round(sorted(host)[len(host) // 2], 1)
+    if only_host:
+        return result
     for name, (factory, x) in modules(torch.bfloat16).items():
         for recipe_name, fp8_recipe in RECIPES.items():
             model = factory()
@@ -83,10 +91,11 @@ def measure() -> Dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the result here")
+    parser.add_argument("--only-host", action="store_true", help="only the Linear host times")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ab_workloads.py needs a CUDA GPU")
-    result = {"library": te.__file__, **measure()}
+    result = {"library": te.__file__, **measure(args.only_host)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
