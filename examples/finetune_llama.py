@@ -214,12 +214,19 @@ def training_loss(model, batch, args):
     return model(input_ids=batch, labels=batch).loss
 
 
-def fp8_context(fp8):
+RECIPES = {  # --recipe: the FP8 scaling of the fp8 run
+    "delayed": lambda: te.recipe.DelayedScaling(fp8_format=te.recipe.Format.HYBRID, amax_history_len=16,
+                                                amax_compute_algo="max"),
+    "current": lambda: te.recipe.Float8CurrentScaling(fp8_format=te.recipe.Format.HYBRID),
+    "block": lambda: te.recipe.Float8BlockScaling(),  # (E4M3, 1x128 tiles for activations and gradients, 128x128
+}                                                     # blocks for weights: TE's defaults)
+
+
+def fp8_context(fp8, recipe="delayed"):
+    """fp8_autocast with the recipe named `recipe` (a key of RECIPES) when fp8, else a no-op context."""
     if not fp8:
         return contextlib.nullcontext()
-    fp8_recipe = te.recipe.DelayedScaling(fp8_format=te.recipe.Format.HYBRID, amax_history_len=16,
-                                          amax_compute_algo="max")
-    return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
+    return te.fp8_autocast(enabled=True, fp8_recipe=RECIPES[recipe]())
 
 
 @torch.no_grad()
@@ -233,7 +240,7 @@ def evaluate(model, tokens, args, fp8, device, max_batches=8):
     losses = []
     for batch in windows.split(args.batch_size):
         batch = batch.to(device)
-        with fp8_context(fp8):
+        with fp8_context(fp8, getattr(args, "recipe", "delayed")):
             losses.append(training_loss(model, batch, args).float())
     model.train()
     return torch.stack(losses).mean().item()
@@ -368,7 +375,7 @@ def train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, d
         step_loss = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
             batch = batches.next().to(device)
-            with fp8_context(fp8), microbatch(model, is_first=micro == 0):
+            with fp8_context(fp8, args.recipe), microbatch(model, is_first=micro == 0):
                 loss = training_loss(model, batch, args)
             (loss / args.grad_accum).backward()
             step_loss += loss.detach().float() / args.grad_accum
@@ -388,7 +395,7 @@ def train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, d
     timed_steps = args.steps - timed_from
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
     summary = {
-        "precision": precision,
+        "precision": precision, "recipe": args.recipe if fp8 else None,
         "losses": losses,
         "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,  # mean of the last 10 steps
         "eval_loss": evaluate(model, eval_tokens, args, fp8, device),
@@ -525,6 +532,10 @@ def parse_args(argv):
     p.add_argument("--model", help="local Hugging Face checkpoint directory (default: a small Llama, random init)")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="local .txt or .jsonl (field 'text')")
     p.add_argument("--precision", choices=("both", "bf16", "fp8"), default="both")
+    p.add_argument("--recipe", choices=tuple(RECIPES), default="delayed",
+                   help="FP8 scaling of the fp8 run: delayed (DelayedScaling, HYBRID), current "
+                        "(Float8CurrentScaling) or block (Float8BlockScaling: 1x128 tiles, 128x128 weight blocks); "
+                        "the sample after training runs with per-tensor FP8 weights under delayed scaling")
     p.add_argument("--fp8-layers", choices=("transformer", "linear"), default="transformer",
                    help="FP8 run: replace each LlamaDecoderLayer by our TransformerLayer (default), or only swap the "
                         "nn.Linear layers for our Linear")

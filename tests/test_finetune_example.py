@@ -53,6 +53,19 @@ def test_runs_both_precisions_and_writes_its_summary(example, tmp_path):
             t for t in sample["token_ids"] if t < 256).decode("utf-8", errors="replace")
 
 
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_other_recipes_track_bf16(example, tmp_path, recipe):
+    """--recipe current / block: the fp8 run uses that recipe (named in its summary) and its losses track BF16's
+    (same init, same batches) as delayed scaling's do."""
+    example.main(["--device", "cpu", "--steps", "3", "--recipe", recipe, "--sample-tokens", "0", "--out",
+                  str(tmp_path)])
+    runs = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    assert runs["fp8"]["recipe"] == recipe and runs["bf16"]["recipe"] is None
+    for a, b in zip(runs["bf16"]["losses"], runs["fp8"]["losses"]):
+        assert math.isfinite(b) and abs(a - b) < 0.02 * a
+    assert math.isfinite(runs["fp8"]["eval_loss"])
+
+
 @pytest.mark.parametrize("fp8_layers", ["transformer", "linear"])
 def test_samples_are_the_greedy_choices_of_the_saved_models(example, tmp_path, fp8_layers):
     """Each run's sample, read back by plain transformers from the run's --save-hf checkpoint (its trained weights,
