@@ -179,9 +179,7 @@ class Linear(FP8ModuleBase):
             inp = inp if inp.is_contiguous() else inp.contiguous()
             quantizers = self.quantizers
             if self._native_node_applies(quantizers, inp, bias, is_first_microbatch, residual, state):
-                return _C.fp8_linear(inp, self.weight, bias, quantizers.backward_registration(state.group),
-                                     quantizers[Role.INPUT].output_args(), quantizers[Role.WEIGHT].output_args(),
-                                     quantizers[Role.GRAD_OUTPUT].output_args(),
+                return _C.fp8_linear(inp, self.weight, bias, *quantizers.linear_node_args(state.group),
                                      base.keeps_weight_transpose(self.weight, is_first_microbatch))
             return _FP8Linear.apply(inp, self.weight, bias, quantizers, self.tp, self._weight_cache,
                                     self.fuse_wgrad_accumulation, torch.is_grad_enabled(), is_first_microbatch,
@@ -203,8 +201,7 @@ class Linear(FP8ModuleBase):
         calibrates them in Python; the node casts with the slots' scales and registers the gradient state), a bias
         in the input's 16-bit dtype, outside checkpoint regions and torch.compile (which trace the Function)."""
         return (NATIVE_NODE and self._plain and residual is None and is_first_microbatch is None and
-                quantizers.fused_per_tensor and quantizers[Role.INPUT].known_scale and
-                quantizers[Role.GRAD_OUTPUT].known_scale and state.checkpoint is None and
+                quantizers.scales_known_per_tensor() and state.checkpoint is None and
                 (bias is None or bias.dtype == inp.dtype != torch.float32) and not torch.compiler.is_compiling())
 
     def _parallel_forward(self, inp, is_first_microbatch, residual, relay):

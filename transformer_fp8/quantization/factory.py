@@ -188,6 +188,26 @@ class QuantizerSet:
         else:
             update.register_backward(state, self.recipe, group)
 
+    def scales_known_per_tensor(self) -> bool:
+        """Returns:
+            Whether every role's per-tensor scale is known before its cast: the fused per-tensor ops apply and both
+            states have had their first fused update (delayed rules; the first step calibrates them in Python). The
+            C++ Linear node's condition, tested in one call (a small layer's host time counts)."""
+        return self.fused_per_tensor and self.updates_by_history and self._fwd_state.calibrated and \
+            self._bwd_state.calibrated
+
+    def linear_node_args(self, group: Any) -> tuple:
+        """The C++ Linear node's scaling arguments in one call (a small layer's host time counts).
+
+        Args:
+            group: the autocast's fp8_group.
+        Returns:
+            (backward_registration(group), then output_args() of the INPUT, WEIGHT and GRAD_OUTPUT roles).
+        """
+        quantizers = self._quantizers
+        return ((self._bwd_state, self.recipe, group), quantizers[Role.INPUT].output_args(),
+                quantizers[Role.WEIGHT].output_args(), quantizers[Role.GRAD_OUTPUT].output_args())
+
     def backward_registration(self, group: Any) -> tuple:
         """Returns:
             The arguments of update.register_backward for this set's gradient state (what the C++ Linear node calls
