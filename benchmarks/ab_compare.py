@@ -22,16 +22,17 @@ from typing import Dict, List
 HERE = Path(__file__).resolve().parent
 
 
-def run_workloads(tree: Path, only_host: bool) -> Dict[str, float]:
+def run_workloads(tree: Path, only_host: bool, device: str) -> Dict[str, float]:
     """One process of ab_workloads.py with `tree`'s transformer_fp8 first on the path.
 
     Args:
-        tree: a source tree with transformer_fp8 built in place. only_host: pass --only-host.
+        tree: a source tree with transformer_fp8 built in place. only_host: pass --only-host. device: --device.
     Returns:
         {workload: value}.
     """
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}
-    command = [sys.executable, str(HERE / "ab_workloads.py"), *(["--only-host"] if only_host else [])]
+    command = [sys.executable, str(HERE / "ab_workloads.py"), *(["--only-host"] if only_host else []),
+               "--device", device]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"ab_workloads.py on {tree} failed:\n{done.stderr[-3000:]}")
@@ -82,9 +83,13 @@ def main() -> None:
     parser.add_argument("--llama", action="store_true", help="also the Llama 1.1B step (about a minute a run)")
     parser.add_argument("--llama-steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only-host", action="store_true", help="only the Linear host-time workload")
+    parser.add_argument("--only-host", action="store_true", help="only the Linear host-time workloads")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu", "meta"],
+                        help="cpu / meta: the host-time workloads on the CPU reference / fake kernels (no --llama)")
     parser.add_argument("--json", help="write the table here")
     args = parser.parse_args()
+    if args.device != "cuda" and args.llama:
+        parser.error("--llama: needs --device cuda")
     if args.rounds < 1:
         parser.error(f"--rounds: expected >= 1, got {args.rounds}")
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
@@ -94,7 +99,7 @@ def main() -> None:
         order = list(trees)
         rng.shuffle(order)
         for side in order:
-            result = run_workloads(trees[side], args.only_host)
+            result = run_workloads(trees[side], args.only_host, args.device)
             if args.llama:
                 result.update(run_llama(trees[side], args.llama_steps))
             for workload, value in result.items():

@@ -58,17 +58,21 @@ def modules(dtype: torch.dtype) -> Dict[str, tuple]:
     }
 
 
-def measure(only_host: bool = False) -> Dict[str, float]:
+def measure(only_host: bool = False, device: str = "cuda") -> Dict[str, float]:
     """Args:
         only_host: measure the linear_host_* workloads only.
+        device: "cuda"; "cpu" for the host workloads at 16 x 64 -> 64 on the CPU reference kernels (the same
+            kernels in both trees); "meta" for them on meta tensors (the ops' fake kernels: no kernel work at all, so
+            what is timed is the modules' Python and the dispatcher, the part a refactor changes).
     Returns:
         {workload: value}: µs for the linear_host_* ones, ms per forward+backward for the others."""
     te.set_fp8_min_gemm_size(0)
     torch.manual_seed(0)
     result = {}
-    x_small = torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16)
+    tokens, width = (128, 1024) if device == "cuda" else (16, 64)
+    x_small = torch.randn(tokens, width, device=device, dtype=torch.bfloat16)
     for recipe_name, fp8_recipe in RECIPES.items():  # (delayed: the C++ node; current: the autograd Function)
-        small = te.Linear(1024, 1024, params_dtype=torch.bfloat16, device="cuda")
+        small = te.Linear(width, width, params_dtype=torch.bfloat16, device=device)
         step = train_step(small, x_small, fp8_recipe)
         for _ in range(20):
             step()
@@ -76,7 +80,7 @@ def measure(only_host: bool = False) -> Dict[str, float]:
         # samples of 100 calls each (short bursts from an idle GPU varied 300-535 µs between processes)
         host = [host_time_us(step, iters=100, warmup=5) for _ in range(9)]
         result[f"linear_host_{recipe_name}_us"] = round(sorted(host)[len(host) // 2], 1)
-    if only_host:
+    if only_host or device != "cuda":
         return result
     for name, (factory, x) in modules(torch.bfloat16).items():
         for recipe_name, fp8_recipe in RECIPES.items():
@@ -92,10 +96,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--only-host", action="store_true", help="only the Linear host times")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu", "meta"],
+                        help="cpu / meta: the host workloads only, on the CPU reference / fake kernels")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("ab_workloads.py needs a CUDA GPU")
-    result = {"library": te.__file__, **measure(args.only_host)}
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("ab_workloads.py needs a CUDA GPU (or --device cpu)")
+    result = {"library": te.__file__, **measure(args.only_host, args.device)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
