@@ -12,10 +12,11 @@ import torch
 import torch.nn as nn
 
 import transformer_fp8 as te
+from tests.hf_grads import grads_under_hf_names
 from tests.utils import FP8_RTOL, rel_error
 from transformer_fp8 import recipe
-from transformer_fp8.integrations import (LlamaTransformerLayer, convert_model, gradient_checkpointing_enable,
-                                          layer_weight_map, to_hf_state_dict)
+from transformer_fp8.integrations import (convert_model, gradient_checkpointing_enable, layer_weight_map,
+                                          to_hf_state_dict)
 from transformer_fp8.integrations.hf_mapping import fuse_hf_weights, split_fused_weights
 from transformer_fp8.integrations.moe_decoder import MoETransformerLayer
 from transformer_fp8.integrations.moe_mapping import expert_layout
@@ -57,19 +58,6 @@ def tiny_model(family, dtype=torch.float32, **overrides):
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.5)
     return model.to(dtype).eval()
-
-
-def grads_under_hf_names(converted):
-    """Every parameter gradient of a converted model, keyed by the Hugging Face parameter name (experts no token
-    went to: zeros, as transformers' stacked expert tensors have)."""
-    out = {}
-    for name, module in converted.named_modules():
-        if isinstance(module, LlamaTransformerLayer):
-            grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in module.named_parameters()}
-            out.update({f"{name}.{k}": g for k, g in split_fused_weights(grads, layer_weight_map(module)).items()})
-    layer_names = tuple(name + "." for name, m in converted.named_modules() if isinstance(m, LlamaTransformerLayer))
-    out.update({n: p.grad for n, p in converted.named_parameters() if not n.startswith(layer_names)})
-    return out
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import transformer_fp8 as te
+from tests.hf_grads import grads_under_hf_names
 from tests.utils import FP8_RTOL, rel_error
 from transformer_fp8 import recipe
 from transformer_fp8.integrations import LlamaTransformerLayer, convert_model, layer_weight_map
@@ -51,18 +52,6 @@ def tiny_model(family, dtype=torch.float32, **overrides):
             elif name.endswith(".bias"):
                 p.uniform_(-0.2, 0.2)  # (large q/k biases saturate the softmax: tiny, cancelling q/k gradients)
     return model.to(dtype).eval()
-
-
-def grads_under_hf_names(converted):
-    """Every parameter gradient of a converted model, keyed by the Hugging Face parameter name."""
-    out = {}
-    for name, module in converted.named_modules():
-        if isinstance(module, LlamaTransformerLayer):
-            grads = {n: p.grad for n, p in module.named_parameters()}
-            out.update({f"{name}.{k}": g for k, g in split_fused_weights(grads, layer_weight_map(module)).items()})
-    layer_names = tuple(name + "." for name, m in converted.named_modules() if isinstance(m, LlamaTransformerLayer))
-    out.update({n: p.grad for n, p in converted.named_parameters() if not n.startswith(layer_names)})
-    return out
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

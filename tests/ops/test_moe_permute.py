@@ -60,6 +60,13 @@ def test_permute_rows_moves_fp8_bytes(fp8_dtype):
     assert torch.equal(bytes_out[3], bytes_in[5])
 
 
+def routed_slots(row_id_map, rows):
+    """(token, slot, row) of every slot of row_id_map [tokens, slots] whose row is in [0, rows)."""
+    tokens, slots = row_id_map.shape
+    routes = [(t, s, int(row_id_map[t, s])) for t in range(tokens) for s in range(slots)]
+    return [(t, s, r) for t, s, r in routes if 0 <= r < rows]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_probs", (False, True))
 def test_unpermute_rows_and_probs_grad_match_formula(dtype, with_probs):
@@ -70,21 +77,15 @@ def test_unpermute_rows_and_probs_grad_match_formula(dtype, with_probs):
     probs = torch.rand(tokens, slots) if with_probs else None
     out = ops.moe_unpermute_rows(inp, row_id_map, probs)
     ref = torch.zeros(tokens, hidden, dtype=torch.float64)
-    for t in range(tokens):
-        for s in range(slots):
-            r = int(row_id_map[t, s])
-            if 0 <= r < rows:
-                ref[t] += inp[r].double() * (float(probs[t, s]) if with_probs else 1.0)
+    for t, s, r in routed_slots(row_id_map, rows):
+        ref[t] += inp[r].double() * (float(probs[t, s]) if with_probs else 1.0)
     tol = 1e-6 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
     grad = torch.randn(tokens, hidden, dtype=dtype)
     d_probs = ops.moe_merging_probs_grad(grad, inp, row_id_map)
     ref_d = torch.zeros(tokens, slots, dtype=torch.float64)
-    for t in range(tokens):
-        for s in range(slots):
-            r = int(row_id_map[t, s])
-            if 0 <= r < rows:
-                ref_d[t, s] = (grad[t].double() * inp[r].double()).sum()
+    for t, s, r in routed_slots(row_id_map, rows):
+        ref_d[t, s] = (grad[t].double() * inp[r].double()).sum()
     assert d_probs.dtype == torch.float32
     torch.testing.assert_close(d_probs.double(), ref_d, rtol=1e-5, atol=1e-5)
 

@@ -19,26 +19,26 @@ def _check_high_precision(t, arg):
         raise TypeError(f"{arg}: expected a float32, float16 or bfloat16 tensor, got {t.dtype}")
 
 
-def _check_index(t, data, dim, arg):
+def _check_side_tensor(t, data, dtype, dtype_words, arg, shape_ok, expected_shape):
+    """t (an index or weight tensor beside `data`): on data's device, of `dtype`, shape_ok, contiguous, in that
+    order; dtype_words and expected_shape word the dtype and the shape in the errors."""
     if t.device != data.device:
         raise ValueError(f"{arg}: expected a tensor on {data.device}, got one on {t.device}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{arg}: expected an int32 tensor, got {t.dtype}")
-    if t.dim() != dim:
-        raise ValueError(f"{arg}: expected a {dim}-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{arg}: expected {dtype_words} tensor, got {t.dtype}")
+    if not shape_ok:
+        raise ValueError(f"{arg}: expected {expected_shape}, got shape {tuple(t.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{arg}: expected a contiguous tensor (got strides {t.stride()})")
 
 
+def _check_index(t, data, dim, arg):
+    _check_side_tensor(t, data, torch.int32, "an int32", arg, t.dim() == dim, f"a {dim}-D tensor")
+
+
 def _check_probs(probs, data, numel, arg):
-    if probs.device != data.device:
-        raise ValueError(f"{arg}: expected a tensor on {data.device}, got one on {probs.device}")
-    if probs.dtype != torch.float32:
-        raise TypeError(f"{arg}: expected a float32 tensor, got {probs.dtype}")
-    if probs.numel() != numel:
-        raise ValueError(f"{arg}: expected {numel} elements (tokens x slots), got shape {tuple(probs.shape)}")
-    if not probs.is_contiguous():
-        raise ValueError(f"{arg}: expected a contiguous tensor (got strides {probs.stride()})")
+    _check_side_tensor(probs, data, torch.float32, "a float32", arg, probs.numel() == numel,
+                       f"{numel} elements (tokens x slots)")
 
 
 def _gather(inp, rows, valid):
