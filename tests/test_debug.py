@@ -1,5 +1,6 @@
 """Seeing what FP8 does: the small-shape fallback's warning, threshold switch and call counters (module/base.py), and
 transformer_fp8.debug (per-role stats against float64, fp8_disabled, zero cost until enabled, the report)."""
+import math
 import os
 import subprocess
 import sys
@@ -244,6 +245,97 @@ def test_norm_module_stats_match_float64(device):
         assert row["fp8_calls"] == 1 and all(row[k] != row[k] for k in debug.STAT_NAMES), role  # NaN: not seen
     report = debug.report(model)
     assert "fc1_grad_output" in report and "0 " in report and "1 " in report
+
+
+# --- block scaling: tile scales ---
+
+def block_reference(x, block_dim, fp8_dtype, power_2_scale=True, amax_epsilon=0.0):
+    """(amax, smallest and largest tile scale, flushed, saturated) of a block cast of x (2-D as the module casts it)
+    in float64, one tile at a time: scale = fp8_max / max(amax, epsilon) divided in float32, rounded down to a power
+    of two by log2 (not by the implementation's bit mask), 1 for an all-zero tile."""
+    x64 = x.detach().double().reshape(-1, x.shape[-1]).cpu()
+    rows, cols = x64.shape
+    tile_rows = 1 if block_dim == 1 else 128
+    scale = torch.empty_like(x64)
+    for i in range(0, rows, tile_rows):
+        for j in range(0, cols, 128):
+            amax = max(x64[i:i + tile_rows, j:j + 128].abs().max().item(), amax_epsilon)
+            s = (torch.tensor(FP8_MAX[fp8_dtype]) / torch.tensor(amax, dtype=torch.float32)).item() if amax else 1.0
+            scale[i:i + tile_rows, j:j + 128] = 2.0 ** math.floor(math.log2(s)) if power_2_scale and amax else s
+    scaled = (x64 * scale).float().double().abs()
+    flushed = ((scaled <= HALF_MIN_SUBNORMAL[fp8_dtype]) & (x64 != 0)).double().mean().item()
+    saturated = (scaled > CLAMPED_ABOVE[fp8_dtype]).double().mean().item()
+    return x64.abs().max().item(), scale.min().item(), scale.max().item(), flushed, saturated
+
+
+def check_block_role(row, x, block_dim, fp8_dtype, qparams, numel_slack=0):
+    amax, scale_min, scale_max, flushed, saturated = block_reference(x, block_dim, fp8_dtype, qparams.power_2_scale,
+                                                                     qparams.amax_epsilon)
+    assert row["layout"] == ("block_1x128" if block_dim == 1 else "block_128x128")
+    assert math.isnan(row["scale"])  # (no single scale)
+    assert row["amax"] == pytest.approx(amax, rel=1e-5)
+    assert row["scale_min"] == pytest.approx(scale_min, rel=1e-6)
+    assert row["scale_max"] == pytest.approx(scale_max, rel=1e-6)
+    slack = numel_slack / x.numel() + 1e-9
+    assert abs(row["flushed"] - flushed) <= slack, (row["flushed"], flushed)
+    assert abs(row["saturated"] - saturated) <= slack, (row["saturated"], saturated)
+    return flushed
+
+
+def plant_tiles(t, big, tiny):
+    """Row 0's first tile: one huge value and tiny ones (flushed by that tile's scale); row 1's first tile: only tiny
+    values (kept by its own scale; one per-tensor scale from `big` would flush them); zeros."""
+    t[0, 0], t[0, 1:9], t[2, :3] = big, tiny, 0.0
+    t[1, :128] = torch.linspace(tiny, 2 * tiny, 128, dtype=t.dtype, device=t.device)
+
+
+BLOCK_DEBUG_RECIPES = {
+    "E4M3": te.recipe.Float8BlockScaling(),
+    "HYBRID-fp32-scales": te.recipe.Float8BlockScaling(
+        fp8_format=te.recipe.Format.HYBRID, fp8_quant_fwd_inp=te.recipe.QParams(power_2_scale=False),
+        fp8_quant_fwd_weight=te.recipe.QParams(power_2_scale=False),
+        fp8_quant_bwd_grad=te.recipe.QParams(power_2_scale=False, amax_epsilon=1e-3)),
+    "x-128x128-w-1x128": te.recipe.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe_name", sorted(BLOCK_DEBUG_RECIPES))
+def test_block_scaling_stats_use_the_tile_scales(device, recipe_name):
+    """Under Float8BlockScaling every element is judged with its own tile's scale (float64 reference above), for a
+    Linear and a LayerNormMLP: the planted tiny values count as flushed in the huge value's tile only."""
+    recipe = BLOCK_DEBUG_RECIPES[recipe_name]
+    x_dim, w_dim, g_dim = recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim
+    linear = te.Linear(256, 160, params_dtype=torch.float32, device=device)
+    mlp = te.LayerNormMLP(160, 192, params_dtype=torch.float32, device=device)
+    model = torch.nn.Sequential(linear, mlp)
+    debug.enable(model)
+    x, g = torch.randn(40, 256, device=device), torch.randn(40, 160, device=device)
+    plant_tiles(x, 1e4, 1e-4)  # (a range of 1e8: beyond E4M3's 2**18.8 from max to half the smallest subnormal)
+    plant_tiles(g, 1e3, 1e-8)  # (1e11: beyond E5M2's 2**32.8)
+    with te.fp8_autocast(fp8_recipe=recipe):
+        hidden = linear(x.requires_grad_())
+        h = hidden.detach().requires_grad_()  # (h.grad: the Linear's output gradient)
+        y = mlp(h)
+    y.backward(g)
+    hidden.backward(h.grad)
+    rows = debug.stats(model)
+    fwd, bwd = linear.fwd_dtype, linear.bwd_dtype
+    flushed = check_block_role(rows["0"]["input"], x, x_dim, fwd, recipe.fp8_quant_fwd_inp)
+    assert flushed >= 8 / x.numel() if x_dim == 1 else flushed > 0  # (a 128x128 block of x holds the huge value)
+    check_block_role(rows["0"]["weight"], linear.weight, w_dim, fwd, recipe.fp8_quant_fwd_weight)
+    normed = torch.nn.functional.layer_norm(hidden.detach().double(), (160,), mlp.layer_norm_weight.double(),
+                                            mlp.layer_norm_bias.double(), mlp.eps)
+    check_block_role(rows["1"]["fc1_input"], normed, x_dim, fwd, recipe.fp8_quant_fwd_inp, numel_slack=1)
+    for role in ("fc1_weight", "fc2_weight"):
+        check_block_role(rows["1"][role], getattr(mlp, role), w_dim, fwd, recipe.fp8_quant_fwd_weight)
+    flushed = check_block_role(rows["1"]["fc2_grad_output"], g, g_dim, bwd, recipe.fp8_quant_bwd_grad)
+    assert flushed >= 8 / g.numel()
+    per_tensor = expected_stats(g, own_scale(bwd, g), bwd)[1]
+    assert per_tensor > flushed + 100 / g.numel()  # (one scale would flush row 1's tiny tile too)
+    check_block_role(rows["0"]["grad_output"], h.grad, g_dim, bwd, recipe.fp8_quant_bwd_grad)
+    report = debug.report(model)
+    assert "block_1x128" in report and "block_128x128" in report and ".." in report
 
 
 # --- disable_fp8 ---

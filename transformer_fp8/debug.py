@@ -8,10 +8,15 @@
 Roles are the FP8 modules' scaling slots (module docstrings): Linear and LayerNormLinear `input` (LayerNormLinear: the
 normalised input), `weight`, `grad_output`; LayerNormMLP `fc1_input`, `fc1_weight`, `fc2_input`, `fc2_weight`,
 `fc1_grad_output`, `fc2_grad_output`. Per role: FP8 calls and high-precision calls (forwards inside an enabled
-fp8_autocast; backward roles: the backwards of those forwards), and from the last FP8 cast its amax, its scale
-(q = saturate(x * scale)), the fraction of its elements flushed to zero (x != 0 but |x * scale| at most half the
-smallest subnormal: they round to 0) and the fraction saturated (|x * scale| beyond the format's max by more than
-half its step: clamped by more than rounding would move them). These are computed
+fp8_autocast; backward roles: the backwards of those forwards), and from the last FP8 cast its layout, its amax,
+its scale (q = saturate(x * scale)), the fraction of its elements flushed to zero (x != 0 but |x * scale| at most
+half the smallest subnormal: they round to 0) and the fraction saturated (|x * scale| beyond the format's max by
+more than half its step: clamped by more than rounding would move them). Block layouts (Float8BlockScaling) have a
+scale per 1x128 tile or 128x128 block, not one: their `scale` is NaN, `scale_min` / `scale_max` span the tiles'
+scales (a per-tensor cast has scale_min = scale_max = scale), and each element is judged with its own tile's scale
+(the block quantizer's rule: tile amax floored at amax_epsilon, power-of-2 rounding). They describe the rowwise cast
+(the forward and dgrad GEMMs' operand); the wgrad's transposed copy of a 1x128 cast has tiles of its own along the
+other dimension and is not described. These are computed
 with a few torch ops on the device from the high-precision tensor the module casts, seen at the module's boundary:
 the weights, the input (the norm recomputed for the fused-norm modules), the output gradient. `fc2_input` and
 `fc1_grad_output` live inside LayerNormMLP's fused kernels and get call counts only. Not covered: FP8 attention
@@ -26,9 +31,12 @@ counters themselves are always on (host integers, counted by the modules): `call
 fp8_autocast: the attribute `fp8_disabled` of Linear / LayerNormLinear / LayerNormMLP.
 """
 import math
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from .cpu.block import BLOCK, tile_scales
 from .module.base import FP8ModuleBase
 from .module.layernorm_linear import LayerNormLinear
 from .module.layernorm_mlp import LayerNormMLP
@@ -49,26 +57,62 @@ FLUSH_BOUND = {torch.float8_e4m3fn: 2.0 ** -10, torch.float8_e5m2: 2.0 ** -17}
 # largest element lands on max * (1 + 2**-24) as often as not, and loses nothing to the clamp.)
 SATURATION_BOUND = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
 
-STAT_NAMES = ("amax", "scale", "flushed", "saturated")
+STAT_NAMES = ("amax", "scale", "scale_min", "scale_max", "flushed", "saturated")
 
 
-def cast_stats(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+def cast_stats(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, per_tile: bool = False) -> torch.Tensor:
     """What casting x with `scale` into fp8_dtype does, on x's device without a host sync.
 
     Args:
         x: the high-precision tensor the cast reads.
-        scale: the cast's scale, a float32 tensor of one element (q = saturate(x * scale)).
+        scale: the cast's scale (q = saturate(x * scale)), float32: one element, or (per_tile) the scale of each
+            element's tile, broadcastable to x.
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        per_tile: `scale` holds tile scales (a block layout): the "scale" entry is NaN, there being no single one.
     Returns:
-        float32 [4]: amax(|x|), the scale, the fraction of elements flushed to zero, the fraction saturated (see
-        FLUSH_BOUND, SATURATION_BOUND).
+        float32 [6], STAT_NAMES: amax(|x|), the scale, the smallest and largest scale, the fraction of elements
+        flushed to zero, the fraction saturated (see FLUSH_BOUND, SATURATION_BOUND).
     """
     x = x.detach()
-    scaled = (x.float() * scale.reshape(())).abs()  # (float32, as the cast kernels multiply)
+    scale = scale.float() if per_tile else scale.float().reshape(())
+    scaled = (x.float() * scale).abs()  # (float32, as the cast kernels multiply)
     flushed = (scaled <= FLUSH_BOUND[fp8_dtype]) & (x != 0)
     saturated = scaled > SATURATION_BOUND[fp8_dtype]
-    return torch.stack([x.abs().amax().float(), scale.reshape(()).float(), flushed.float().mean(),
+    single = torch.full_like(scale.amin(), math.nan) if per_tile else scale
+    return torch.stack([x.abs().amax().float(), single, scale.amin(), scale.amax(), flushed.float().mean(),
                         saturated.float().mean()])
+
+
+def tile_scales_per_element(x: torch.Tensor, block_dim: int, fp8_dtype: torch.dtype, amax_epsilon: float,
+                            power_2_scale: bool) -> torch.Tensor:
+    """The scale block_cast gives each element of x [M, K] (torch ops on x's device: cpu.block.tile_scales, the
+    reference kernel's rule, over each tile's amax).
+
+    Args:
+        x: the 2-D high-precision tensor the block cast reads (rowwise).
+        block_dim: 1 (1x128 tiles along K) or 2 (128x128 blocks).
+        fp8_dtype, amax_epsilon, power_2_scale: the cast's (the quantizer's qparams).
+    Returns:
+        float32 [M, K].
+    """
+    tile_rows = 1 if block_dim == 1 else BLOCK
+    m, k = x.shape
+    row_tiles, col_tiles = -(-m // tile_rows), -(-k // BLOCK)
+    padded = F.pad(x.detach().float().abs(), (0, col_tiles * BLOCK - k, 0, row_tiles * tile_rows - m))
+    amax = padded.view(row_tiles, tile_rows, col_tiles, BLOCK).amax(dim=(1, 3))
+    scales = tile_scales(amax, FP8_MAX[fp8_dtype], amax_epsilon, power_2_scale)
+    return scales.repeat_interleave(tile_rows, 0)[:m].repeat_interleave(BLOCK, 1)[:, :k]
+
+
+def _quantizer_stats(x: torch.Tensor, quantizer, scale: torch.Tensor) -> torch.Tensor:
+    """cast_stats of x under `quantizer`: with `scale` (per-tensor layouts), or with the tile scales the block
+    quantizer computes from x itself (block layouts; x as the module casts it, 2-D)."""
+    if quantizer.layout == "tensor":
+        return cast_stats(x, scale, quantizer.fp8_dtype)
+    x = x.reshape(-1, x.shape[-1])
+    per_element = tile_scales_per_element(x, quantizer.block_dim, quantizer.fp8_dtype,
+                                          float(quantizer.qparams.amax_epsilon), quantizer.qparams.power_2_scale)
+    return cast_stats(x, per_element, quantizer.fp8_dtype, per_tile=True)
 
 
 def _own_scale(x, state_scale, fp8_dtype):
@@ -98,6 +142,7 @@ class _Recorder:
         self.fwd_roles, self.bwd_roles = _roles_of(module)
         self.roles = self.fwd_roles + self.bwd_roles
         self.counts = {role: [0, 0] for role in self.roles}  # [FP8, high precision]
+        self.layouts = {}  # role -> the layout of its last recorded cast ("tensor", "block_1x128", "block_128x128")
         self.values = None  # created on the device of the first recorded tensor
         self.handles = []
         self._before = (0, 0)
@@ -128,10 +173,11 @@ class _Recorder:
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad: self._on_grad_output(module, grad, fp8))
 
-    def _store(self, role, values):
+    def _store(self, role, quantizer, values):
         if self.values is None or self.values.device != values.device:
             self.values = torch.full((len(self.roles), len(STAT_NAMES)), math.nan, device=values.device)
         self.values[self.roles.index(role)].copy_(values)
+        self.layouts[role] = quantizer.layout
 
     def _record_forward(self, module, inp):
         quantizers = module.quantizers
@@ -149,7 +195,7 @@ class _Recorder:
             x = tensors.get(role)
             if x is not None and not module._fp8_params:  # (Float8Tensor weights: no cast to look at)
                 quantizer = quantizers[Role(role)]
-                self._store(role, cast_stats(x, quantizer.scale, quantizer.fp8_dtype))
+                self._store(role, quantizer, _quantizer_stats(x, quantizer, quantizer.scale))
 
     def _on_grad_output(self, module, grad, fp8):
         """The module's output gradient, before its backward casts it (into the last backward slot)."""
@@ -161,16 +207,17 @@ class _Recorder:
         quantizer = module.quantizers[Role(role)]
         dy = grad.reshape(-1, grad.shape[-1])
         scale = quantizer.scale
-        if not quantizer.known_scale:  # (the cast sets the scale from dy's own amax)
+        if quantizer.layout == "tensor" and not quantizer.known_scale:  # (the cast scales from dy's own amax)
             scale = _own_scale(dy, scale, quantizer.fp8_dtype)
-        self._store(role, cast_stats(dy, scale, quantizer.fp8_dtype))
+        self._store(role, quantizer, _quantizer_stats(dy, quantizer, scale))
 
     def read(self):
-        """{role: {"fp8_calls", "high_precision_calls", "amax", "scale", "flushed", "saturated"}} (one device read)."""
+        """{role: {"fp8_calls", "high_precision_calls", "layout", *STAT_NAMES}} (one device read)."""
         values = self.values.cpu().tolist() if self.values is not None else None
         table = {}
         for i, role in enumerate(self.roles):
-            row = {"fp8_calls": self.counts[role][0], "high_precision_calls": self.counts[role][1]}
+            row = {"fp8_calls": self.counts[role][0], "high_precision_calls": self.counts[role][1],
+                   "layout": self.layouts.get(role)}
             row.update(zip(STAT_NAMES, values[i] if values is not None else [math.nan] * len(STAT_NAMES)))
             table[role] = row
         return table
@@ -286,20 +333,22 @@ def _tables(model):
         else:
             counts = call_counts(module)
             roles = {"forward": dict(fp8_calls=counts["fp8"], high_precision_calls=counts["high_precision"],
-                                     **{k: math.nan for k in STAT_NAMES})}
+                                     layout=None, **{k: math.nan for k in STAT_NAMES})}
         tables.append((name or type(module).__name__, module, roles))
     return tables
 
 
-def stats(model: torch.nn.Module) -> dict[str, dict[str, dict[str, float]]]:
+def stats(model: torch.nn.Module) -> dict[str, dict[str, dict[str, Any]]]:
     """The debug numbers of every FP8 module in `model` (reads the device: call between steps, not inside one).
 
     Args:
         model: a module containing FP8 modules.
     Returns:
-        {module name: {role: {"fp8_calls", "high_precision_calls", "amax", "scale", "flushed", "saturated"}}};
-        modules never enabled have one role "forward" with their call counts only; NaN = not recorded. flushed and
-        saturated are fractions of the cast's elements.
+        {module name: {role: {"fp8_calls", "high_precision_calls", "layout", "amax", "scale", "scale_min",
+        "scale_max", "flushed", "saturated"}}}; modules never enabled have one role "forward" with their call counts
+        only; NaN (layout None) = not recorded. layout: "tensor", "block_1x128" or "block_128x128"; a block
+        layout's "scale" is NaN and scale_min / scale_max span its tiles' scales (see the module docstring). flushed
+        and saturated are fractions of the cast's elements, each judged with the scale of its own tile.
     """
     return {name: roles for name, _, roles in _tables(model)}
 
@@ -310,23 +359,32 @@ def _fmt(value, percent=False):
     return f"{100 * value:.3g}%" if percent else f"{value:.4g}"
 
 
+def _fmt_scale(row):
+    """The scale, or for tile scales (a block layout) their range "min..max"."""
+    if math.isnan(row["scale"]) and not math.isnan(row["scale_min"]):
+        return f"{_fmt(row['scale_min'])}..{_fmt(row['scale_max'])}"
+    return _fmt(row["scale"])
+
+
 def report(model: torch.nn.Module) -> str:
-    """A table of `stats(model)`: one row per module and role (fp8_disabled modules marked).
+    """A table of `stats(model)`: one row per module and role (fp8_disabled modules marked; a block layout's
+    scale column shows its tiles' range, min..max).
 
     Args:
         model: a module containing FP8 modules.
     Returns:
         The table as text.
     """
-    header = ("module", "role", "fp8", "high prec.", "amax", "scale", "flushed", "saturated")
+    header = ("module", "role", "layout", "fp8", "high prec.", "amax", "scale", "flushed", "saturated")
     rows = []
     for name, module, roles in _tables(model):
         label = name + (" (fp8 disabled)" if module.fp8_disabled else "")
         for role, row in roles.items():
-            rows.append((label, role, str(row["fp8_calls"]), str(row["high_precision_calls"]), _fmt(row["amax"]),
-                         _fmt(row["scale"]), _fmt(row["flushed"], True), _fmt(row["saturated"], True)))
+            rows.append((label, role, row["layout"] or "-", str(row["fp8_calls"]), str(row["high_precision_calls"]),
+                         _fmt(row["amax"]), _fmt_scale(row), _fmt(row["flushed"], True),
+                         _fmt(row["saturated"], True)))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
              for r in [header, *rows]]
     lines.insert(1, "-" * max(len(line) for line in lines))
     return "\n".join(lines)
