@@ -1,6 +1,7 @@
 """GroupedLinear: TE's parameter names, high-precision and FP8 paths (delayed and current scaling, E4M3 and HYBRID
 formats) against a float64 per-expert reference, values and gradients, with uneven, empty, 16-aligned splits given
-as lists or device tensors; fuse_wgrad_accumulation, bias and return_bias, fp8_model_init, checkpoints, bad input.
+as lists or device tensors; fuse_wgrad_accumulation, bias and return_bias, fp8_model_init, checkpoints, calibration
+(fp8_autocast(calibrating=True)), the FP8 weight cache (is_first_microbatch), bad input.
 The FP8 path runs on the CPU through the ops' reference kernels, and on the GPU (marked gpu) through the CUDA ones."""
 import pytest
 import torch
@@ -247,6 +248,63 @@ def test_bad_inputs():
         te.GroupedLinear(0, 16, 16, device="cpu")
 
 
+def test_calibration_records_input_and_weight_amaxes_then_fp8_uses_them():
+    calibration = DelayedScaling(amax_history_len=4, amax_compute_algo="max")
+    splits = [16, 0, 40]
+    module = te.GroupedLinear(3, 32, 48, device="cpu")
+    xs = [torch.randn(56, 32) * scale for scale in (1.0, 3.0, 0.5)]
+    for x in xs:
+        with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=calibration):
+            out = module(x, torch.tensor(splits))
+        assert torch.equal(out, module(x, splits))  # (the high-precision path)
+    state = module.fp8_fwd
+    assert state.calibrated
+    # INPUT: the largest input seen; WEIGHT: all the weights together (the FP8 path casts them with one scale)
+    expected = torch.stack([max(x.abs().max() for x in xs), torch.stack(module.weights).detach().abs().max()])
+    recorded = state.amax_history.max(dim=0).values
+    torch.testing.assert_close(recorded, expected, rtol=0, atol=0)
+    torch.testing.assert_close(state.scale, 448.0 / recorded)
+    x = xs[1]
+    with te.fp8_autocast(fp8_recipe=calibration):
+        out = module(x, splits)
+    ref = reference(x.double(), [w.detach().double() for w in module.weights],
+                    [b.detach().double() for b in module.biases], splits)
+    assert_close_rel(out, ref, FWD_TOL)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=RECIPES.keys())
+def test_fp8_weight_cache_follows_is_first_microbatch(recipe):
+    splits = [16, 0, 40]
+    module = te.GroupedLinear(3, 32, 48, bias=False, device="cpu")
+    old = [w.detach().double().clone() for w in module.weights]
+    x = torch.randn(56, 32, requires_grad=True)
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=RECIPES[recipe]()):  # (no dgrad: the cache still keeps Wᵀ)
+        first = module(x, splits, is_first_microbatch=True)
+    with torch.no_grad():
+        for w in module.weights:
+            w.mul_(0.5)  # (the kept FP8 copy is the first microbatch's: the next call does not see this; halved,
+            # not doubled: delayed scaling's scale, from the old amax, then does not saturate the fresh cast)
+    with te.fp8_autocast(fp8_recipe=RECIPES[recipe]()):
+        cached = module(x, splits, is_first_microbatch=False)
+        fresh = module(x.detach(), splits)
+    assert torch.equal(cached, first)
+    assert_close_rel(fresh, reference(x.detach().double(), [0.5 * w for w in old], [], splits), FWD_TOL)
+    grad = torch.randn_like(cached)
+    cached.backward(grad)
+    x64 = x.detach().double().requires_grad_()
+    w64 = [w.clone().requires_grad_() for w in old]
+    ref = reference(x64, w64, [], splits)
+    ref.backward(grad.double())
+    assert_close_rel(cached, ref, FWD_TOL)
+    assert_close_rel(x.grad, x64.grad, GRAD_TOL, "dx (through the cached weights)")
+    for g, (w, w_ref) in enumerate(zip(module.weights, w64)):
+        if splits[g]:
+            assert_close_rel(w.grad, w_ref.grad, GRAD_TOL, f"dW{g}")
+    with te.fp8_autocast(fp8_recipe=RECIPES[recipe]()):  # (True casts again: the halved weights now)
+        again = module(x.detach(), splits, is_first_microbatch=True)
+    assert_close_rel(again, 0.5 * ref.detach(), FWD_TOL)
+
+
 # ------------------------------------------------------------------------------------------------------------- CUDA
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPES.keys())
@@ -322,3 +380,21 @@ def test_cuda_fp8_model_init():
     assert_close_rel(out, ref, FWD_TOL)
     out.float().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_at_every_size_whatever_fp8_min_gemm_size():
+    """GroupedLinear has no small-shape path: inside fp8_autocast it runs FP8 however small its GEMMs (and
+    fp8_min_gemm_size, accepted for the other modules' API, changes nothing)."""
+    import warnings
+
+    module = te.GroupedLinear(2, 16, 16, device="cuda", fp8_min_gemm_size=2 ** 40)
+    x = torch.randn(32, 16, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", te.FP8FallbackWarning)
+        with te.fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+            out = module(x, [16, 16])
+    assert module._fp8_call_counts == [1, 0]
+    ref = reference(x.double(), [w.detach().double() for w in module.weights],
+                    [b.detach().double() for b in module.biases], [16, 16])
+    assert_close_rel(out, ref, FWD_TOL)

@@ -2,7 +2,9 @@
 the tokens (values and the gradients of the input and every parameter), with uneven and empty experts, top-1 and
 top-2, with and without a shared expert; the aux loss against transformers' load_balancing_loss_func and its
 gradient through aux_loss_coeff; FP8 inside fp8_autocast (CPU reference kernels; GPU: BF16, no host sync in the
-step); bad arguments refused naming them."""
+step); torch.compile against eager; bad arguments refused naming them."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -275,6 +277,33 @@ def test_host_splits_give_the_same_step(fp8):
     (out0, dx0, dps0), (out1, dx1, dps1) = results
     assert torch.equal(out0, out1) and torch.equal(dx0, dx1)
     assert all(torch.equal(a, b) for a, b in zip(dps0, dps1))
+
+
+@pytest.mark.parametrize("fp8", (False, True))
+def test_torch_compile_matches_eager(fp8):
+    """torch.compile(MoELayer) (graph breaks where the high-precision experts read the device counts, and at the
+    weights' storage check of the FP8 path; not fullgraph) gives eager's output and parameter gradients bit for bit,
+    and the input gradient up to the order in which its branches (router, experts, shared expert) are summed."""
+    fp8_recipe = recipe.DelayedScaling()
+    eager = make_layer(num_experts=4, top_k=2, shared=True)
+    compiled_layer = copy.deepcopy(eager)
+    x = torch.randn(2, 24, HIDDEN)
+    if fp8:  # (one eager step each makes the FP8 state, as the compiled forward needs)
+        for layer in (eager, compiled_layer):
+            with te.fp8_autocast(fp8_recipe=fp8_recipe):
+                layer(x).sum().backward()
+            layer.zero_grad()
+    compiled = torch.compile(compiled_layer, backend="aot_eager")
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe):
+        out_eager, out_compiled = eager(xe), compiled(xc)
+    grad = torch.randn_like(out_eager)
+    out_eager.backward(grad)
+    out_compiled.backward(grad)
+    assert torch.equal(out_eager, out_compiled)
+    assert rel_error(xc.grad, xe.grad) < 1e-6
+    for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled_layer.parameters()):
+        assert torch.equal(p_eager.grad, p_compiled.grad), name
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -74,7 +74,8 @@ def _activate(x: torch.Tensor, activation: str) -> torch.Tensor:
 class _GroupedLinearFP8(torch.autograd.Function):
     """x [M, K] (contiguous), m_splits (int tensor [G] on x's device), host_splits (the same sizes as a list when the
     caller gave one, else None), aligned (every group size a known multiple of 16), module, training (grad mode at the
-    call), activation (applied to the output, or None), then weight0..weight{G-1} and bias0..bias{G-1} (if any) ->
+    call), activation (applied to the output, or None), is_first_microbatch (the weight cache switch), then
+    weight0..weight{G-1} and bias0..bias{G-1} (if any) ->
     [M, N] (activated: [M, N/2] for swiglu). With host sizes on CUDA and few groups (loops_over_groups) each GEMM is a
     dense one per group (see _dense_loop); else one grouped GEMM per direction. With an activation the backward's
     d(activation) writes the FP8 gradient itself when the GRAD_OUTPUT scale is known (delayed scaling, no biases):
@@ -82,16 +83,16 @@ class _GroupedLinearFP8(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, m_splits, host_splits, aligned, module, training, activation, *params):
+    def forward(ctx, x, m_splits, host_splits, aligned, module, training, activation, is_first_microbatch, *params):
         g = module.num_gemms
         weights, biases = params[:g], params[g:]
         need_dgrad = training and ctx.needs_input_grad[0]
-        need_wgrad = training and any(ctx.needs_input_grad[7:7 + g])
+        need_wgrad = training and any(ctx.needs_input_grad[8:8 + g])
         loop = host_splits if loops_over_groups(host_splits, x) else None
         qset = module.quantizers
         offs = group_offsets(m_splits)
         x_op = qset[Role.INPUT].cast(x, rowwise=True, transpose=need_wgrad and aligned)
-        w_data, w_scale_inv, w_t = module._fp8_weights(weights, need_dgrad)
+        w_data, w_scale_inv, w_t = module._fp8_weights(weights, need_dgrad, is_first_microbatch)
         if loop is None:
             out = tfp8.grouped_fp8_gemm(x_op.data, x_op.scale_inv, w_data, w_scale_inv, offs, x.dtype, False)
         else:
@@ -140,7 +141,7 @@ class _GroupedLinearFP8(torch.autograd.Function):
             dbiases = tuple(sums.index_add_(0, ctx.group_ids, dy.float()).to(ctx.bias_dtype).unbind(0))
         module.quantizers.register_backward(ctx.group)
         ctx.x_op = ctx.w_op = None
-        return (dx, None, None, None, None, None, None, *dws, *dbiases)
+        return (dx, None, None, None, None, None, None, None, *dws, *dbiases)
 
 
 def _grad_output(ctx, grad: torch.Tensor, pre_activation: torch.Tensor | None, quantizer) -> tuple:
@@ -260,8 +261,9 @@ class GroupedLinear(FP8ModuleBase):
         fuse_wgrad_accumulation: accumulate each weight gradient into weight{i}.main_grad (float32, the weight's
             shape) instead of returning it.
         return_bias: return (out, [bias0, ...]) without adding the biases.
-        fp8_min_gemm_size: accepted for the other modules' API; GroupedLinear runs FP8 at every size inside
-            fp8_autocast (its FP8 path is one grouped GEMM per direction, whatever the size).
+        fp8_min_gemm_size: accepted for the other modules' API and ignored: GroupedLinear has no small-shape path,
+            it runs FP8 at every size inside fp8_autocast (its FP8 path is one grouped GEMM per direction, whatever
+            the size; only debug.disable_fp8 turns it off).
     """
 
     forward_roles = (Role.INPUT, Role.WEIGHT)
@@ -298,8 +300,10 @@ class GroupedLinear(FP8ModuleBase):
             inp: [M, in_features] (or [..., in_features], flattened to rows), rows grouped by expert.
             m_splits: rows per group: a list of num_gemms ints summing to M, or an integer tensor [num_gemms] on
                 inp's device (its sum must be M; not checked on the host: that would synchronise).
-            is_first_microbatch: Transformer Engine's FP8 weight cache switch; accepted, no cache (the weights are
-                cast at every call).
+            is_first_microbatch: Transformer Engine's FP8 weight cache switch (inside fp8_autocast): True casts the
+                weights (with their transposes) and keeps the copy, False reuses the kept copy (cast and kept when
+                there is none), None casts at every call and keeps nothing. Gradient accumulation over microbatches
+                with weights that change only between steps: True on the first microbatch, False on the others.
             splits_aligned: the caller promises every m_splits entry is a multiple of 16 (the counts of
                 moe_permute(..., align_size=16)): with a device m_splits the FP8 weight gradient then runs on the
                 rows as they are, from the transposed copies the casts write, instead of padded copies. A host list
@@ -324,8 +328,11 @@ class GroupedLinear(FP8ModuleBase):
         state = autocast.STATE
         if state.enabled and not self.fp8_disabled:
             host_splits = None if isinstance(m_splits, torch.Tensor) else list(m_splits)
-            out = self._fp8_forward(x, splits, host_splits, aligned, biases, state, output_activation)
+            out = self._fp8_forward(x, splits, host_splits, aligned, biases, state, output_activation,
+                                    is_first_microbatch)
         else:
+            if state.calibrating:
+                self._calibrate_grouped(x)
             out = self._high_precision_forward(x, m_splits, splits, biases)
             out = out if output_activation is None else _activate(out, output_activation)
         out = out.view(*inp.shape[:-1], activation_out_features(output_activation, self.out_features))
@@ -357,14 +364,25 @@ class GroupedLinear(FP8ModuleBase):
         return x, tensor, aligned
 
     # --- FP8 ---
-    def _fp8_forward(self, x, splits, host_splits, aligned, biases, state, activation):
+    def _fp8_forward(self, x, splits, host_splits, aligned, biases, state, activation, is_first_microbatch):
         if self.in_features % ALIGN or self.out_features % ALIGN:
             raise ValueError(f"GroupedLinear: FP8 needs in_features and out_features multiples of {ALIGN} (the "
                              f"grouped FP8 kernel's alignment), got {self.in_features} and {self.out_features}")
         self._count_call(fp8=True)
         self._fp8_begin(state)
         return _GroupedLinearFP8.apply(x, splits, host_splits, aligned, self, torch.is_grad_enabled(), activation,
-                                       *self.weights, *biases)
+                                       is_first_microbatch, *self.weights, *biases)
+
+    def _calibrate_grouped(self, x: torch.Tensor) -> None:
+        """fp8_autocast(calibrating=True) on the high-precision path: record the amaxes of what the FP8 path casts,
+        the input rows (INPUT) and all the weights together (WEIGHT: one scale; Float8Tensor weights: none)."""
+        weights = self.weights
+        if any(isinstance(w, Float8Tensor) for w in weights):
+            stacked = None
+        else:
+            stacked = _stacked_view(weights)
+            stacked = torch.stack([w.detach() for w in weights]) if stacked is None else stacked
+        self._calibrate(x.detach(), stacked)
 
     def _adopt_recipe(self, recipe):
         """The base's QuantizerSet, made for `recipe` with E4M3 gradients (the grouped kernel's only FP8 type); the
@@ -384,10 +402,22 @@ class GroupedLinear(FP8ModuleBase):
         for w, view in zip(weights, packed.unbind(0)):
             w.data = view
 
-    def _fp8_weights(self, weights, need_t):
+    def _fp8_weights(self, weights, need_t, is_first_microbatch=None):
         """The weights in FP8 for the grouped GEMMs: (data [G, N, K], scale_inv [1] or [G], Wᵀ [G, K, N] (a view
         with a contiguous last dim) or None). High-precision weights are stacked and cast once (the WEIGHT role, one
-        scale for all); Float8Tensor weights (fp8_model_init) keep their own scales."""
+        scale for all); Float8Tensor weights (fp8_model_init) keep their own scales. is_first_microbatch: True
+        casts (with Wᵀ) and keeps the result in the weight cache, False returns the kept one (or casts and keeps),
+        None casts and keeps nothing."""
+        cached = self._weight_cache.get("weights") if is_first_microbatch is False else None
+        if cached is not None:
+            return cached
+        if is_first_microbatch is None:
+            return self._cast_weights(weights, need_t)
+        self._weight_cache["weights"] = operands = self._cast_weights(weights, True)
+        return operands
+
+    def _cast_weights(self, weights, need_t):
+        """The FP8 weights of _fp8_weights, cast now."""
         g, n, k = self.num_gemms, self.out_features, self.in_features
         if all(isinstance(w, Float8Tensor) for w in weights):
             data = torch.stack([w._data for w in weights])
