@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import transformer_fp8 as te
 from transformer_fp8 import Float8Tensor
-from transformer_fp8.float8_block import block_scale_shape
+from transformer_fp8.float8_block import block_scale_shape, quantize_blocks
 from tests.utils import FP8_RTOL, OpCalls, rel_error
 
 BLOCK_RECIPE = te.recipe.Float8BlockScaling
@@ -67,6 +67,26 @@ def test_block_quantize_matches_the_reference(shape, fp8_dtype, power_2_scale):
     assert rel_error(t.dequantize(), hp) < FP8_RTOL[fp8_dtype] / 2
     expanded = scale_inv.repeat_interleave(128, 0)[:shape[0]].repeat_interleave(128, 1)[:, :shape[1]]
     torch.testing.assert_close(t.dequantize(torch.float32), data.float() * expanded, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("power_2_scale", [False, True])
+def test_block_quantize_is_the_block_cast_op(device, fp8_dtype, power_2_scale):
+    """quantize_blocks runs block_cast (128x128, rowwise) on the weight's device: on the GPU its CUDA kernel gives the
+    reference's bytes; float64, strided, extreme and empty weights too, and meta weights get shapes."""
+    hp = torch.randn(200, 300, dtype=torch.float64).t() * torch.logspace(-6, 6, 200, dtype=torch.float64)
+    hp[0, 0], hp[130, 1], hp[:128, 128:] = 1e38, -3e-39, 0.0  # (a huge value, a float32 subnormal, a zero block)
+    with OpCalls("block_cast", lambda arguments: (arguments["block_dim"], arguments["input"].dtype)) as casts:
+        data, scale_inv = quantize_blocks(hp.to(device), fp8_dtype, power_2_scale)
+    assert casts.seen == [(2, torch.float32)]
+    want_data, want_scale_inv = reference_quantize(hp, fp8_dtype, power_2_scale)
+    assert torch.equal(as_bytes(data.cpu()), as_bytes(want_data)) and torch.equal(scale_inv.cpu(), want_scale_inv)
+    for shape in ((0, 300), (130, 0)):
+        data, scale_inv = quantize_blocks(torch.empty(shape, device=device), fp8_dtype)
+        assert data.shape == shape and data.dtype == fp8_dtype and scale_inv.shape == block_scale_shape(shape)
+    data, scale_inv = quantize_blocks(torch.empty(300, 200, device="meta"), fp8_dtype)
+    assert data.is_meta and data.dtype == fp8_dtype and scale_inv.shape == (3, 4)
 
 
 def test_blocks_keep_small_values_that_one_scale_loses():

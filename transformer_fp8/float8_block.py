@@ -13,14 +13,15 @@ the padding columns (pad_block_scales adds them, unpadded_block_scales takes the
 
 Scale of a block (as the block quantizer computes it): amax = max |block|, floored at amax_epsilon; scale =
 fp8_max / amax in float32, the float32 max where that overflows, rounded down to a power of two with power_2_scale,
-1 where amax is 0, Inf or NaN; q = saturate(x * scale) rounded to nearest even; scale_inv = 1 / scale. These
-functions are torch ops only (they run on any device, meta included): weights are quantized once (creation, load,
-an optimizer step), not per GEMM, so they have no kernel of their own.
+1 where amax is 0, Inf or NaN; q = saturate(x * scale) rounded to nearest even; scale_inv = 1 / scale. The
+quantization is the block_cast op with 128x128 blocks (the activations' and gradients' cast kernel: one rule, one
+implementation per device; its fake kernel serves the meta device); the rest are torch ops (any device).
 """
 import torch
 import torch.nn.functional as F
 
-from .recipe import FP8_MAX
+from .cpu.block import expand_scales
+from .ops import tfp8
 
 BLOCK = 128
 LAYOUT_TENSOR = "tensor"  # (FP8Operand.layout names)
@@ -90,25 +91,6 @@ def transpose_block_scales(scale_inv: torch.Tensor, shape: tuple[int, int]) -> t
     return pad_block_scales(unpadded_block_scales(scale_inv, cols).t(), rows)
 
 
-def _per_element(block_values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """[cdiv(N, 128), >= cdiv(K, 128)] per-block values -> [N, K] per-element values."""
-    rows, cols = shape
-    values = block_values[:, :cdiv(cols, BLOCK)]
-    return values.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
-
-
-def block_amax(x: torch.Tensor) -> torch.Tensor:
-    """Returns: float32 [cdiv(N, 128), cdiv(K, 128)], max |x| of each 128x128 block of x [N, K] (NaN propagates).
-
-    Args:
-        x: a 2-D tensor.
-    """
-    rows, cols = x.shape
-    nb, kb = cdiv(rows, BLOCK), cdiv(cols, BLOCK)
-    padded = F.pad(x.float().abs(), (0, kb * BLOCK - cols, 0, nb * BLOCK - rows))
-    return padded.view(nb, BLOCK, kb, BLOCK).amax(dim=(1, 3))
-
-
 def is_power_of_2(values: torch.Tensor) -> bool:
     """Returns: whether every element of float32 `values` is an exact power of two (mantissa bits all zero).
 
@@ -123,29 +105,30 @@ _MANTISSA_BITS = 0x007FFFFF
 
 def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, power_2_scale: bool = False,
                     amax_epsilon: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a weight in 128x128 blocks (see the module docstring for the scale rule).
+    """Quantize a weight in 128x128 blocks (see the module docstring for the scale rule) with the block_cast op
+    (block_dim 2: its CUDA kernel, CPU reference or fake kernel, by x's device).
 
     Args:
-        x: high precision [N, K].
+        x: high precision [N, K] (float64 is cast to float32 first; any strides).
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
         power_2_scale: round each block's scale down to a power of two (recipe QParams.power_2_scale).
-        amax_epsilon: floor of each block's amax (recipe QParams.amax_epsilon).
+        amax_epsilon: floor of each block's amax (recipe QParams.amax_epsilon), a finite number >= 0.
     Returns:
         (data FP8 [N, K] contiguous, scale_inv float32 [cdiv(N, 128), pad4(cdiv(K, 128))]).
     """
     if x.dim() != 2:
         raise ValueError(f"x: expected a 2-D weight [N, K] for 128x128 blocks, got shape {tuple(x.shape)}")
-    fp8_max = FP8_MAX[fp8_dtype]
-    amax = block_amax(x)
-    amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)  # (NaN stays NaN)
-    usable = torch.isfinite(amax) & (amax > 0)
-    scale = torch.full_like(amax, fp8_max) / amax
-    scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
-    if power_2_scale:
-        scale = (scale.view(torch.int32) & ~_MANTISSA_BITS).view(torch.float32)
-    scale = torch.where(usable, scale, torch.ones_like(scale))
-    data = (x.float() * _per_element(scale, x.shape)).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return data.contiguous(), pad_block_scales(torch.reciprocal(scale), x.shape[1])
+    if x.numel() == 0:  # (no block to scale: nothing for a kernel to launch on)
+        return (torch.empty(x.shape, dtype=fp8_dtype, device=x.device),
+                torch.ones(block_scale_shape(x.shape), dtype=torch.float32, device=x.device))
+    if x.dtype not in _CAST_INPUT_DTYPES:
+        x = x.float()  # (the cast multiplies in float32 either way)
+    data, scale_inv, _, _ = tfp8.block_cast(x.detach().contiguous(), fp8_dtype, 2, True, False, float(amax_epsilon),
+                                            power_2_scale)
+    return data, scale_inv
+
+
+_CAST_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -154,7 +137,8 @@ def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
     Args:
         data: FP8 [N, K]. scale_inv: float32 [cdiv(N, 128), pad4(cdiv(K, 128))] (or unpadded). dtype: the output's.
     """
-    return (data.float() * _per_element(scale_inv.float(), data.shape)).to(dtype)
+    rows, cols = data.shape
+    return (data.float() * expand_scales(scale_inv.float(), rows, cols, 2)).to(dtype)
 
 
 def row_block_range(rows: int, start: int, length: int, what: str) -> tuple[int, int]:
