@@ -5,6 +5,7 @@ import torch
 
 from ._common import FP8_MAX, check_fp8_dtype, register, saturating_cast
 from .activation import act_forward, check_activation
+from .gemm import check_fp8_operand, check_operand_pair
 
 BLOCK = 128
 HIGH_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
@@ -179,18 +180,10 @@ def _dequantized(q, scale_inv, block_dim):
     return q.float() * expand_scales(scale_inv, q.shape[0], q.shape[1], block_dim)
 
 
-def _check_fp8_2d(t, arg):
-    check_fp8_dtype(t.dtype, arg)
-    if t.dim() != 2:
-        raise ValueError(f"{arg}: expected a 2-D tensor, got shape {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{arg}: expected a K-contiguous row-major tensor, got strides {t.stride()}")
-
-
 @register("block_dequantize")
 def block_dequantize(input, scale_inv, block_dim, out_dtype):
     """FP8 [M, K] with block_cast's scale_inv -> out_dtype [M, K] = q * the scale_inv of its tile."""
-    _check_fp8_2d(input, "input")
+    check_fp8_operand(input, "input")
     _check_block_dim(block_dim)
     if out_dtype not in HIGH_PRECISION:
         raise TypeError(f"out_dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {out_dtype}")
@@ -205,16 +198,11 @@ def check_block_operands(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_di
     if a_block_dim == 2 and b_block_dim == 2:
         raise ValueError("a_block_dim, b_block_dim: 128x128 x 128x128 block scaling is not supported by cuBLASLt; "
                          "make one operand 1x128")
-    _check_fp8_2d(a, "a")
+    check_fp8_operand(a, "a")
     _check_scale_inv(a_scale_inv, a, a_block_dim, "a_scale_inv", "a")
-    _check_fp8_2d(b, "b")
+    check_fp8_operand(b, "b")
     _check_scale_inv(b_scale_inv, b, b_block_dim, "b_scale_inv", "b")
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        raise ValueError("a, b: E5M2 x E5M2 is not supported by the FP8 tensor cores; make one operand E4M3")
-    if b.shape[1] != a.shape[1]:
-        raise ValueError(f"b: expected K = {a.shape[1]} columns (a is {tuple(a.shape)}), got shape {tuple(b.shape)}")
-    if b.device != a.device:
-        raise ValueError(f"b: expected a tensor on {a.device}, got one on {b.device}")
+    check_operand_pair(a, b)
 
 
 def _product(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim):

@@ -27,7 +27,8 @@ def pre_gelu_dtype(out_dtype, bias):
     return torch.bfloat16 if out_dtype in FP8_MAX else out_dtype
 
 
-def _check_operand(t, arg):
+def check_fp8_operand(t: torch.Tensor, arg: str) -> None:
+    """An FP8 GEMM operand (or FP8 input): a 2-D row-major FP8 tensor; `arg` names it in the error."""
     check_fp8_dtype(t.dtype, arg)
     if t.dim() != 2:
         raise ValueError(f"{arg}: expected a 2-D tensor, got shape {tuple(t.shape)}")
@@ -35,16 +36,22 @@ def _check_operand(t, arg):
         raise ValueError(f"{arg}: expected a K-contiguous row-major tensor, got strides {t.stride()}")
 
 
-def check_operands(a, a_scale_inv, b, b_scale_inv):
-    """Checks shared by both GEMM ops (the CUDA bindings check the same things)."""
-    _check_operand(a, "a")
-    _check_operand(b, "b")
+def check_operand_pair(a: torch.Tensor, b: torch.Tensor) -> None:
+    """What the two operands of a "TN" FP8 GEMM must agree on (per-tensor and block GEMMs alike): not both E5M2,
+    the same K, one device."""
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
         raise ValueError("a, b: E5M2 x E5M2 is not supported by the FP8 tensor cores; make one operand E4M3")
     if b.shape[1] != a.shape[1]:
         raise ValueError(f"b: expected K = {a.shape[1]} columns (a is {tuple(a.shape)}), got shape {tuple(b.shape)}")
     if b.device != a.device:
         raise ValueError(f"b: expected a tensor on {a.device}, got one on {b.device}")
+
+
+def check_operands(a, a_scale_inv, b, b_scale_inv):
+    """Checks shared by both GEMM ops (the CUDA bindings check the same things)."""
+    check_fp8_operand(a, "a")
+    check_fp8_operand(b, "b")
+    check_operand_pair(a, b)
     check_scalar_f32(a_scale_inv, a, "a_scale_inv")
     check_scalar_f32(b_scale_inv, a, "b_scale_inv")
 

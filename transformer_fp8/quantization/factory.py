@@ -37,6 +37,26 @@ def quantizer_class(recipe: Any) -> type[Quantizer]:
     return cls
 
 
+def _bound_state(attr: str, doc: str) -> property:
+    """A QuantizerSet property over the ScalingState in `attr` whose setter rebinds the set's quantizers to the new
+    state (ScalingState get and set).
+
+    Args:
+        attr: the private attribute holding the state.
+        doc: the property's docstring.
+    Returns:
+        The property.
+    """
+    def get(qset: "QuantizerSet") -> ScalingState:
+        return getattr(qset, attr)
+
+    def set_and_bind(qset: "QuantizerSet", state: ScalingState) -> None:
+        setattr(qset, attr, state)
+        qset._bind()
+
+    return property(get, set_and_bind, doc=doc)
+
+
 class QuantizerSet:
     """A module's quantizers under one recipe, by role, and the ScalingStates they share.
 
@@ -111,25 +131,8 @@ class QuantizerSet:
                            f"{[str(r) for r in self.forward_roles + self.backward_roles]})") from None
 
     # --- the states (a checkpoint region swaps them for its recompute: the quantizers follow) ---
-    @property
-    def fwd_state(self) -> ScalingState:
-        """The forward roles' ScalingState."""
-        return self._fwd_state
-
-    @fwd_state.setter
-    def fwd_state(self, state: ScalingState) -> None:
-        self._fwd_state = state
-        self._bind()
-
-    @property
-    def bwd_state(self) -> ScalingState:
-        """The backward roles' ScalingState."""
-        return self._bwd_state
-
-    @bwd_state.setter
-    def bwd_state(self, state: ScalingState) -> None:
-        self._bwd_state = state
-        self._bind()
+    fwd_state = _bound_state("_fwd_state", "The forward roles' ScalingState.")
+    bwd_state = _bound_state("_bwd_state", "The backward roles' ScalingState.")
 
     def same_scale_on_every_rank(self) -> bool:
         """Returns:

@@ -18,6 +18,18 @@ from .roles import Role
 from .state import ScalingState
 
 
+def _slot_view(field: str, doc: str) -> property:
+    """A read-only property of a quantizer: its slot of the ScalingState tensor `field` (a one-element view).
+
+    Args:
+        field: the ScalingState attribute (scales, amaxes, scale_invs, scale_inv_slots).
+        doc: the property's docstring.
+    Returns:
+        The property.
+    """
+    return property(lambda self: getattr(self.state, field)[self.slot], doc=doc)
+
+
 class Quantizer:
     """Casts one role's tensors to FP8 with per-tensor scales kept in slot `slot` of `state`.
 
@@ -81,26 +93,13 @@ class Quantizer:
         """
         raise NotImplementedError
 
-    # --- shared ---
-    @property
-    def scale(self) -> torch.Tensor:
-        """The slot's scale, a one-element view of the state."""
-        return self.state.scales[self.slot]
-
-    @property
-    def amax(self) -> torch.Tensor:
-        """The slot's amax (history row 0), a one-element view of the state."""
-        return self.state.amaxes[self.slot]
-
-    @property
-    def scale_inv(self) -> torch.Tensor:
-        """The slot's scale_inv snapshot (what the casts into this slot write and FP8 tensors are kept with)."""
-        return self.state.scale_invs[self.slot]
-
-    @property
-    def scale_inv_slot(self) -> torch.Tensor:
-        """The slot's entry of the state's scale_inv vector (written by the fused update)."""
-        return self.state.scale_inv_slots[self.slot]
+    # --- shared: the slot's one-element views of the state (torch.Tensor each) ---
+    scale = _slot_view("scales", "The slot's scale, a one-element view of the state.")
+    amax = _slot_view("amaxes", "The slot's amax (history row 0), a one-element view of the state.")
+    scale_inv = _slot_view("scale_invs", "The slot's scale_inv snapshot (what the casts into this slot write and FP8 "
+                                         "tensors are kept with).")
+    scale_inv_slot = _slot_view("scale_inv_slots", "The slot's entry of the state's scale_inv vector (written by "
+                                                   "the fused update).")
 
     def cast(self, x: torch.Tensor, *, rowwise: bool = True, transpose: bool = False) -> FP8Operand:
         """x [M, N] (contiguous, high precision) -> FP8Operand with data [M, N] (rowwise) and data_t [N, M]
