@@ -19,6 +19,7 @@ import json
 import torch
 
 import transformer_fp8 as te
+from bench_gemm import graph_of, replay_ms
 from timing import gpu_time_ms, run_rounds
 from transformer_fp8 import recipe
 
@@ -36,23 +37,8 @@ def graph_ms(fn, calls):
 
     def measure():
         if "graph" not in state:
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(calls):
-                    fn()
-            graph.replay()
-            state["graph"] = graph
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        state["graph"].replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / calls
+            state["graph"] = graph_of(fn, calls)
+        return replay_ms(state["graph"], calls)
 
     return measure
 

@@ -8,6 +8,7 @@ Usage: python benchmarks/bench_gemm.py [--json bench_gemm.json]
 import argparse
 import json
 import statistics
+from typing import Callable
 
 import torch
 
@@ -20,8 +21,14 @@ SHAPES = [  # (M, K, N)
 ]
 
 
-def graph_of(fn, calls):
-    """A CUDA graph of `calls` calls of fn (after a warm-up that picks algorithms and fills the allocator)."""
+def graph_of(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` calls of fn (after a warm-up that picks algorithms and fills the allocator).
+
+    Args:
+        fn: one call of the work. calls: how many calls the graph holds.
+    Returns:
+        The graph, replayed 3 times already.
+    """
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -36,18 +43,29 @@ def graph_of(fn, calls):
     return graph
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, calls: int) -> float:
+    """Milliseconds per call of one replay of `graph` (of `calls` calls), between CUDA events.
+
+    Args:
+        graph: a graph from graph_of. calls: the calls it holds.
+    Returns:
+        The replay's GPU time divided by calls.
+    """
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def time_ms(fns, calls, repeats):
     """Median milliseconds per call of each fn; the candidates' replays are interleaved so clock drift hits all."""
     graphs = {name: graph_of(fn, calls) for name, fn in fns.items()}
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, graph in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / calls)
+            times[name].append(replay_ms(graph, calls))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

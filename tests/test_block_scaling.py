@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import transformer_fp8 as te
-from tests.module.helpers import DEVICES, RELU_GRAD_TOL, check_against_reference, randomize_vectors
+from tests.module.helpers import (DEVICES, RELU_GRAD_TOL, check_against_reference, check_linear_against_reference,
+                                  randomize_vectors)
 from tests.module.test_transformer_layer import CASES, assert_errors, run_case
 from tests.utils import FP8_RTOL, OpCalls, assert_close_rel
 from transformer_fp8 import recipe
@@ -165,12 +166,8 @@ def test_operand_gemms_route_block_layouts():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead_shape,in_f,out_f", [((32,), 64, 48), ((3, 7), 256, 160)])  # 21 tokens: not % 16
 def test_linear_matches_reference(device, recipe_name, bias, lead_shape, in_f, out_f):
-    m = te.Linear(in_f, out_f, bias=bias, params_dtype=torch.bfloat16, device=device)
-    randomize_vectors(m)
-    x = torch.randn(*lead_shape, in_f, dtype=torch.bfloat16, device=device)
-    dy = torch.randn(*lead_shape, out_f, dtype=torch.bfloat16, device=device)
     with _GemmCalls() as calls:
-        check_against_reference(m, x, dy, BLOCK_RECIPES[recipe_name])
+        check_linear_against_reference(device, BLOCK_RECIPES[recipe_name], bias, lead_shape, in_f, out_f)
     x_dim, w_dim = (2, 1) if recipe_name == "x-128x128-w-1x128" else (1, 2)
     assert calls.per_tensor == 0 and calls.block_dims == [(x_dim, w_dim), (1, w_dim), (1, x_dim)] * 2
 

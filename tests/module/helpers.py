@@ -93,3 +93,13 @@ def check_against_reference(module, x, dy, fp8_recipe, grad_tol=GRAD_TOL):
         assert got is not None and got.shape == ref.shape, name
         rel = rel_error(got, ref)
         assert rel <= grad_tol, f"grad of {name}: relative error {rel:.3e} > {grad_tol}"
+
+
+def check_linear_against_reference(device, fp8_recipe, bias, lead_shape, in_f, out_f):
+    """A BF16 Linear(in_f, out_f) with random vectors, random x [*lead_shape, in_f] and dy, against float64 under
+    fp8_recipe (check_against_reference)."""
+    m = te.Linear(in_f, out_f, bias=bias, params_dtype=torch.bfloat16, device=device)
+    randomize_vectors(m)
+    x = torch.randn(*lead_shape, in_f, dtype=torch.bfloat16, device=device)
+    dy = torch.randn(*lead_shape, out_f, dtype=torch.bfloat16, device=device)
+    check_against_reference(m, x, dy, fp8_recipe)

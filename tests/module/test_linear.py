@@ -5,7 +5,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import transformer_fp8 as te
-from tests.module.helpers import DEVICES, RECIPES, check_against_reference, randomize_vectors
+from tests.module.helpers import (DEVICES, RECIPES, check_against_reference, check_linear_against_reference,
+                                  randomize_vectors)
 from tests.utils import OpCalls, rel_error
 
 
@@ -14,11 +15,7 @@ from tests.utils import OpCalls, rel_error
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead_shape,in_f,out_f", [((32,), 64, 48), ((3, 7), 128, 32)])  # 21 tokens: not % 16
 def test_fp8_matches_reference(device, recipe_name, bias, lead_shape, in_f, out_f):
-    m = te.Linear(in_f, out_f, bias=bias, params_dtype=torch.bfloat16, device=device)
-    randomize_vectors(m)
-    x = torch.randn(*lead_shape, in_f, dtype=torch.bfloat16, device=device)
-    dy = torch.randn(*lead_shape, out_f, dtype=torch.bfloat16, device=device)
-    check_against_reference(m, x, dy, RECIPES[recipe_name])
+    check_linear_against_reference(device, RECIPES[recipe_name], bias, lead_shape, in_f, out_f)
 
 
 @pytest.mark.parametrize("device", DEVICES)

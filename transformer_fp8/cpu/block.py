@@ -89,6 +89,13 @@ def _with_padding(values: torch.Tensor, shape) -> torch.Tensor:
 @register("block_cast")
 def block_cast(input, fp8_dtype, block_dim, rowwise=True, transpose=False, amax_epsilon=0.0, power_2_scale=True):
     """input [M, K] -> (q [M, K] or empty, scale_inv, qt [K, M] or empty, scale_inv_t); see csrc/ops.cpp."""
+    _check_cast_input(input, fp8_dtype, amax_epsilon)
+    _check_block_dim(block_dim)
+    return _cast_blocks(input.float(), fp8_dtype, block_dim, rowwise, transpose, amax_epsilon, power_2_scale)
+
+
+def _check_cast_input(input, fp8_dtype, amax_epsilon):
+    """The checks both block casts share, in the CUDA binding's order (check_cast_input)."""
     if input.dtype not in HIGH_PRECISION:
         raise TypeError(f"input: expected a float32, float16 or bfloat16 tensor, got {input.dtype}")
     if input.dim() != 2:
@@ -96,12 +103,6 @@ def block_cast(input, fp8_dtype, block_dim, rowwise=True, transpose=False, amax_
     if not input.is_contiguous():
         raise ValueError(f"input: expected a contiguous tensor (got strides {input.stride()})")
     check_fp8_dtype(fp8_dtype, "fp8_dtype")
-    _check_block_dim(block_dim)
-    _check_epsilon(amax_epsilon)
-    return _cast_blocks(input.float(), fp8_dtype, block_dim, rowwise, transpose, amax_epsilon, power_2_scale)
-
-
-def _check_epsilon(amax_epsilon):
     if not (amax_epsilon >= 0.0 and amax_epsilon != float("inf")):
         raise ValueError(f"amax_epsilon: expected a finite number >= 0, got {amax_epsilon}")
 
@@ -130,16 +131,9 @@ def block_activation_cast(input, activation, fp8_dtype, rowwise=True, transpose=
                           power_2_scale=True):
     """block_cast (1x128 tiles) of act(input) computed in float32: input [M, F] (gelu, relu) or [M, 2F] (swiglu)."""
     check_activation(activation)
-    if input.dtype not in HIGH_PRECISION:
-        raise TypeError(f"input: expected a float32, float16 or bfloat16 tensor, got {input.dtype}")
-    if input.dim() != 2:
-        raise ValueError(f"input: expected a 2-D tensor [M, K], got shape {tuple(input.shape)}")
+    _check_cast_input(input, fp8_dtype, amax_epsilon)
     if activation == "swiglu" and input.shape[1] % 2 != 0:
         raise ValueError(f"input: swiglu expects an even last dimension [M, 2F], got shape {tuple(input.shape)}")
-    if not input.is_contiguous():
-        raise ValueError(f"input: expected a contiguous tensor (got strides {input.stride()})")
-    check_fp8_dtype(fp8_dtype, "fp8_dtype")
-    _check_epsilon(amax_epsilon)
     return _cast_blocks(act_forward(input.float(), activation), fp8_dtype, 1, rowwise, transpose, amax_epsilon,
                         power_2_scale)
 
