@@ -16,14 +16,17 @@ QKV LayerNormLinear, gate|up in the MLP's FC1) each adapter adds to its own rows
 get no weight gradient (no wgrad GEMM, no FP8 transpose of the GEMM input) and, with fp8_weights, are stored in FP8.
 Their dgrad GEMMs read Wᵀ: one FP8 byte transpose per weight per backward, or none after the first with
 add_lora(..., cache_weight_transpose=True), which keeps each transpose (one more byte per frozen parameter).
+MoE models: the experts (GroupedLinear) take no adapters (target_modules naming an expert weight are refused,
+"all-linear" leaves them out with a warning: find_expert_weights lists them); their frozen weights are stored in FP8
+with fp8_weights like the others.
 """
 from .adapter import LoraAdapter
 from .layers import LoraLayerNormLinear, LoraLayerNormMLP, LoraLinear
 from .model import (add_lora, cast_frozen_weights_to_fp8, lora_adapters, lora_parameters, merge_lora,
                     remove_lora)
 from .peft_format import load_lora, lora_state_dict, read_lora_config, save_lora
-from .targets import Projection, find_projections
+from .targets import Projection, find_expert_weights, find_projections
 
 __all__ = ["LoraAdapter", "LoraLayerNormLinear", "LoraLayerNormMLP", "LoraLinear", "Projection", "add_lora",
-           "cast_frozen_weights_to_fp8", "find_projections", "load_lora", "lora_adapters", "lora_parameters",
-           "lora_state_dict", "merge_lora", "read_lora_config", "remove_lora", "save_lora"]
+           "cast_frozen_weights_to_fp8", "find_expert_weights", "find_projections", "load_lora", "lora_adapters",
+           "lora_parameters", "lora_state_dict", "merge_lora", "read_lora_config", "remove_lora", "save_lora"]

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from ..float8_tensor import Float8Tensor
+from ..module.grouped_linear import GroupedLinear
 from ..module.linear import Linear
 from ..recipe import FP8_MAX
 from .adapter import LoraAdapter
@@ -121,8 +122,7 @@ def add_lora(model: nn.Module, r: int = 16, alpha: float = 32, dropout: float = 
 
 def _refresh_fp8_flags(module: nn.Module) -> None:
     """After a module's GEMM weights changed kind (FP8 <-> high precision): the flags its forward reads."""
-    module._fp8_params = any(isinstance(getattr(module, g), Float8Tensor)
-                             for g in GEMM_WEIGHTS.get(_base_type(module), ()))
+    module._fp8_params = any(isinstance(getattr(module, g), Float8Tensor) for g in _gemm_weight_names(module))
     if isinstance(module, Linear):  # (Linear's one-call paths take high-precision weights only)
         module._plain = module.tp is None and not module.return_bias and not module.fuse_wgrad_accumulation and \
             not module._fp8_params
@@ -134,6 +134,19 @@ def _base_type(module):
     return next(cls for cls in GEMM_WEIGHTS if isinstance(module, cls))
 
 
+def _holds_gemm_weights(module: nn.Module) -> bool:
+    """Our GEMM modules whose frozen weights cast_frozen_weights_to_fp8 casts: Linear, LayerNormLinear,
+    LayerNormMLP and GroupedLinear (MoE experts)."""
+    return is_fp8_gemm_module(module) or isinstance(module, GroupedLinear)
+
+
+def _gemm_weight_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of a _holds_gemm_weights module's GEMM weights."""
+    if isinstance(module, GroupedLinear):
+        return tuple(f"weight{i}" for i in range(module.num_gemms))
+    return GEMM_WEIGHTS[_base_type(module)]
+
+
 def _check_cache_weight_transpose(value):
     if not isinstance(value, bool):
         raise TypeError(f"cache_weight_transpose: expected a bool, got {value!r}")
@@ -141,8 +154,8 @@ def _check_cache_weight_transpose(value):
 
 def _frozen_fp8_weights(model: nn.Module) -> list[Float8Tensor]:
     """The frozen FP8 GEMM weights of our modules in `model`."""
-    return [w for m in model.modules() if is_fp8_gemm_module(m) for w in
-            (getattr(m, name) for name in GEMM_WEIGHTS[_base_type(m)])
+    return [w for m in model.modules() if _holds_gemm_weights(m) for w in
+            (getattr(m, name) for name in _gemm_weight_names(m))
             if isinstance(w, Float8Tensor) and not w.requires_grad]
 
 
@@ -164,25 +177,33 @@ def cast_frozen_weights_to_fp8(model: nn.Module, fp8_dtype: torch.dtype = torch.
     weight (Float8Tensor.keep_transpose_) for every later step, made again only if the weight is written in place.
     The trade-off: one more byte per frozen parameter (FP8 weight + its transpose take what the BF16 weight took)
     against one read and one write of each weight per step. merge_lora and remove_lora free the kept transposes.
-    Outside fp8_autocast the modules compute with the dequantized weight.
+    Outside fp8_autocast the modules compute with the dequantized weight. A GroupedLinear (MoE experts) is cast when
+    all its weights are frozen, each expert's weight with its own scale (the grouped GEMMs take one scale per
+    expert); one with some weights frozen and others not is refused (its GEMMs take all FP8 weights or none).
 
     Args:
-        model: any model holding transformer_fp8 Linear / LayerNormLinear / LayerNormMLP modules.
+        model: any model holding transformer_fp8 Linear / LayerNormLinear / LayerNormMLP / GroupedLinear modules.
         fp8_dtype: torch.float8_e4m3fn (default) or torch.float8_e5m2.
         cache_weight_transpose: keep the transposes of every frozen FP8 GEMM weight (those cast now and those that
             were FP8 already); False leaves each weight as it is (weights cast now keep none).
     Returns:
         The number of weights cast.
+    Raises:
+        TypeError: a bad fp8_dtype or cache_weight_transpose.
+        ValueError: a GroupedLinear with frozen and trainable weights.
     """
     if fp8_dtype not in FP8_MAX:
         raise TypeError(f"fp8_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
     _check_cache_weight_transpose(cache_weight_transpose)
     count = 0
-    for module in model.modules():
-        if not is_fp8_gemm_module(module):
+    for module_name, module in model.named_modules():
+        if not _holds_gemm_weights(module):
             continue
+        if isinstance(module, GroupedLinear) and len({w.requires_grad for w in module.weights}) > 1:
+            raise ValueError(f"model: GroupedLinear {module_name!r} has frozen and trainable expert weights; its "
+                             f"grouped GEMMs take all FP8 weights or none: freeze all of them or none")
         changed = False
-        for name in GEMM_WEIGHTS[_base_type(module)]:
+        for name in _gemm_weight_names(module):
             weight = getattr(module, name)
             if isinstance(weight, Float8Tensor) or weight.requires_grad:
                 continue

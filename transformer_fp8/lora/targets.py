@@ -8,8 +8,12 @@ is its Hugging Face module, under the same name, all rows.
 Target names follow PEFT's LoraConfig.target_modules: a list of names, each matching a module whose qualified name
 equals it or ends with "." + it; a string is a regular expression the whole qualified name must match;
 "all-linear" is every projection but the output layer.
+MoE experts (GroupedLinear: Hugging Face's stacked `experts.gate_up_proj` / `experts.down_proj`, or per-expert
+modules) take no adapter: a target list or expression that names an expert weight is refused (ValueError);
+"all-linear" leaves them out with a warning that names them.
 """
 import re
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -17,6 +21,7 @@ import torch.nn as nn
 
 from ..integrations.hf_mapping import LayerShape, layer_weight_map
 from ..module.base import FP8ModuleBase
+from ..module.grouped_linear import GroupedLinear
 from ..module.layernorm_linear import LayerNormLinear
 from ..module.layernorm_mlp import LayerNormMLP
 from ..module.linear import Linear
@@ -59,13 +64,20 @@ def _is_converted_layer(module: nn.Module) -> bool:
         isinstance(getattr(module, "layer", None), TransformerLayer)
 
 
-def _layer_projections(layer_name: str, layer: nn.Module) -> list[Projection]:
-    """The projections of one converted decoder layer at `layer_name`, from its weight map (GEMM weights only)."""
+def _layer_projections(layer_name: str, layer: nn.Module, experts: list[str] | None = None) -> list[Projection]:
+    """The projections of one converted decoder layer at `layer_name`, from its weight map (GEMM weights only).
+    experts: a list the Hugging Face names of the layer's MoE expert weights (GroupedLinear, no adapters) are
+    appended to, in order, once each."""
     prefix = layer_name + "." if layer_name else ""
     out = []
     for fused in layer_weight_map(layer):
         module_path, _, param = fused.name.rpartition(".")
         module = layer.get_submodule(module_path)
+        if isinstance(module, GroupedLinear):
+            if experts is not None:
+                names = (prefix + part.hf_name.removesuffix(".weight") for part in fused.parts)
+                experts += [name for name in names if name not in experts]
+            continue
         if param not in GEMM_WEIGHTS.get(_fp8_base_class(module), ()):
             continue  # (norm weights, biases, q/k norms)
         for part in fused.parts:
@@ -87,18 +99,51 @@ def find_projections(model: nn.Module) -> list[Projection]:
             (transformer_fp8.Linear layers under their Hugging Face names).
     Returns:
         The projections: those of every converted decoder layer, then (in module order) every transformer_fp8.Linear
-        outside converted layers.
+        outside converted layers. MoE expert weights are not among them (see find_expert_weights).
     """
-    out, inside = [], []
+    return _projections_and_experts(model)[0]
+
+
+def find_expert_weights(model: nn.Module) -> list[str]:
+    """The Hugging Face names of the MoE expert weights of `model`'s converted decoder layers: weights of our
+    GroupedLinear experts, which take no LoRA adapter (e.g. "model.layers.0.mlp.experts.gate_up_proj").
+
+    Args:
+        model: a converted model (see find_projections).
+    Returns:
+        The names, in module order (empty for a dense model).
+    """
+    return _projections_and_experts(model)[1]
+
+
+def _projections_and_experts(model: nn.Module) -> tuple[list[Projection], list[str]]:
+    out, experts, inside = [], [], []
     for name, module in model.named_modules():
         if any(name.startswith(p) for p in inside):
             continue
         if _is_converted_layer(module):
-            out += _layer_projections(name, module)
+            out += _layer_projections(name, module, experts)
             inside.append(name + ".")
         elif isinstance(module, Linear):
             out.append(Projection(name, name, "weight", 0, module.weight.shape[0]))
-    return out
+    return out, experts
+
+
+def _check_no_expert_targets(experts: list[str], target_modules: str | tuple[str, ...]) -> None:
+    """Refuse target_modules that name an MoE expert weight (GroupedLinear: no adapters); "all-linear" warns that
+    it leaves them out."""
+    hit = [name for name in experts if _matches(name, target_modules)]
+    if not hit:
+        return
+    listed = f"{hit[:4]}{f' and {len(hit) - 4} more' if len(hit) > 4 else ''}"
+    if target_modules == ALL_LINEAR:
+        warnings.warn(f"add_lora(target_modules='all-linear'): the MoE expert weights {listed} get no adapters "
+                      f"(LoRA on GroupedLinear experts is not supported); the attention, dense MLP and shared "
+                      f"expert projections do", UserWarning, stacklevel=3)
+        return
+    raise ValueError(f"target_modules: {target_modules!r} names the MoE expert weights {listed}; LoRA on "
+                     f"GroupedLinear experts is not supported: leave them out (e.g. target the attention "
+                     f"projections, the shared expert's or dense layers' MLP by a full-name expression)")
 
 
 def _matches(hf_name: str, target_modules) -> bool:
@@ -145,10 +190,13 @@ def select_projections(model: nn.Module, target_modules: str | Iterable[str]) ->
     Returns:
         The matching projections (at least one).
     Raises:
-        ValueError: a target name that matches no projection (each such name is listed with the ones available).
+        ValueError: a target name that matches no projection (each such name is listed with the ones available), or
+            target_modules that name an MoE expert weight (GroupedLinear; "all-linear" warns instead, see
+            find_expert_weights).
     """
     target_modules = check_target_modules(target_modules)
-    projections = find_projections(model)
+    projections, experts = _projections_and_experts(model)
+    _check_no_expert_targets(experts, target_modules)
     available = sorted({p.target for p in projections})
     if not projections:
         raise ValueError(f"model: {type(model).__name__} has no converted decoder layer nor transformer_fp8.Linear; "
