@@ -316,6 +316,11 @@ def test_bad_arguments_are_refused(kwargs, match):
         MoELayer(**args)
 
 
+def test_the_package_exports_moe():
+    assert te.moe.MoELayer is MoELayer and te.moe.LayerNormMoE is LayerNormMoE
+    assert {"moe", "GroupedLinear", "moe_permute", "moe_unpermute"} <= set(te.__all__)
+
+
 def test_wrong_hidden_size_is_refused():
     with pytest.raises(ValueError, match="hidden_states"):
         make_layer()(torch.randn(3, HIDDEN + 1))
