@@ -3,6 +3,8 @@ formats) against a float64 per-expert reference, values and gradients, with unev
 as lists or device tensors; fuse_wgrad_accumulation, bias and return_bias, fp8_model_init, checkpoints, calibration
 (fp8_autocast(calibrating=True)), the FP8 weight cache (is_first_microbatch), bad input.
 The FP8 path runs on the CPU through the ops' reference kernels, and on the GPU (marked gpu) through the CUDA ones."""
+import warnings
+
 import pytest
 import torch
 
@@ -386,10 +388,8 @@ def test_cuda_fp8_model_init():
 def test_cuda_fp8_at_every_size_whatever_fp8_min_gemm_size():
     """GroupedLinear has no small-shape path: inside fp8_autocast it runs FP8 however small its GEMMs (and
     fp8_min_gemm_size, accepted for the other modules' API, changes nothing)."""
-    import warnings
-
-    module = te.GroupedLinear(2, 16, 16, device="cuda", fp8_min_gemm_size=2 ** 40)
-    x = torch.randn(32, 16, device="cuda")
+    module = te.GroupedLinear(2, 16, 16, params_dtype=torch.bfloat16, device="cuda", fp8_min_gemm_size=2 ** 40)
+    x = torch.randn(32, 16, device="cuda", dtype=torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", te.FP8FallbackWarning)
         with te.fp8_autocast(fp8_recipe=Float8CurrentScaling()):
