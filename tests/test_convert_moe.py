@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import transformer_fp8 as te
-from tests.hf_grads import grads_under_hf_names
+from tests.hf_compare import check_logits_and_gradients, randomize_norms_and_biases
 from tests.utils import FP8_RTOL, rel_error
 from transformer_fp8 import recipe
 from transformer_fp8.integrations import (convert_model, gradient_checkpointing_enable, layer_weight_map,
@@ -49,14 +49,7 @@ def tiny_model(family, dtype=torch.float32, **overrides):
     wrong mapping would not show), the router scaled up so that the routing is decisive."""
     config_class, model_class, extra, _ = FAMILIES[family]
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**COMMON, **extra, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.uniform_(-0.2, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)
+    randomize_norms_and_biases(model, router_std=0.5)
     return model.to(dtype).eval()
 
 
@@ -69,16 +62,7 @@ def test_logits_and_every_gradient_match_hugging_face_in_fp32(family):
     assert kinds == FAMILIES[family][3]
     for layer, kind in zip(converted.model.layers, kinds):
         assert isinstance(layer.layer.layernorm_mlp, LayerNormMoE) == (kind == "moe")
-    ids = torch.randint(0, VOCAB, (2, 40))
-    ref, out = model(input_ids=ids, labels=ids), converted(input_ids=ids, labels=ids)
-    assert rel_error(out.logits, ref.logits) < 1e-5
-    ref.loss.backward()
-    out.loss.backward()
-    ours = grads_under_hf_names(converted)
-    theirs = {n: p.grad for n, p in model.named_parameters()}
-    assert ours.keys() == theirs.keys()
-    for name, grad in theirs.items():
-        assert rel_error(ours[name], grad) < 1e-4, name
+    check_logits_and_gradients(model, converted, torch.randint(0, VOCAB, (2, 40)))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import transformer_fp8 as te
-from tests.hf_grads import grads_under_hf_names
+from tests.hf_compare import check_logits_and_gradients, randomize_norms_and_biases
 from tests.utils import FP8_RTOL, rel_error
 from transformer_fp8 import recipe
 from transformer_fp8.integrations import LlamaTransformerLayer, convert_model, layer_weight_map
@@ -45,12 +45,7 @@ def tiny_model(family, dtype=torch.float32, **overrides):
     """A random-init model of `family`; norm weights and biases randomised too (they start at 1 and 0, where a
     wrong mapping would not show)."""
     model = getattr(transformers, FAMILIES[family][1])(tiny_config(family, **overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.uniform_(-0.2, 0.2)  # (large q/k biases saturate the softmax: tiny, cancelling q/k gradients)
+    randomize_norms_and_biases(model)
     return model.to(dtype).eval()
 
 
@@ -62,16 +57,8 @@ def test_logits_and_every_gradient_match_hugging_face_in_fp32(family):
     assert len(converted.tfp8_conversion.decoder_layers) == 2 and converted.tfp8_conversion.norms == ["model.norm"]
     assert all(isinstance(layer, LlamaTransformerLayer) for layer in converted.model.layers)
     assert isinstance(converted.model.norm, RMSNorm)
-    ids = torch.randint(0, VOCAB, (2, 40))  # longer than llama3's original_max_position_embeddings
-    ref, out = model(input_ids=ids, labels=ids), converted(input_ids=ids, labels=ids)
-    assert rel_error(out.logits, ref.logits) < 1e-5
-    ref.loss.backward()
-    out.loss.backward()
-    ours = grads_under_hf_names(converted)
-    theirs = {n: p.grad for n, p in model.named_parameters()}
-    assert ours.keys() == theirs.keys()
-    for name, grad in theirs.items():
-        assert rel_error(ours[name], grad) < 1e-4, name
+    # (40 tokens: longer than llama3's original_max_position_embeddings)
+    check_logits_and_gradients(model, converted, torch.randint(0, VOCAB, (2, 40)))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
