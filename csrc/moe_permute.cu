@@ -4,7 +4,6 @@
 // when the row size and the pointers allow). Products and sums are rounded one by one (no FMA contraction), in slot
 // order, as the CPU reference (transformer_fp8/cpu/moe.py) computes them.
 #include <cstdint>
-#include <type_traits>
 
 #include "moe.h"
 
@@ -151,84 +150,70 @@ bool vector_ok(int64_t hidden, std::initializer_list<const void*> pointers) {
 }
 
 template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
-// f(TypeTag<T>{}) with T the element type of a float32 / float16 / bfloat16 dtype. Returns false (f not called) for
-// any other dtype.
-template <typename F>
-bool with_high_precision_type(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: f(TypeTag<float>{}); return true;
-    case DType::kFloat16: f(TypeTag<__half>{}); return true;
-    case DType::kBFloat16: f(TypeTag<__nv_bfloat16>{}); return true;
-    default: return false;
-  }
-}
-
-// f(std::integral_constant<int, N>{}): N = 16 / sizeof(T) elements per access (16 bytes) when vec, else 1.
-template <typename T, typename F>
-void with_access_width(bool vec, F&& f) {
-  if (vec) {
-    f(std::integral_constant<int, 16 / sizeof(T)>{});
-  } else {
-    f(std::integral_constant<int, 1>{});
-  }
-}
-
-// f(std::true_type{}) or f(std::false_type{}): a run-time flag as a kernel's template argument.
-template <typename F>
-void with_flag(bool flag, F&& f) {
-  if (flag) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
-
-template <typename T>
 void permute_rows(const void* inp, const int32_t* slot_of_row, const float* probs, void* out, int64_t tokens,
                   int64_t slots, int64_t rows, int64_t hidden, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
   const T* x = static_cast<const T*>(inp);
   T* y = static_cast<T*>(out);
-  with_access_width<T>(vector_ok<T>(hidden, {inp, out}), [&](auto width) {
-    constexpr int kWidth = decltype(width)::value;
-    with_flag(probs != nullptr, [&](auto scaled) {
-      constexpr bool kScaled = decltype(scaled)::value;
-      if constexpr (sizeof(T) > 1 || !kScaled) {  // (FP8 bytes are moved, never scaled: the caller passes no probs)
-        permute_rows_kernel<T, kWidth, kScaled>
-            <<<rows, kThreads, 0, stream>>>(x, slot_of_row, probs, y, tokens, slots, hidden);
-      }
-    });
-  });
+  const bool vec = vector_ok<T>(hidden, {inp, out});
+  if constexpr (sizeof(T) == 1) {
+    if (vec) {
+      permute_rows_kernel<T, V, false><<<rows, kThreads, 0, stream>>>(x, slot_of_row, probs, y, tokens, slots, hidden);
+    } else {
+      permute_rows_kernel<T, 1, false><<<rows, kThreads, 0, stream>>>(x, slot_of_row, probs, y, tokens, slots, hidden);
+    }
+  } else if (probs != nullptr) {
+    if (vec) {
+      permute_rows_kernel<T, V, true><<<rows, kThreads, 0, stream>>>(x, slot_of_row, probs, y, tokens, slots, hidden);
+    } else {
+      permute_rows_kernel<T, 1, true><<<rows, kThreads, 0, stream>>>(x, slot_of_row, probs, y, tokens, slots, hidden);
+    }
+  } else if (vec) {
+    permute_rows_kernel<T, V, false><<<rows, kThreads, 0, stream>>>(x, slot_of_row, probs, y, tokens, slots, hidden);
+  } else {
+    permute_rows_kernel<T, 1, false><<<rows, kThreads, 0, stream>>>(x, slot_of_row, probs, y, tokens, slots, hidden);
+  }
 }
 
 template <typename T>
 void unpermute_rows(const void* inp, const int32_t* row_id_map, const float* probs, void* out, int64_t tokens,
                     int64_t slots, int64_t rows, int64_t hidden, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
   const T* x = static_cast<const T*>(inp);
   T* y = static_cast<T*>(out);
   const size_t smem = size_t(slots) * (sizeof(int32_t) + sizeof(float));
   if (smem > 48 * 1024) throw std::runtime_error("moe_unpermute_rows: too many slots per token (at most 6144)");
-  with_access_width<T>(vector_ok<T>(hidden, {inp, out}), [&](auto width) {
-    constexpr int kWidth = decltype(width)::value;
-    with_flag(probs != nullptr, [&](auto scaled) {
-      unpermute_rows_kernel<T, kWidth, decltype(scaled)::value>
+  const bool vec = vector_ok<T>(hidden, {inp, out});
+  if (probs != nullptr) {
+    if (vec) {
+      unpermute_rows_kernel<T, V, true>
           <<<tokens, kThreads, smem, stream>>>(x, row_id_map, probs, y, slots, rows, hidden);
-    });
-  });
+    } else {
+      unpermute_rows_kernel<T, 1, true>
+          <<<tokens, kThreads, smem, stream>>>(x, row_id_map, probs, y, slots, rows, hidden);
+    }
+  } else if (vec) {
+    unpermute_rows_kernel<T, V, false>
+        <<<tokens, kThreads, smem, stream>>>(x, row_id_map, probs, y, slots, rows, hidden);
+  } else {
+    unpermute_rows_kernel<T, 1, false>
+        <<<tokens, kThreads, smem, stream>>>(x, row_id_map, probs, y, slots, rows, hidden);
+  }
 }
 
 template <typename T>
 void merging_probs_grad(const void* grad_out, const void* inp, const int32_t* row_id_map, float* d_probs,
                         int64_t tokens, int64_t slots, int64_t rows, int64_t hidden, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
   const T* g = static_cast<const T*>(grad_out);
   const T* x = static_cast<const T*>(inp);
-  with_access_width<T>(vector_ok<T>(hidden, {grad_out, inp}), [&](auto width) {
-    merging_probs_grad_kernel<T, decltype(width)::value>
+  if (vector_ok<T>(hidden, {grad_out, inp})) {
+    merging_probs_grad_kernel<T, V>
         <<<tokens, kGradThreads, 0, stream>>>(g, x, row_id_map, d_probs, slots, rows, hidden);
-  });
+  } else {
+    merging_probs_grad_kernel<T, 1>
+        <<<tokens, kGradThreads, 0, stream>>>(g, x, row_id_map, d_probs, slots, rows, hidden);
+  }
 }
 
 }  // namespace
@@ -236,10 +221,16 @@ void merging_probs_grad(const void* grad_out, const void* inp, const int32_t* ro
 void launch_moe_permute_rows(const void* inp, const int32_t* slot_of_row, const float* probs, void* out, int64_t tokens,
                              int64_t slots, int64_t rows, int64_t hidden, DType dtype, cudaStream_t stream) {
   if (rows == 0 || hidden == 0) return;
-  const bool high_precision = with_high_precision_type(dtype, [&](auto type) {
-    permute_rows<typename decltype(type)::type>(inp, slot_of_row, probs, out, tokens, slots, rows, hidden, stream);
-  });
-  if (!high_precision) permute_rows<uint8_t>(inp, slot_of_row, nullptr, out, tokens, slots, rows, hidden, stream);
+  switch (dtype) {
+    case DType::kFloat32: permute_rows<float>(inp, slot_of_row, probs, out, tokens, slots, rows, hidden, stream); break;
+    case DType::kFloat16:
+      permute_rows<__half>(inp, slot_of_row, probs, out, tokens, slots, rows, hidden, stream);
+      break;
+    case DType::kBFloat16:
+      permute_rows<__nv_bfloat16>(inp, slot_of_row, probs, out, tokens, slots, rows, hidden, stream);
+      break;
+    default: permute_rows<uint8_t>(inp, slot_of_row, nullptr, out, tokens, slots, rows, hidden, stream);
+  }
   TFP8_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -247,10 +238,18 @@ void launch_moe_unpermute_rows(const void* inp, const int32_t* row_id_map, const
                                int64_t tokens, int64_t slots, int64_t rows, int64_t hidden, DType dtype,
                                cudaStream_t stream) {
   if (tokens == 0 || hidden == 0) return;
-  const bool high_precision = with_high_precision_type(dtype, [&](auto type) {
-    unpermute_rows<typename decltype(type)::type>(inp, row_id_map, probs, out, tokens, slots, rows, hidden, stream);
-  });
-  if (!high_precision) throw std::runtime_error("moe_unpermute_rows: FP8 rows cannot be summed");
+  switch (dtype) {
+    case DType::kFloat32:
+      unpermute_rows<float>(inp, row_id_map, probs, out, tokens, slots, rows, hidden, stream);
+      break;
+    case DType::kFloat16:
+      unpermute_rows<__half>(inp, row_id_map, probs, out, tokens, slots, rows, hidden, stream);
+      break;
+    case DType::kBFloat16:
+      unpermute_rows<__nv_bfloat16>(inp, row_id_map, probs, out, tokens, slots, rows, hidden, stream);
+      break;
+    default: throw std::runtime_error("moe_unpermute_rows: FP8 rows cannot be summed");
+  }
   TFP8_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -258,11 +257,18 @@ void launch_moe_merging_probs_grad(const void* grad_out, const void* inp, const 
                                    int64_t tokens, int64_t slots, int64_t rows, int64_t hidden, DType dtype,
                                    cudaStream_t stream) {
   if (tokens == 0 || slots == 0) return;
-  const bool high_precision = with_high_precision_type(dtype, [&](auto type) {
-    merging_probs_grad<typename decltype(type)::type>(grad_out, inp, row_id_map, d_probs, tokens, slots, rows, hidden,
-                                                      stream);
-  });
-  if (!high_precision) throw std::runtime_error("moe_merging_probs_grad: FP8 rows are not supported");
+  switch (dtype) {
+    case DType::kFloat32:
+      merging_probs_grad<float>(grad_out, inp, row_id_map, d_probs, tokens, slots, rows, hidden, stream);
+      break;
+    case DType::kFloat16:
+      merging_probs_grad<__half>(grad_out, inp, row_id_map, d_probs, tokens, slots, rows, hidden, stream);
+      break;
+    case DType::kBFloat16:
+      merging_probs_grad<__nv_bfloat16>(grad_out, inp, row_id_map, d_probs, tokens, slots, rows, hidden, stream);
+      break;
+    default: throw std::runtime_error("moe_merging_probs_grad: FP8 rows are not supported");
+  }
   TFP8_CUDA_CHECK(cudaGetLastError());
 }
 
