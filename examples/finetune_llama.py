@@ -573,15 +573,22 @@ def parse_args(argv):
     return args
 
 
+def device_and_defaults(args):
+    """The run's device (--device, else CUDA when there is one) and its defaults (GPU_DEFAULTS or CPU_DEFAULTS):
+    fills args.seq_len and args.batch_size where not given. Returns (device, model config, default steps)."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model_config, seq_len, batch_size, steps = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
+    args.seq_len, args.batch_size = args.seq_len or seq_len, args.batch_size or batch_size
+    return device, model_config, steps
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
         import transformers  # noqa: F401
     except ImportError:
         raise SystemExit("finetune_llama.py needs transformers: pip install transformers")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model_config, seq_len, batch_size, steps = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
-    args.seq_len, args.batch_size = args.seq_len or seq_len, args.batch_size or batch_size
+    device, model_config, steps = device_and_defaults(args)
     args.steps = args.steps or steps
     args.lr = args.lr or (2e-5 if args.model else 3e-4 if device.type == "cuda" else 1e-3)
     if device.type == "cpu":

@@ -200,9 +200,7 @@ def main(argv=None):
         import transformers  # noqa: F401
     except ImportError:
         raise SystemExit("finetune_lora.py needs transformers and peft: pip install transformers peft")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model_config, seq_len, batch_size, _ = base.GPU_DEFAULTS if device.type == "cuda" else base.CPU_DEFAULTS
-    args.seq_len, args.batch_size = args.seq_len or seq_len, args.batch_size or batch_size
+    device, model_config, _ = base.device_and_defaults(args)
     args.steps = args.steps or (GPU_STEPS if device.type == "cuda" else CPU_STEPS)
     args.lr = args.lr or (2e-4 if args.model else 1e-3)
     if device.type == "cpu":
