@@ -156,11 +156,14 @@ def main() -> None:
         if name not in RECIPES:
             sys.exit(f"bench_stack.py: --recipes: expected names from {RECIPES}, got {name!r}")
     variants, skipped = {}, {}
-    for impl in [i for i in args.impls.split(",") if i]:
+    impls = [i for i in args.impls.split(",") if i]
+    for impl in sorted(impls, key=lambda i: i != "te"):  # (TE imported first: it loads its cuDNN libraries itself)
         try:
             load_impl(impl)
-        except ImportError as err:
-            skipped[impl] = f"not installed ({err})"
+        except (ImportError, OSError) as err:
+            skipped[impl] = f"not installed or not loadable ({type(err).__name__}: {err})"[:300]
+    for impl in impls:
+        if impl in skipped:
             continue
         for name in recipes:
             key = f"{impl}/{name}"
