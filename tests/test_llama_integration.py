@@ -286,6 +286,37 @@ def test_causal_lm_loss_equals_the_models_loss_and_gradients(convert):
         assert rel_error(grad, ref_grads[name]) < 1e-5, name
 
 
+@pytest.mark.parametrize("convert", [False, True])
+def test_causal_lm_loss_skips_the_mask_builders_packed_sequence_read_only_where_no_mask_can_be_needed(
+        convert, monkeypatch):
+    """Without mask inputs the decoder runs with no mask built (causal SDPA; no host read of the position ids), the
+    same loss and gradients as the model's own; config._attn_implementation is "sdpa" again after; a padding mask,
+    explicit position ids or a sliding window take transformers' mask builder as before."""
+    from transformer_fp8.integrations import causal_lm
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    model = random_llama(llama_config(use_cache=False), dtype=torch.float32)  # (a cache also skips the packed check)
+    model.config._attn_implementation = "sdpa"
+    model = converted_copy(model) if convert else model
+    ids = torch.randint(0, VOCAB, (2, 16))
+    ref, ref_grads = loss_and_grads(model, lambda m: m(input_ids=ids, labels=ids).loss)
+    calls = []
+    real = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda *a, **k: calls.append(1) or real(*a, **k))
+    loss, grads = loss_and_grads(model, lambda m: causal_lm_loss(m, ids, chunk_size=8))
+    assert calls == [] and model.config._attn_implementation == "sdpa"
+    assert rel_error(loss, ref) < 1e-6
+    for name, grad in grads.items():
+        assert rel_error(grad, ref_grads[name]) < 1e-5, name
+    positions = torch.arange(16)[None].expand(2, 16)
+    causal_lm_loss(model, ids, chunk_size=8, position_ids=positions)
+    assert calls == [1]
+    model.config.sliding_window = 8
+    assert not causal_lm._mask_free(model.config, {})
+    model.config.sliding_window = None
+    model.config._attn_implementation = "eager"
+    assert not causal_lm._mask_free(model.config, {})
+
+
 def test_causal_lm_loss_in_fp8_and_refused_logit_transforms():
     converted = converted_copy(random_llama(llama_config()))
     ids = torch.randint(0, VOCAB, (2, 16))
