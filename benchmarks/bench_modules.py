@@ -16,7 +16,9 @@ the JSON keeps every round's value.
    (small-shape automatic path: high precision below base.FP8_MIN_GEMM_SIZE). Time per call of 100 back-to-back calls
    inside one no_grad + fp8_autocast context, as in a model's forward; the variants timed in turn over --grid-rounds
    rounds, the median time of each and the median of the per-round ratios reported. A second nn.Linear of the same
-   shape is timed with them as a control: its ratio to the first is the measurement's noise at that point.
+   shape is timed with them as a control: its ratio to the first is the measurement's noise at that point. Each
+   point's calls are also replayed from a CUDA graph once after the rounds: a back-to-back time more than 10% above
+   it is flagged host-bound (most points below M·K·N ~ 1e10 are: there the ratio compares host paths).
 3. Host (CPU) time of one Linear forward+backward at a tiny shape vs nn.Linear, the FP8 path forced; --native-node-ab
    adds our Linear with its C++ autograd node switched off (linear.NATIVE_NODE = False) as a variant of the same rounds.
 4. Host time per forward call at 128x1280x1280 under no_grad + fp8_autocast (--rounds rounds of 1000 calls):
@@ -148,6 +150,14 @@ def ratio_range(times, ref_times):
 GRID_ROUNDS = 21
 
 
+def grid_graph_ms(call):
+    """GPU time per call of one inference-grid call replayed from a CUDA graph (10 calls a graph, median of 5
+    replays), or None where it cannot be captured (or without CUDA): the grid's host-bound flag compares with it."""
+    if graph_capture_error(call) is not None:
+        return None
+    return graph_time_ms(call, calls=10, warmup=2, repeats=5)
+
+
 def bench_inference_grid(rounds=GRID_ROUNDS, sizes=(1280, 5120, 10240, 20480), m_values=(128, 256, 512)):
     """The inference grid (no_grad, cached FP8 weights): per (M, K, N), ours FP8 forced, ours default and nn.Linear
     (and a control nn.Linear) in interleaved rounds. Returns the rows."""
@@ -171,28 +181,35 @@ def bench_inference_grid(rounds=GRID_ROUNDS, sizes=(1280, 5120, 10240, 20480), m
                 # ignores it). The four are timed in turn, round after round, in a new seeded order each round: the
                 # host speed drifts, and at the host-bound points a drift between two separate measurements would
                 # read as a ratio.
+                calls = [fwd(forced, is_first_microbatch=False), fwd(auto, is_first_microbatch=False), fwd(ref),
+                         fwd(twin)]
                 with torch.no_grad(), te.fp8_autocast():
                     t_fp8, t_auto, t_bf16, t_twin = interleaved(
-                        lambda fn: loop_time_ms(fn, warmup=5, iters=100, repeats=1),
-                        [fwd(forced, is_first_microbatch=False), fwd(auto, is_first_microbatch=False), fwd(ref),
-                         fwd(twin)], rounds, shuffle=True, seed=m * k * n)
+                        lambda fn: loop_time_ms(fn, warmup=5, iters=100, repeats=1), calls, rounds, shuffle=True,
+                        seed=m * k * n)
+                    graph_fp8, graph_auto, graph_bf16 = (grid_graph_ms(fn) for fn in calls[:3])
                 rows.append({"M": m, "K": k, "N": n, "MKN": m * k * n, "fp8_ms": statistics.median(t_fp8),
                              "auto_ms": statistics.median(t_auto), "bf16_ms": statistics.median(t_bf16),
                              "fp8_spread_ms": spread(t_fp8), "auto_spread_ms": spread(t_auto),
                              "bf16_spread_ms": spread(t_bf16),
                              "ratio": median_ratio(t_fp8, t_bf16), "auto_ratio": median_ratio(t_auto, t_bf16),
                              "control_ratio": median_ratio(t_twin, t_bf16),
+                             "fp8_graph_ms": graph_fp8, "auto_graph_ms": graph_auto, "bf16_graph_ms": graph_bf16,
+                             "fp8_host_bound": host_bound(statistics.median(t_fp8), graph_fp8),
+                             "auto_host_bound": host_bound(statistics.median(t_auto), graph_auto),
+                             "bf16_host_bound": host_bound(statistics.median(t_bf16), graph_bf16),
                              "ratio_range": ratio_range(t_fp8, t_bf16), "auto_ratio_range": ratio_range(t_auto, t_bf16),
                              "control_ratio_range": ratio_range(t_twin, t_bf16),
                              "rounds_ms": {"fp8": t_fp8, "auto": t_auto, "bf16": t_bf16, "twin": t_twin}})
             del forced, auto, ref, twin
     print(f"{'M':>5} {'K':>6} {'N':>6} {'M*K*N':>9} {'fp8 ms':>8} {'auto ms':>8} {'bf16 ms':>8} {'fp8/bf16':>8} "
-          f"{'auto/bf16 (range)':>18} {'twin/bf16 (range)':>18}")
+          f"{'auto/bf16 (range)':>18} {'twin/bf16 (range)':>18}  host-bound (fp8 auto bf16: b2b > 1.1x graph)")
     for r in sorted(rows, key=lambda r: r["MKN"]):
         print(f"{r['M']:5d} {r['K']:6d} {r['N']:6d} {r['MKN']:9.2e} {r['fp8_ms']:8.4f} {r['auto_ms']:8.4f} "
               f"{r['bf16_ms']:8.4f} {r['ratio']:8.2f} {r['auto_ratio']:6.2f} ({r['auto_ratio_range'][0]:.2f}-"
               f"{r['auto_ratio_range'][1]:.2f}) {r['control_ratio']:6.2f} ({r['control_ratio_range'][0]:.2f}-"
-              f"{r['control_ratio_range'][1]:.2f})")
+              f"{r['control_ratio_range'][1]:.2f})  " + " ".join(
+                  {True: "HOST", False: "gpu", None: "n/a"}[r[f"{v}_host_bound"]] for v in ("fp8", "auto", "bf16")))
     for key, what in (("ratio", "FP8 forced"), ("auto_ratio", f"default (threshold {base.FP8_MIN_GEMM_SIZE:.2e})"),
                       ("control_ratio", "control (a second nn.Linear)")):
         worst = max(rows, key=lambda r: r[key])

@@ -133,7 +133,7 @@ def main(argv=None):
                        rounds=args.rounds, iters=args.iters, us=stats,
                        ratios={k: spread(v) for k, v in ratios.items()}), f, indent=1)
     print(f"wrote {args.json}")
-    if args.no_profile:
+    if args.no_profile or d != "cuda":  # (the profiles read CUDA activity)
         return
     profile = cProfile.Profile()  # (diagnostics: where the Linear's host time goes)
     profile.runcall(lambda: [cases["te.Linear fwd+bwd"]() for _ in range(200)])
