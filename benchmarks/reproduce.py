@@ -7,7 +7,8 @@ this machine lacks is reported in the summary, never fatal to the others. Each w
 medians with their [min, max] over the rounds.
 
 Modes:
-  --quick  the headline figures at reduced rounds (about 8 minutes on one H100 after the build; --budget-s bounds it)
+  --quick  the headline figures at reduced rounds (at most 7 minutes by default, --budget-s 420, after the build:
+           a build of ~3 minutes and the quick run fit one 10-minute device call; what the budget cuts is reported)
   (none)   every benchmark at the rounds the published tables used (about 60-70 minutes on one H100; multi-GPU rows
            only where 2 GPUs are visible)
   --smoke  each changed script's CPU smoke mode (tiny sizes, --device cpu): checks the scripts, measures nothing
@@ -57,9 +58,9 @@ QUICK = [
     Benchmark("bench_llama", ["benchmarks/bench_llama.py", "--rounds", "2", "--steps", "5", "--variants",
                               LLAMA_LIKE_FOR_LIKE, "--json", "{json}"], 240,
               "README Llama 1.1B row; RESULTS 'Llama 1.1B step, variants interleaved in rounds'"),
-    Benchmark("bench_modules", ["benchmarks/bench_modules.py", "--rounds", "3", "--skip", "inference", "host",
-                                "host-call", "--json", "{json}"], 150,
-              "README Linear row; RESULTS 'Modules' training table"),
+    Benchmark("bench_modules", ["benchmarks/bench_modules.py", "--rounds", "3", "--no-compile", "--skip",
+                                "inference", "host", "host-call", "--json", "{json}"], 150,
+              "README Linear row (not its compiled column); RESULTS 'Modules' training table"),
     Benchmark("bench_transformer_layer", ["benchmarks/bench_transformer_layer.py", "--configs", "guide",
                                           "--no-compile", "--no-attention", "--rounds", "3", "--json", "{json}"], 150,
               "README Transformer layer row; RESULTS 'TransformerLayer' tables (guide)"),
@@ -67,6 +68,11 @@ QUICK = [
               "README GEMM row; RESULTS 'FP8 GEMM'"),
     Benchmark("bench_quantize", ["benchmarks/bench_quantize.py", "--rounds", "3", "--iters", "20", "--json",
                                  "{json}"], 60, "RESULTS 'Casts, norms, activations'"),
+    Benchmark("bench_block_scaling", ["benchmarks/bench_block_scaling.py", "--llama-stack", "--skip-gemm",
+                                      "--skip-layers", "--rounds", "2", "--json", "{json}"], 180,
+              "README block-scaling row; RESULTS 'Block scaling' Llama stack"),
+    Benchmark("bench_moe", ["benchmarks/bench_moe.py", "--skip-gemm", "--rounds", "2", "--json", "{json}"], 180,
+              "README MoE row; RESULTS 'MoE' layer table"),
 ]
 
 FULL = [
@@ -222,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<date>-reproduce-<mode>)")
     parser.add_argument("--only", help="comma-separated benchmark names (default: all of the mode)")
     parser.add_argument("--budget-s", type=int, help="stop starting benchmarks past this many seconds "
-                        "(default 480 with --quick, none otherwise); the ones left are reported as skipped")
+                        "(default 420 with --quick, none otherwise); the ones left are reported as skipped")
     parser.add_argument("--list", action="store_true", help="print the mode's benchmarks and exit")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
@@ -240,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{b.name:28s} limit {b.timeout_s:5d} s, {b.gpus} GPU(s): python {' '.join(b.command)}\n"
                   f"{'':28s} feeds: {b.feeds}")
         return 0
-    budget = args.budget_s if args.budget_s is not None else (480 if args.quick else None)
+    budget = args.budget_s if args.budget_s is not None else (420 if args.quick else None)
     out = args.out or BENCH / "results" / f"{datetime.date.today():%Y-%m-%d}-reproduce-{mode_name}"
     out.mkdir(parents=True, exist_ok=True)
     gpus = visible_gpus() if any(b.gpus for b in benches) else 0

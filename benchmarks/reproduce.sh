@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rerun every benchmark that feeds a published number; see benchmarks/reproduce.py (--help) for the modes.
-#   bash benchmarks/reproduce.sh --quick    # the headline figures, ~8 minutes on one H100 (after the build)
+#   bash benchmarks/reproduce.sh --quick    # the headline figures, at most 7 minutes (--budget-s 420) after the build
 #   bash benchmarks/reproduce.sh            # everything the published tables used (run it in parts with --only)
 #   bash benchmarks/reproduce.sh --smoke    # the scripts' CPU smoke modes (no GPU)
 # JSON per benchmark, its log and summary.md / summary.json land in benchmarks/results/<date>-reproduce-<mode>/
