@@ -8,4 +8,4 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (NVLink multicast stays off)
-exec python3 benchmarks/reproduce.py "$@"
+exec "${PYTHON:-python3}" benchmarks/reproduce.py "$@"  # (PYTHON=... picks another interpreter)
