@@ -148,7 +148,10 @@ def graph_capture_error(fn: Callable[[], object], calls: int = 1) -> Optional[st
         graph_time_ms(fn, calls=calls, warmup=2, repeats=1)
         return None
     except Exception as err:  # noqa: BLE001  (any failure means: not capturable; reported, not fatal)
-        torch.cuda.synchronize()
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as sticky:  # (a CUDA error that outlives the capture: the caller's next call will say so)
+            return f"{type(err).__name__}: {err}; then {sticky}"[:300]
         return f"{type(err).__name__}: {err}"[:300]
 
 
