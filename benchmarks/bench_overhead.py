@@ -218,7 +218,7 @@ def bench_stack(rounds, layers=24, hidden=1024, seq=512, batch=2):
     builders = {}
     for name, make_model, fp8 in models:
         builders.update(mode_builders(name, make_model, x, fp8, with_compile=False))
-    timed = timed_modes(builders, rounds, seed=layers, iters=10, host_iters=2)
+    timed = timed_modes(builders, rounds, seed=layers, iters=10 if DEV == "cuda" else 2, host_iters=2)
     rows = []
     for name, _, _ in models:
         modes = split_modes(timed, name)

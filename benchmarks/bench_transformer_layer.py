@@ -137,6 +137,8 @@ def timed_rows(name, variants, rounds, alone_iters, b2b_iters, memory=False, flo
     the step replayed from a CUDA graph. A variant whose first step fails is reported with its error. memory: also the
     peak GiB of one step (once per variant, before the rounds). Also per round "host_ms": the host's time to issue one
     step (3 steps issued without waiting for the GPU, wall time / 3)."""
+    if DEV != "cuda":  # (a smoke test of the script: fewest steps)
+        alone_iters, b2b_iters = 1, 2
     rows, runnable = {}, []
     for variant, step in variants:
         try:
