@@ -256,7 +256,8 @@ def bench_host_overhead(rounds, native_node_ab=False, tokens=16, hidden=64, laye
         if native_node_ab:
             steps["fp8_no_native_node"] = without_native_node(train_step(ours, x_off, dy, True))
         names = list(steps)
-        per_round = interleaved(lambda step: host_time_us(step, iters=200 if DEV == "cuda" else 5, warmup=2),
+        iters, warmup = (200, 20) if DEV == "cuda" else (5, 2)  # (the CPU: a smoke test)
+        per_round = interleaved(lambda step: host_time_us(step, iters=iters, warmup=warmup),
                                 [steps[k] for k in names], rounds, shuffle=True, seed=n)
         t = {k: [v / n for v in vals] for k, vals in zip(names, per_round)}
         row = {"tokens": tokens, "hidden": hidden, "layers": n}

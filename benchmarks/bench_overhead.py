@@ -85,7 +85,7 @@ def host_and_wall_measures(fn, iters=50, host_iters=8):
     """{"host_us": a measure, "wall_us": a measure} of fn, each a function of no argument returning µs per call.
     host: the time to issue host_iters calls from an idle GPU (few enough not to fill the launch queue); wall: CUDA
     events around iters back-to-back calls (what a training loop sees)."""
-    return {"host_us": lambda: host_time_us(fn, host_iters, warmup=1),
+    return {"host_us": lambda: host_time_us(fn, host_iters, warmup=3),  # (the step is warm from earlier rounds)
             "wall_us": lambda: loop_time_ms(fn, warmup=0, iters=iters, repeats=1) * 1e3}
 
 
