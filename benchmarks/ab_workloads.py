@@ -25,7 +25,7 @@ RECIPES = {"delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentSc
 
 
 def train_step(model: torch.nn.Module, x: torch.Tensor, fp8_recipe) -> Callable[[], None]:
-    """forward under fp8_autocast(fp8_recipe) and backward of a fixed upstream gradient.
+    """gradients set to None, forward under fp8_autocast(fp8_recipe) and backward of a fixed upstream gradient.
 
     Args:
         model: the module. x: its input (a leaf that requires grad is made from it). fp8_recipe: the recipe.
@@ -37,6 +37,8 @@ def train_step(model: torch.nn.Module, x: torch.Tensor, fp8_recipe) -> Callable[
         dy = torch.randn_like(model(xi))
 
     def step() -> None:
+        model.zero_grad(set_to_none=True)  # (as optimizer.zero_grad leaves them: no accumulation adds timed)
+        xi.grad = None
         with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
             out = model(xi)
         out.backward(dy)

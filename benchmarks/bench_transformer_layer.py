@@ -12,12 +12,16 @@ step: "ms b2b", GPU time per step (CUDA events around 10 layer steps, 20 attenti
 training loop issues them: the host runs ahead while the GPU works), and "ms alone", one step from an idle,
 synchronised GPU (timing.step_alone_ms: the host's launch latency before the first kernel counts; not GPU time).
 TFLOP/s from b2b. "host ms": the host's time to issue one step (3 issued without waiting, timing.host_time_us): a
-step whose host ms is below its b2b ms is GPU-bound. Peak GiB: above what was allocated before a step, once per variant.
+step whose host ms is below its b2b ms is GPU-bound. "ms graph": where the step can be captured, the same step
+replayed from a CUDA graph (timing.graph_time_ms; no host work in it), in the same rounds; "host-bound" marks a
+variant whose b2b median exceeds its graph median by more than 10% (timing.host_bound): its b2b figure is then the
+host's rate, not GPU time. Peak GiB: above what was allocated before a step, once per variant.
 --graphed adds ours FP8 captured with te.make_graphed_callables to the layer table.
 --kernels adds, per attention variant, the GPU kernel time of one step (torch.profiler, mean of 10 steps) split by
 kernel: whether two variants differ in their kernels or only in the host time around them.
 Configs (no mask, no dropout, sbhd): guide = hidden 4096, ffn 16384, 32 heads, seq 2048, batch 4;
-gqa = the same with 8 GQA groups, kv_channels 128, seq 1024, batch 32, bias.
+gqa = the same with 8 GQA groups, kv_channels 128, seq 1024, batch 32, bias; tiny = a smoke-test size
+(`--device cpu --configs tiny --no-compile --rounds 1 --attention-rounds 1` checks the script without a GPU).
 """
 import argparse
 import json
@@ -28,17 +32,19 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import transformer_fp8 as te
-from timing import gpu_time_ms, host_time_us, interleaved, peak_gib, spread, step_alone_ms
+from timing import (gpu_time_ms, graph_capture_error, graph_time_ms, host_bound, host_time_us, interleaved, peak_gib,
+                    spread, step_alone_ms)
 from transformer_fp8 import recipe
 from transformer_fp8.module.attention import DotProductAttention
 from transformer_fp8.module.attention_cudnn import cudnn_attention_built
 from transformer_fp8.module.transformer import TransformerLayer
 
-DEV, DT = "cuda", torch.bfloat16
+DEV, DT = "cuda", torch.bfloat16  # (main sets DEV from --device; the functions read it when called)
 OUR_DEFAULT = "cudnn" if cudnn_attention_built() else "torch"  # DotProductAttention's default attention_backend
 CONFIGS = {
     "guide": dict(hidden=4096, ffn=16384, heads=32, groups=32, d=128, seq=2048, batch=4),
     "gqa": dict(hidden=4096, ffn=16384, heads=32, groups=8, d=128, seq=1024, batch=32),
+    "tiny": dict(hidden=64, ffn=128, heads=4, groups=2, d=16, seq=16, batch=2),  # (smoke tests)
 }
 ATTENTION_VARIANTS = ("ours, PyTorch SDPA inside", "ours DotProductAttention", "ours, bhsd", "torch SDPA default",
                       "torch SDPA CUDNN_ATTENTION", "torch SDPA FLASH_ATTENTION", "torch SDPA EFFICIENT_ATTENTION",
@@ -127,9 +133,12 @@ def layer_rows(name, c, compile_torch, rounds, graphed=False):
 
 def timed_rows(name, variants, rounds, alone_iters, b2b_iters, memory=False, flops=None):
     """Rows of (variant, step) timed in turn over `rounds` rounds in a seeded new order each round: per round and
-    variant `alone_iters` steps alone (median) and `b2b_iters` steps back to back. A variant whose first step fails is
-    reported with its error. memory: also the peak GiB of one step (once per variant, before the rounds). Also per round
-    "host_ms": the host's time to issue one step (3 steps issued without waiting for the GPU, wall time / 3)."""
+    variant `alone_iters` steps alone (median), `b2b_iters` steps back to back, and (where the step can be captured)
+    the step replayed from a CUDA graph. A variant whose first step fails is reported with its error. memory: also the
+    peak GiB of one step (once per variant, before the rounds). Also per round "host_ms": the host's time to issue one
+    step (3 steps issued without waiting for the GPU, wall time / 3)."""
+    if DEV != "cuda":  # (a smoke test of the script: fewest steps)
+        alone_iters, b2b_iters = 1, 2
     rows, runnable = {}, []
     for variant, step in variants:
         try:
@@ -137,20 +146,30 @@ def timed_rows(name, variants, rounds, alone_iters, b2b_iters, memory=False, flo
             row = dict(config=name, variant=variant)
             if memory:
                 row["peak_gib"] = round(peak_gib(step), 2)
+            row["graph_error"] = graph_capture_error(step)
             rows[variant] = row
             runnable.append((variant, step))
         except Exception as err:  # report and go on with the other variants
             rows[variant] = dict(config=name, variant=variant, error=f"{type(err).__name__}: {err}"[:300])
-    times = interleaved(lambda step: (step_alone_ms(step, warmup=1, iters=alone_iters),
-                                      gpu_time_ms(step, warmup=1, iters=b2b_iters),
-                                      host_time_us(step, iters=3, warmup=1) / 1e3),
-                        [step for _, step in runnable], rounds, shuffle=True)
+    capturable = {id(step) for variant, step in runnable if rows[variant]["graph_error"] is None}
+
+    def measure(step):
+        graph = graph_time_ms(step, calls=3, warmup=1, repeats=3) if id(step) in capturable else None
+        return (step_alone_ms(step, warmup=1, iters=alone_iters), gpu_time_ms(step, warmup=1, iters=b2b_iters),
+                host_time_us(step, iters=3, warmup=1) / 1e3, graph)
+
+    times = interleaved(measure, [step for _, step in runnable], rounds, shuffle=True)
     for (variant, _), per_round in zip(runnable, times):
         alone, b2b, host = (spread([t[i] for t in per_round], 3) for i in range(3))
         rows[variant].update(host_ms=host["median"], rounds_host_ms=host["rounds"])
         rows[variant].update(ms=alone["median"], ms_range=[alone["min"], alone["max"]], ms_b2b=b2b["median"],
                              ms_b2b_range=[b2b["min"], b2b["max"]], rounds_ms=alone["rounds"],
-                             rounds_ms_b2b=b2b["rounds"])
+                             rounds_ms_b2b=b2b["rounds"], ms_spread=alone, ms_b2b_spread=b2b)
+        if rows[variant]["graph_error"] is None:
+            graph = spread([t[3] for t in per_round], 3)
+            rows[variant].update(ms_graph=graph["median"], ms_graph_range=[graph["min"], graph["max"]],
+                                 rounds_ms_graph=graph["rounds"])
+        rows[variant]["host_bound"] = host_bound(b2b["median"], rows[variant].get("ms_graph"))
         if flops:
             rows[variant]["tflops"] = round(flops / b2b["median"] / 1e9, 1)
     return [rows[variant] for variant, _ in variants]
@@ -251,12 +270,14 @@ def cell(row, col):
     if col in row and f"{col}_range" in row:
         low, high = row[f"{col}_range"]
         return f"{row[col]:.3f} ({low:.3f}-{high:.3f})"
+    if col == "host_bound":
+        return {True: "HOST-BOUND", False: "no", None: "n/a"}[row.get(col)]
     return str(row.get(col, "-"))
 
 
 def print_table(title, rows, cols):
     print(f"\n{title}")
-    widths = [8 if c == "config" else 32 if c == "variant" else 23 if c.startswith("ms") else 9 for c in cols]
+    widths = [8 if c == "config" else 32 if c == "variant" else 23 if c.startswith("ms") else 10 for c in cols]
     print(" | ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     for r in rows:
         print(" | ".join(f"{cell(r, c):>{w}}" for c, w in zip(cols, widths)))
@@ -277,7 +298,13 @@ def names(text):
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def main():
+def main(argv=None):
+    """Runs the layer and attention tables for the chosen configs; prints them and writes the JSON.
+
+    Args:
+        argv: the command line's arguments (default sys.argv[1:]).
+    """
+    global DEV
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--configs", default="guide,gqa", help=f"comma-separated, from {sorted(CONFIGS)}")
@@ -292,7 +319,9 @@ def main():
                         help="layer table: also ours FP8 captured with te.make_graphed_callables")
     parser.add_argument("--kernels", action="store_true",
                         help="per attention variant, the GPU kernel time of a step split by kernel (torch.profiler)")
-    args = parser.parse_args()
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: a smoke test of the script (with --configs tiny)")
+    args = parser.parse_args(argv)
     unknown = set(names(args.configs)) - set(CONFIGS)
     if unknown:
         parser.error(f"--configs: unknown {sorted(unknown)}; expected some of {sorted(CONFIGS)}")
@@ -304,28 +333,34 @@ def main():
         parser.error(f"--attention-variants: unknown {sorted(unknown)}; expected some of {list(ATTENTION_VARIANTS)}")
     if args.attention_only and args.no_attention:
         parser.error("--attention-only and --no-attention: nothing left to run")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_transformer_layer.py needs a CUDA GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_transformer_layer.py needs a CUDA GPU (or --device cpu --configs tiny to check it)")
+    DEV = args.device
     torch.manual_seed(0)
     layers, attention = [], []
     for name in names(args.configs):
         if not args.attention_only:
             layers += layer_rows(name, CONFIGS[name], not args.no_compile, args.rounds, args.graphed)
-            torch.cuda.empty_cache()
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
         if not args.no_attention:
             attention += attention_rows(name, CONFIGS[name], args.attention_rounds, args.attention_variants,
-                                        args.kernels)
-            torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; "
+                                        args.kernels and DEV == "cuda")
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+    device_name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
+    print(f"\n{device_name}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; "
           f"medians (min-max) over {args.rounds} (layer) / {args.attention_rounds} (attention) interleaved rounds")
     if layers:
-        print_table("TransformerLayer fwd+bwd", layers, ["config", "variant", "ms", "ms_b2b", "host_ms", "peak_gib"])
+        print_table("TransformerLayer fwd+bwd", layers,
+                    ["config", "variant", "ms", "ms_b2b", "ms_graph", "host_bound", "host_ms", "peak_gib"])
     if attention:
-        print_table("Attention alone fwd+bwd", attention, ["config", "variant", "ms", "ms_b2b", "host_ms", "tflops"])
+        print_table("Attention alone fwd+bwd", attention,
+                    ["config", "variant", "ms", "ms_b2b", "ms_graph", "host_bound", "host_ms", "tflops"])
         print_kernels(attention)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            json.dump({"device": device_name, "torch": torch.__version__,
                        "rounds": args.rounds, "attention_rounds": args.attention_rounds, "layer": layers,
                        "attention": attention}, f, indent=1)
         print(f"wrote {args.json}")

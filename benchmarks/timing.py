@@ -8,6 +8,8 @@
 - `step_alone_ms`: one call from an idle, synchronised GPU: its launch latency on the host counts (a step that starts
   after a data loader or a logging sync). Named so because it is *not* GPU time.
 - `host_time_us`: host time per call, without waiting for the GPU.
+- `host_bound`: whether a back-to-back time (`gpu_time_ms`) exceeds the graph time of the same work by more than
+  `HOST_BOUND_MARGIN` (10%): then the figure is the host's issue rate, not GPU time, and tables label it so.
 - `run_rounds`: several variants measured in turn, round after round, in a seeded new order each round, so that the
   GPU clock's drift under its power cap (and the host's speed drift) lands on every variant alike; returns the median
   and spread per variant and every round's value.
@@ -17,7 +19,7 @@ On a machine without CUDA the GPU measures fall back to the wall clock (smoke te
 import random
 import statistics
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -130,6 +132,46 @@ def graph_time_ms(fn: Callable[[], object], calls: int = 10, warmup: int = 3, re
             fn()
     graph.replay()
     return statistics.median(_elapsed_ms(graph.replay) / calls for _ in range(repeats))
+
+
+def graph_capture_error(fn: Callable[[], object], calls: int = 1) -> Optional[str]:
+    """Whether fn can be captured in a CUDA graph: one trial capture and replay (after two eager calls).
+
+    Args:
+        fn: the work of one call. calls: calls in the trial graph.
+    Returns:
+        None when it can, else why not (the exception's text; "no CUDA device" without CUDA).
+    """
+    if not _cuda():
+        return "no CUDA device"
+    try:
+        graph_time_ms(fn, calls=calls, warmup=2, repeats=1)
+        return None
+    except Exception as err:  # noqa: BLE001  (any failure means: not capturable; reported, not fatal)
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as sticky:  # (a CUDA error that outlives the capture: the caller's next call will say so)
+            return f"{type(err).__name__}: {err}; then {sticky}"[:300]
+        return f"{type(err).__name__}: {err}"[:300]
+
+
+# A back-to-back time more than this fraction above the same work's CUDA-graph time is the host's rate, not GPU time.
+HOST_BOUND_MARGIN = 0.10
+
+
+def host_bound(gpu_ms: Optional[float], graph_ms: Optional[float], margin: float = HOST_BOUND_MARGIN) -> Optional[bool]:
+    """Whether a back-to-back time is host-bound: gpu_ms above graph_ms (the same work with no host in it) by more
+    than `margin`.
+
+    Args:
+        gpu_ms: `gpu_time_ms` of the work (median). graph_ms: `graph_time_ms` of it (median), None if not capturable.
+        margin: the fraction allowed for a graph's own savings (launch gaps between kernels).
+    Returns:
+        True / False, or None when there is no graph time to compare with.
+    """
+    if gpu_ms is None or graph_ms is None or graph_ms <= 0:
+        return None
+    return gpu_ms > graph_ms * (1 + margin)
 
 
 def host_time_us(step: Callable[[], object], iters: int = 200, warmup: int = 20) -> float:
