@@ -16,6 +16,21 @@ enum class Activation : int { kGelu, kRelu, kSwiglu };
 void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dtype, int64_t out_elems, int64_t out_cols,
                            Activation act, const float* scale, float* amax, float* scale_inv, cudaStream_t stream);
 
+// The kept input of activation_fwd_keep_input: E4M3 in 1 x kKeepTile tiles along each row, one float32 scale_inv per
+// tile (x ~= byte value * scale_inv; scale_inv = amax_tile / 448, 1 for an all-zero tile).
+constexpr int kKeepTile = 128;
+
+// Whether activation_fwd_keep_input takes this input: float16 / bfloat16, out_cols and out_elems multiples of
+// kKeepTile (for SwiGLU the input's rows are then whole tiles too).
+bool activation_fwd_can_keep_input(DType in_dtype, int64_t out_elems, int64_t out_cols);
+
+// activation_fwd with an FP8 output y (scale required) that also writes x8 [rows, in_cols] (E4M3) and x8_scale_inv
+// [rows, in_cols / kKeepTile] (float32), the kept input, in the same pass. Throws unless
+// activation_fwd_can_keep_input and x is 16-byte aligned.
+void launch_activation_fwd_keep_input(const void* x, DType in_dtype, uint8_t* y, DType out_dtype, int64_t out_elems,
+                                      int64_t out_cols, Activation act, const float* scale, float* amax,
+                                      float* scale_inv, uint8_t* x8, float* x8_scale_inv, cudaStream_t stream);
+
 // dx = dy * act'(x), all three of dtype; dy has out_elems elements, out_cols per row. No launch when out_elems == 0.
 void launch_activation_bwd(const void* dy, const void* x, void* dx, DType dtype, int64_t out_elems, int64_t out_cols,
                            Activation act, cudaStream_t stream);
@@ -29,8 +44,10 @@ inline int64_t dact_dbias_workspace_rows(int64_t rows) { return (rows + kDactTil
 // (then workspace is float32
 // [dact_dbias_workspace_rows(rows), in_cols]): dbias[j] = sum_i d[i, j] in float32, written in dtype.
 // rows and out_cols must be > 0.
+// x may instead be a kept input (x8, x8_scale_inv non-null, x null; then in_cols must be a multiple of kKeepTile).
 void launch_dact_cast_transpose(const void* dy, const void* x, DType dtype, uint8_t* q, uint8_t* qT, DType fp8_dtype,
                                 int64_t rows, int64_t out_cols, Activation act, const float* scale, float* amax,
-                                float* scale_inv, void* dbias, float* workspace, cudaStream_t stream);
+                                float* scale_inv, void* dbias, float* workspace, cudaStream_t stream,
+                                const uint8_t* x8 = nullptr, const float* x8_scale_inv = nullptr);
 
 }  // namespace tfp8

@@ -16,11 +16,32 @@ using act::StorageT;
 constexpr int kTile = kDactTile;
 constexpr int kThreads = 256;
 
-template <Activation A, DType IN, DType F8, int VEC>
+// out = x[offset .. offset + count) as floats: from x, or (KEPT) from the kept E4M3 input x8 times its tile's
+// scale_inv (offset % VEC == 0, so the VEC values lie in one tile).
+template <bool KEPT, int VEC, typename T>
+__device__ __forceinline__ void load_input(const T* x, const uint8_t* x8, const float* x8_scale_inv, int64_t offset,
+                                           float (&out)[VEC], int count) {
+  if constexpr (KEPT) {
+    const float tile_scale_inv = x8_scale_inv[offset / kKeepTile];
+    if (count == VEC) {
+      const act::Vec<uint8_t, VEC> v = *reinterpret_cast<const act::Vec<uint8_t, VEC>*>(x8 + offset);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out[k] = fp8_to_float<DType::kE4M3>(v.v[k]) * tile_scale_inv;
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out[k] = k < count ? fp8_to_float<DType::kE4M3>(x8[offset + k]) * tile_scale_inv : 0;
+    }
+  } else {
+    act::load_floats(x + offset, out, count);
+  }
+}
+
+template <Activation A, DType IN, DType F8, int VEC, bool KEPT>
 __global__ void __launch_bounds__(kThreads)
     dact_cast_transpose_kernel(const StorageT<IN>* __restrict__ dy, const StorageT<IN>* __restrict__ x,
                                uint8_t* __restrict__ q, uint8_t* __restrict__ qT, int64_t rows, int64_t out_cols,
-                               const float* __restrict__ scale_ptr, float* amax, float* scale_inv, float* workspace) {
+                               const float* __restrict__ scale_ptr, float* amax, float* scale_inv, float* workspace,
+                               const uint8_t* __restrict__ x8, const float* __restrict__ x8_scale_inv) {
   constexpr int kParts = A == Activation::kSwiglu ? 2 : 1;
   constexpr int kThreadsPerRow = kTile / VEC;
   constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
@@ -46,13 +67,13 @@ __global__ void __launch_bounds__(kThreads)
     act::load_floats(dy + row * out_cols + col, grad, count);
     if constexpr (A == Activation::kSwiglu) {
       float gate[VEC], up[VEC];
-      act::load_floats(x + row * in_cols + col, gate, count);
-      act::load_floats(x + row * in_cols + out_cols + col, up, count);
+      load_input<KEPT>(x, x8, x8_scale_inv, row * in_cols + col, gate, count);
+      load_input<KEPT>(x, x8, x8_scale_inv, row * in_cols + out_cols + col, up, count);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) act::swiglu_backward(grad[k], gate[k], up[k], d[0][k], d[kParts - 1][k]);
     } else {
       float in[VEC];
-      act::load_floats(x + row * in_cols + col, in, count);
+      load_input<KEPT>(x, x8, x8_scale_inv, row * in_cols + col, in, count);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) d[0][k] = act::backward<A>(grad[k], in[k]);
     }
@@ -132,7 +153,8 @@ __global__ void dbias_from_workspace_kernel(const float* __restrict__ workspace,
 
 void launch_dact_cast_transpose(const void* dy, const void* x, DType dtype, uint8_t* q, uint8_t* qT, DType fp8_dtype,
                                 int64_t rows, int64_t out_cols, Activation act, const float* scale, float* amax,
-                                float* scale_inv, void* dbias, float* workspace, cudaStream_t stream) {
+                                float* scale_inv, void* dbias, float* workspace, cudaStream_t stream,
+                                const uint8_t* x8, const float* x8_scale_inv) {
   const int64_t tile_rows = dact_dbias_workspace_rows(rows);
   const dim3 grid(static_cast<unsigned>(tile_rows), static_cast<unsigned>((out_cols + kTile - 1) / kTile));
   const int in_cols_factor = act == Activation::kSwiglu ? 2 : 1;
@@ -146,12 +168,21 @@ void launch_dact_cast_transpose(const void* dy, const void* x, DType dtype, uint
         const auto* dyp = static_cast<const T*>(dy);
         const auto* xp = static_cast<const T*>(x);
         float* ws = dbias != nullptr ? workspace : nullptr;
-        if (out_cols % kVec == 0 && act::aligned(dy, 16) && act::aligned(x, 16) && act::aligned(q, kVec)) {
-          dact_cast_transpose_kernel<A, IN, F8, kVec>
-              <<<grid, kThreads, 0, stream>>>(dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws);
+        const bool vectors = out_cols % kVec == 0 && act::aligned(dy, 16) && act::aligned(q, kVec);
+        if (x8 != nullptr) {  // (a kept input: in_cols is a multiple of kKeepTile)
+          if (vectors && act::aligned(x8, kVec)) {
+            dact_cast_transpose_kernel<A, IN, F8, kVec, true><<<grid, kThreads, 0, stream>>>(
+                dyp, nullptr, q, qT, rows, out_cols, scale, amax, scale_inv, ws, x8, x8_scale_inv);
+          } else {
+            dact_cast_transpose_kernel<A, IN, F8, 1, true><<<grid, kThreads, 0, stream>>>(
+                dyp, nullptr, q, qT, rows, out_cols, scale, amax, scale_inv, ws, x8, x8_scale_inv);
+          }
+        } else if (vectors && act::aligned(x, 16)) {
+          dact_cast_transpose_kernel<A, IN, F8, kVec, false><<<grid, kThreads, 0, stream>>>(
+              dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws, nullptr, nullptr);
         } else {
-          dact_cast_transpose_kernel<A, IN, F8, 1>
-              <<<grid, kThreads, 0, stream>>>(dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws);
+          dact_cast_transpose_kernel<A, IN, F8, 1, false><<<grid, kThreads, 0, stream>>>(
+              dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws, nullptr, nullptr);
         }
         TFP8_CUDA_CHECK(cudaGetLastError());
         if (dbias != nullptr) {

@@ -1,5 +1,6 @@
 // activation_fwd / activation_bwd: elementwise kernels, VEC elements per thread and step with 16-byte input accesses,
-// a grid-stride loop over a grid that fills the GPU.
+// a grid-stride loop over a grid that fills the GPU. activation_fwd_keep_input also writes the input's kept E4M3 copy
+// (1 x 128 tiles, see keep_tile) for the backward, in the same pass.
 // GELU / ReLU index input and output alike. SwiGLU output element i = row * F + c reads gate at row * 2F + c and up at
 // row * 2F + F + c (F = out_cols), i.e. at i + row * F and i + row * F + F; its backward writes dgate and dup there.
 #include <algorithm>
@@ -18,11 +19,38 @@ __device__ __forceinline__ int64_t swiglu_gate_offset(int64_t i, int64_t out_col
   return i + (i / out_cols) * out_cols;
 }
 
+// The kept copy of the input (KEEP): each input row cut into 1 x kKeepTile tiles, each tile saturate(value * 448 /
+// amax_tile) in E4M3 with scale_inv = amax_tile / 448 (1 for an all-zero tile). A half-warp's 16 lanes hold one
+// tile's kKeepTile outputs (VEC = 8); a SwiGLU output tile reads one gate tile and one up tile of its input row.
+constexpr float kE4M3Max = 448.0f;
+
+// Writes one thread's VEC input values of a tile into the kept copy: the tile's amax over the half-warp (mask: the
+// lanes of this half, all of which run this call), then the bytes and (lane 0 of the half) the tile's scale_inv.
+template <int VEC>
+__device__ __forceinline__ void keep_tile(const float (&values)[VEC], uint8_t* dst, float* tile_scale_inv) {
+  const unsigned half_mask = (threadIdx.x % 32) < 16 ? 0x0000ffffu : 0xffff0000u;
+  float tile_amax = 0.0f;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) tile_amax = act::max_abs(tile_amax, values[k]);
+#pragma unroll
+  for (int offset = 8; offset > 0; offset /= 2)
+    tile_amax = act::max_abs(tile_amax, __shfl_xor_sync(half_mask, tile_amax, offset));
+  const float scale = tile_amax > 0.0f ? kE4M3Max / tile_amax : 1.0f;
+  act::Vec<uint8_t, VEC> bytes;
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) bytes.v[k] = float_to_fp8<DType::kE4M3>(values[k] * scale);
+  *reinterpret_cast<act::Vec<uint8_t, VEC>*>(dst) = bytes;
+  if (threadIdx.x % 16 == 0) *tile_scale_inv = 1.0f / scale;
+}
+
 // VEC outputs per thread and step; a last partial vector (GELU / ReLU only) is handled element by element.
-template <Activation A, DType IN, DType OUT, int VEC>
+// KEEP (VEC == 8, out_cols % kKeepTile == 0, n % kKeepTile == 0: whole tiles per half-warp) also writes the kept
+// copy of the input: x8 [rows, in_cols] and x8_scale_inv [rows, in_cols / kKeepTile].
+template <Activation A, DType IN, DType OUT, int VEC, bool KEEP>
 __global__ void __launch_bounds__(kThreads)
     activation_fwd_kernel(const StorageT<IN>* __restrict__ x, StorageT<OUT>* __restrict__ y, int64_t n,
-                          int64_t out_cols, const float* __restrict__ scale_ptr, float* amax, float* scale_inv) {
+                          int64_t out_cols, const float* __restrict__ scale_ptr, float* amax, float* scale_inv,
+                          uint8_t* __restrict__ x8, float* __restrict__ x8_scale_inv) {
   const float scale = act::is_fp8(OUT) ? *scale_ptr : 1.0f;
   if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
   float local_amax = 0.0f;
@@ -37,11 +65,16 @@ __global__ void __launch_bounds__(kThreads)
       act::load_floats(x + gate_at + out_cols, up, count);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) out[k] = act::swiglu_forward(gate[k], up[k]);
+      if constexpr (KEEP) {
+        keep_tile(gate, x8 + gate_at, x8_scale_inv + gate_at / kKeepTile);
+        keep_tile(up, x8 + gate_at + out_cols, x8_scale_inv + (gate_at + out_cols) / kKeepTile);
+      }
     } else {
       float in[VEC];
       act::load_floats(x + i, in, count);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) out[k] = act::forward<A>(in[k]);
+      if constexpr (KEEP) keep_tile(in, x8 + i, x8_scale_inv + i / kKeepTile);
     }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) local_amax = k < count ? act::max_abs(local_amax, out[k]) : local_amax;
@@ -108,15 +141,45 @@ void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dty
         auto* yp = static_cast<TO*>(y);
         if (rows_hold_whole_vectors(act, out_cols, kVec<TI>) && act::aligned(x, 16) &&
             act::aligned(y, kVec<TI> * sizeof(TO))) {
-          activation_fwd_kernel<A, IN, OUT, kVec<TI>><<<grid_size(out_elems, kVec<TI>), kThreads, 0, stream>>>(
-              xp, yp, out_elems, out_cols, scale, amax, scale_inv);
+          activation_fwd_kernel<A, IN, OUT, kVec<TI>, false><<<grid_size(out_elems, kVec<TI>), kThreads, 0, stream>>>(
+              xp, yp, out_elems, out_cols, scale, amax, scale_inv, nullptr, nullptr);
         } else {
-          activation_fwd_kernel<A, IN, OUT, 1>
-              <<<grid_size(out_elems, 1), kThreads, 0, stream>>>(xp, yp, out_elems, out_cols, scale, amax, scale_inv);
+          activation_fwd_kernel<A, IN, OUT, 1, false><<<grid_size(out_elems, 1), kThreads, 0, stream>>>(
+              xp, yp, out_elems, out_cols, scale, amax, scale_inv, nullptr, nullptr);
         }
       };
       if (out_dtype == in_dtype) launch(in);
       else act::with_fp8(out_dtype, launch);
+    });
+  });
+  TFP8_CUDA_CHECK(cudaGetLastError());
+}
+
+bool activation_fwd_can_keep_input(DType in_dtype, int64_t out_elems, int64_t out_cols) {
+  // (a float32 input has VEC = 4: a half-warp would not hold a whole tile)
+  return (in_dtype == DType::kBFloat16 || in_dtype == DType::kFloat16) && out_cols % kKeepTile == 0 &&
+         out_elems % kKeepTile == 0;
+}
+
+void launch_activation_fwd_keep_input(const void* x, DType in_dtype, uint8_t* y, DType out_dtype, int64_t out_elems,
+                                      int64_t out_cols, Activation act, const float* scale, float* amax,
+                                      float* scale_inv, uint8_t* x8, float* x8_scale_inv, cudaStream_t stream) {
+  if (!activation_fwd_can_keep_input(in_dtype, out_elems, out_cols) || !act::aligned(x, 16) ||
+      !act::aligned(x8, 8) || !act::aligned(y, 8))
+    throw std::invalid_argument("activation_fwd_keep_input: needs a 16-bit input whose output rows are whole "
+                                "128-element tiles, 16-byte aligned");
+  act::with_activation(act, [&](auto a) {
+    act::with_high_precision(in_dtype, [&](auto in) {
+      act::with_fp8(out_dtype, [&](auto out) {
+        constexpr DType IN = decltype(in)::value;
+        if constexpr (IN != DType::kFloat32) {
+          constexpr Activation A = decltype(a)::value;
+          constexpr DType OUT = decltype(out)::value;
+          using TI = StorageT<IN>;
+          activation_fwd_kernel<A, IN, OUT, kVec<TI>, true><<<grid_size(out_elems, kVec<TI>), kThreads, 0, stream>>>(
+              static_cast<const TI*>(x), y, out_elems, out_cols, scale, amax, scale_inv, x8, x8_scale_inv);
+        }
+      });
     });
   });
   TFP8_CUDA_CHECK(cudaGetLastError());

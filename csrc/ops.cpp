@@ -111,6 +111,16 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("dact_cast_transpose(Tensor grad_out, Tensor input, str activation, Tensor scale, ScalarType fp8_dtype, "
         "Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None, bool compute_dbias=False, bool transpose=True) -> "
         "(Tensor, Tensor, Tensor)");
+  // activation_fwd to an FP8 output that also keeps its input for the backward in E4M3, 1x128 tiles along each row with
+  // one float32 scale_inv per tile (amax_tile / 448): (out [..., F] in fp8_dtype, kept [..., F_in] float8_e4m3fn,
+  // kept_scale_inv [..., F_in / 128]). float16 / bfloat16 input whose output's last dim is a multiple of 128.
+  m.def("activation_fwd_keep_input(Tensor input, str activation, Tensor scale, ScalarType fp8_dtype, "
+        "Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None) -> (Tensor, Tensor, Tensor)");
+  // dact_cast_transpose whose activation input is such a kept copy ([M, F_in] and [M, F_in / 128]); grad_out's dtype
+  // is the high precision one (dbias's).
+  m.def("dact_cast_transpose_kept_input(Tensor grad_out, Tensor kept_input, Tensor kept_scale_inv, str activation, "
+        "Tensor scale, ScalarType fp8_dtype, Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None, "
+        "bool compute_dbias=False, bool transpose=True) -> (Tensor, Tensor, Tensor)");
 
   // --- scaling family --- amax_histories[i] [H, n_i], scales[i] / scale_invs[i] [n_i], all float32.
   // Row 0 holds the amax accumulated this step. One launch: roll every history by one (row 0 -> row 1, ...),

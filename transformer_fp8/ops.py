@@ -178,6 +178,23 @@ def _(grad_out, input, activation, scale, fp8_dtype, amax=None, scale_inv=None, 
     return grad_out.new_empty((m, f), dtype=fp8_dtype), qt, dbias
 
 
+@_register_fake("transformer_fp8::activation_fwd_keep_input")
+def _(input, activation, scale, fp8_dtype, amax=None, scale_inv=None):
+    shape = (*input.shape[:-1], activation_out_features(activation, input.shape[-1]))
+    kept_scales = (*input.shape[:-1], input.shape[-1] // 128)
+    return (input.new_empty(shape, dtype=fp8_dtype), input.new_empty(input.shape, dtype=torch.float8_e4m3fn),
+            input.new_empty(kept_scales, dtype=torch.float32))
+
+
+@_register_fake("transformer_fp8::dact_cast_transpose_kept_input")
+def _(grad_out, kept_input, kept_scale_inv, activation, scale, fp8_dtype, amax=None, scale_inv=None,
+      compute_dbias=False, transpose=True):
+    m, f = kept_input.shape
+    dbias = grad_out.new_empty((f,) if compute_dbias else (0,))
+    qt = grad_out.new_empty((f, m) if transpose else (0,), dtype=fp8_dtype)
+    return grad_out.new_empty((m, f), dtype=fp8_dtype), qt, dbias
+
+
 @_register_fake("transformer_fp8::delayed_scaling_update")
 def _(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo):
     return None

@@ -6,7 +6,7 @@ import torch
 
 import transformer_fp8 as te
 from tests.module.helpers import DEVICES, GRAD_TOL, RECIPES, RELU_GRAD_TOL, check_against_reference, fp8_steps, \
-    params64, randomize_vectors, reference_forward
+    params64, randomize_vectors, reference_forward, reference_grads
 from tests.utils import rel_error
 
 
@@ -139,3 +139,51 @@ def test_gelu_rides_in_the_fc1_epilogue_after_the_first_update(device, monkeypat
         assert rel_error(g, twin_grads[name]) < 0.06, name
     # the GEMM's amax fed the update (GELU of the float32 result, not of its BF16 rounding: amaxes differ a little)
     assert torch.allclose(m.fp8_fwd.scale, twin.fp8_fwd.scale, rtol=1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "relu"])
+@pytest.mark.parametrize("fp8_format", ["HYBRID", "E4M3"])
+def test_kept_fp8_activation_input_matches_reference_and_halves_what_the_backward_keeps(device, activation,
+                                                                                          fp8_format):
+    """keep_activation_input_in_fp8 (the default): once the FC2_INPUT scale is known (delayed scaling's second step),
+    fc1's output is kept as its E4M3 1x128-tile copy instead of in bf16: the same forward bit for bit, gradients
+    within the float64 reference's FP8 tolerances, FC2's gradients unchanged, fc1's within a few percent of the bf16
+    path's; and the backward holds no bf16 fc1 output."""
+    from transformer_fp8 import recipe
+    from transformer_fp8.module import layernorm_mlp
+    fp8_recipe = recipe.DelayedScaling(fp8_format=recipe.Format[fp8_format], amax_history_len=4)
+    kept_seen = []
+    dact = layernorm_mlp._dact_to_fp8
+
+    def recording_dact(quantizer, activation_name, d_act, fc1_out, kept, *flags):
+        kept_seen.append((fc1_out is None, kept[0] is not None))
+        return dact(quantizer, activation_name, d_act, fc1_out, kept, *flags)
+
+    ffn = 128
+    torch.manual_seed(0)
+    keep = te.LayerNormMLP(64, ffn, activation=activation, normalization="RMSNorm", bias=False,
+                           params_dtype=torch.bfloat16, device=device, fp8_min_gemm_size=0)
+    plain = copy.deepcopy(keep)
+    plain.keep_activation_input_in_fp8 = False
+    assert keep.keep_activation_input_in_fp8
+    x = torch.randn(4, 32, 64, dtype=torch.bfloat16, device=device)
+    dy = torch.randn(4, 32, 64, dtype=torch.bfloat16, device=device)
+    ref_out, ref_grads = reference_grads(keep, x, dy)
+    layernorm_mlp._dact_to_fp8 = recording_dact
+    try:
+        out, grads = fp8_steps(keep, x, dy, fp8_recipe)
+    finally:
+        layernorm_mlp._dact_to_fp8 = dact
+    # calibrating step: bf16; then the kept copy only (GELU then rides in FC1's epilogue, whose aux output is bf16)
+    assert kept_seen == [(False, False), (False, False) if activation == "gelu" else (True, True)]
+    plain_out, plain_grads = fp8_steps(plain, x, dy, fp8_recipe)
+    assert torch.equal(out, plain_out)
+    tol = RELU_GRAD_TOL if activation == "relu" else GRAD_TOL
+    for name, ref in ref_grads.items():
+        assert rel_error(grads[name], ref) <= tol, name
+    for name in ("fc2_weight",):
+        assert torch.equal(grads[name], plain_grads[name]), name
+    for name in ("fc1_weight", "input", "layer_norm_weight"):  # no worse than the bf16-kept path's FP8 error
+        assert rel_error(grads[name], ref_grads[name]) <= 1.2 * rel_error(plain_grads[name], ref_grads[name]) + 0.01, \
+            name

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from .. import autocast
 from ..distributed import TensorParallel, gather_from_sequence_parallel_region
 from ..ops import tfp8
+from ..cpu.activation import KEEP_TILE, dequantize_kept_input
 from ..quantization import MLP_ROLES, FP8Operand, QuantizerSet, Role, gemm_gelu_to_fp8
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear
 from ._row_parallel import epilogue_terms, sum_partials
@@ -33,14 +34,27 @@ def _swiglu(x):
 ACTIVATIONS = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "swiglu": _swiglu}
 
 
-def _activation_to_fp8(quantizer, activation, fc1_out, need_transpose):
-    """act(fc1_out [M, F1]) cast by `quantizer` (FC2_INPUT): an FP8Operand with data [M, F] (data_t [F, M] when
-    need_transpose). With a known scale the activation kernel emits FP8 itself."""
+def _activation_to_fp8(quantizer, activation, fc1_out, need_transpose, keep_input):
+    """act(fc1_out [M, F1]) cast by `quantizer` (FC2_INPUT): (an FP8Operand with data [M, F] (data_t [F, M] when
+    need_transpose), the kept input or None). With a known scale the activation kernel emits FP8 itself and, when
+    keep_input, also writes fc1_out's kept E4M3 copy for the backward (1x128 tiles with their scales, see
+    cpu/activation.py) in the same pass: (kept [M, F1], kept_scale_inv [M, F1 / 128]) instead of keeping fc1_out."""
     if not (quantizer.fused_per_tensor and quantizer.known_scale):  # (unfused: the cast's scale comes from act)
-        return quantizer.cast_activation(fc1_out, activation, transpose=need_transpose)
+        return quantizer.cast_activation(fc1_out, activation, transpose=need_transpose), None
     fp8_args = quantizer.output_args()
-    operand = FP8Operand(tfp8.activation_fwd(fc1_out, activation, *fp8_args), None, fp8_args[3], fp8_args[1])
-    return operand.with_transpose() if need_transpose else operand
+    kept = None
+    if keep_input and _can_keep(activation, fc1_out):
+        act_data, *kept = tfp8.activation_fwd_keep_input(fc1_out, activation, *fp8_args)
+    else:
+        act_data = tfp8.activation_fwd(fc1_out, activation, *fp8_args)
+    operand = FP8Operand(act_data, None, fp8_args[3], fp8_args[1])
+    return (operand.with_transpose() if need_transpose else operand), kept
+
+
+def _can_keep(activation, fc1_out):
+    """Whether activation_fwd_keep_input takes fc1_out: 16-bit, the activation's output width a multiple of 128."""
+    width = fc1_out.shape[-1] // 2 if activation == "swiglu" else fc1_out.shape[-1]
+    return fc1_out.dtype in (torch.bfloat16, torch.float16) and width % KEEP_TILE == 0
 
 
 def _gelu_in_fc1_epilogue(quantizer, activation, dtype, fc1_bias):
@@ -58,17 +72,24 @@ def _take(stash, key):
     return stash[key] if torch.compiler.is_compiling() else stash.pop(key)
 
 
-def _dact_to_fp8(quantizer, activation, d_act, fc1_out, with_dbias, need_wgrad):
-    """d(fc1_out) = act'(fc1_out) * d_act cast by `quantizer` (FC1_GRAD_OUTPUT): (FP8Operand, dbias or None).
-    With a known scale the fused kernel writes the rowwise data only: data_t (for the FC1 wgrad) is made from it
-    after the FC1 dgrad, once fc1_out and d_act are gone, so that the backward's peak (here) holds half the FP8
-    bytes."""
-    if not (quantizer.fused_per_tensor and quantizer.known_scale):  # (unfused: the cast's scale comes from d_fc1)
+def _dact_to_fp8(quantizer, activation, d_act, fc1_out, kept, with_dbias, need_wgrad):
+    """d(fc1_out) = act'(fc1_out) * d_act cast by `quantizer` (FC1_GRAD_OUTPUT): (FP8Operand, dbias or None). fc1_out
+    is None when the forward kept its E4M3 copy instead (kept = (data, tile scale_inv)). With a known scale the fused
+    kernel writes the rowwise data only: data_t (for the FC1 wgrad) is made from it after the FC1 dgrad, once fc1_out
+    and d_act are gone, so that the backward's peak (here) holds half the FP8 bytes."""
+    fused = quantizer.fused_per_tensor and quantizer.known_scale
+    if not fused:  # (unfused: the cast's scale comes from d_fc1)
+        if fc1_out is None:
+            fc1_out = dequantize_kept_input(*kept, d_act.dtype)
         d_fc1 = tfp8.activation_bwd(d_act, fc1_out, activation)
         return cast_grad_output(d_fc1, quantizer, with_dbias, True, need_wgrad)  # (data_t: the FC1 wgrad's only)
     scale, fp8_dtype, amax, scale_inv = quantizer.output_args()
-    q, _, dbias = tfp8.dact_cast_transpose(d_act, fc1_out, activation, scale, fp8_dtype, amax, scale_inv,
-                                           with_dbias, False)
+    if fc1_out is None:
+        q, _, dbias = tfp8.dact_cast_transpose_kept_input(d_act, *kept, activation, scale, fp8_dtype, amax, scale_inv,
+                                                          with_dbias, False)
+    else:
+        q, _, dbias = tfp8.dact_cast_transpose(d_act, fc1_out, activation, scale, fp8_dtype, amax, scale_inv,
+                                               with_dbias, False)
     return FP8Operand(q, None, scale_inv, fp8_dtype), (dbias if with_dbias else None)
 
 
@@ -82,6 +103,7 @@ class _MLPSetup(NamedTuple):
     weight_cache: dict
     fuse_wgrad: bool
     keep_ln_out: bool  # return_layernorm_output
+    keep_fc1_fp8: bool  # keep fc1's output for the backward as its E4M3 copy where the activation kernel can
 
 
 class _FP8LayerNormMLP(torch.autograd.Function):
@@ -113,12 +135,15 @@ class _FP8LayerNormMLP(torch.autograd.Function):
                                                     setup.keep_ln_out)
         w1_op = fp8_weight(cache, "fc1_weight", fc1_weight, quantizers[Role.FC1_WEIGHT], need_dgrad,
                            is_first_microbatch)
+        kept = None
         if _gelu_in_fc1_epilogue(act_quantizer, setup.activation, dtype, fc1_bias):
             act_op, fc1_out = gemm_gelu_to_fp8(ln_op, w1_op, fc1_bias, act_quantizer)
             act_op = act_op.with_transpose() if need_fc2_wgrad else act_op
         else:
             fc1_out = fp8_gemm_bias(ln_op, w1_op, dtype, fc1_bias)
-            act_op = _activation_to_fp8(act_quantizer, setup.activation, fc1_out, need_fc2_wgrad)
+            act_op, kept = _activation_to_fp8(act_quantizer, setup.activation, fc1_out, need_fc2_wgrad,
+                                              training and setup.keep_fc1_fp8)
+            fc1_out = None if kept is not None else fc1_out
         w2_op = fp8_weight(cache, "fc2_weight", fc2_weight, quantizers[Role.FC2_WEIGHT], need_fc2_dgrad,
                            is_first_microbatch)
         bias_here, residual_here = epilogue_terms(tp, fc2_bias, x if adds_input else residual_rows(residual))
@@ -128,8 +153,8 @@ class _FP8LayerNormMLP(torch.autograd.Function):
             # The big intermediates sit outside save_for_backward so that the backward can drop each one right
             # after its last use (save_for_backward holds everything until the backward returns); inside a
             # checkpoint region they go through it, which the region frees until the recompute (see checkpoint.py).
-            stash = dict(lnqt=ln_op.data_t, w1qt=w1_op.data_t, fc1_out=fc1_out, aqt=act_op.data_t,
-                         w2qt=w2_op.data_t)
+            stash = dict(lnqt=ln_op.data_t, w1qt=w1_op.data_t, fc1_out=fc1_out, fc1_kept=kept and kept[0],
+                         fc1_kept_scale_inv=kept and kept[1], aqt=act_op.data_t, w2qt=w2_op.data_t)
             if autocast.STATE.checkpoint is None:
                 ctx.save_for_backward(x, mean, rstd, ln_weight)
                 ctx.stash = stash
@@ -177,8 +202,9 @@ class _FP8LayerNormMLP(torch.autograd.Function):
             del dy_op, w2_op
             d_fc1 = None
             if d_act is not None:
+                kept = (_take(stash, "fc1_kept"), _take(stash, "fc1_kept_scale_inv"))
                 d_fc1 = _dact_to_fp8(quantizers[Role.FC1_GRAD_OUTPUT], setup.activation, d_act, _take(stash, "fc1_out"),
-                                     needs[4], needs[3])
+                                     kept, needs[4], needs[3])
                 del d_act
             if d_fc1 is not None:
                 d_fc1_op, dbias1 = d_fc1
@@ -207,9 +233,14 @@ class LayerNormMLP(FP8ModuleBase):
     activation="gelu" | "swiglu" | "relu", zero_centered_gamma=False, return_layernorm_output=False,
     params_dtype=None, device="cuda", init_method=None, output_layer_init_method=None, fuse_wgrad_accumulation=False,
     return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1, set_parallel_mode=False,
-    sequence_parallel=False). forward(inp [..., hidden], is_first_microbatch=None, residual=None). gelu is the tanh
-    approximation. residual: a tensor of the input's shape and dtype added to the output, inside fp8_autocast in the
-    FC2 GEMM's epilogue (one rounding, no separate add); not with sequence parallelism.
+    sequence_parallel=False, keep_activation_input_in_fp8=True). forward(inp [..., hidden], is_first_microbatch=None,
+    residual=None). gelu is the tanh approximation. residual: a tensor of the input's shape and dtype added to the
+    output, inside fp8_autocast in the FC2 GEMM's epilogue (one rounding, no separate add); not with sequence
+    parallelism. keep_activation_input_in_fp8 (an attribute too): inside fp8_autocast, where the activation kernel
+    casts to FP8 itself (a known FC2_INPUT scale: delayed scaling) and the activation's width is a multiple of 128,
+    the FC1 output the activation backward needs is kept as E4M3 in 1x128 tiles with a float32 scale each (written
+    in the activation's own pass) instead of in 16 bits: about half the activation memory of the MLP, the
+    activation gradient computed from the E4M3 values (as DeepSeek-V3 keeps its SwiGLU inputs). False keeps 16 bits.
     Small-shape automatic path: as Linear's, with M*K*N summed over both GEMMs (M*hidden*(fc1 width + ffn)).
 
     Tensor parallelism (set_parallel_mode=True and a tp_group of size tp > 1): FC1 column-parallel (fc1_weight
@@ -227,7 +258,7 @@ class LayerNormMLP(FP8ModuleBase):
                  activation="gelu", zero_centered_gamma=False, return_layernorm_output=False, params_dtype=None,
                  device="cuda", init_method=None, output_layer_init_method=None, fuse_wgrad_accumulation=False,
                  return_bias=False, fp8_min_gemm_size=None, tp_group=None, tp_size=1, set_parallel_mode=False,
-                 sequence_parallel=False):
+                 sequence_parallel=False, keep_activation_input_in_fp8=True):
         check_positive(hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         check_choice("normalization", normalization, NORMALIZATIONS)
         check_choice("activation", activation, tuple(ACTIVATIONS))
@@ -244,6 +275,7 @@ class LayerNormMLP(FP8ModuleBase):
         self.normalization, self.activation = normalization, activation
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output, self.return_bias = bool(return_layernorm_output), bool(return_bias)
+        self.keep_activation_input_in_fp8 = bool(keep_activation_input_in_fp8)
         init_norm_params(self, hidden_size, normalization, self.zero_centered_gamma, "layer_norm_")
         self.fc1_weight = self._weight_param((fc1_out, hidden_size), init_method, tp, 0, blocks)
         self.fc1_bias = self._vector_param(blocks * local_ffn, 0.0) if bias else None
@@ -282,7 +314,8 @@ class LayerNormMLP(FP8ModuleBase):
         if fp8:  # (TP: the Function sums the norm output's gradient and, without SP, its output over the ranks)
             self._fp8_begin(state)
             setup = _MLPSetup(self.quantizers, tp, NormSpec.of(self), self.activation, self._weight_cache,
-                              self.fuse_wgrad_accumulation, self.return_layernorm_output)
+                              self.fuse_wgrad_accumulation, self.return_layernorm_output,
+                              self.keep_activation_input_in_fp8)
             out, ln_out = _FP8LayerNormMLP.apply(inp, ln_weight, ln_bias, self.fc1_weight, self.fc1_bias,
                                                  self.fc2_weight, fc2_bias, setup, torch.is_grad_enabled(),
                                                  is_first_microbatch, None if adds_input else residual, adds_input)
