@@ -76,7 +76,8 @@ def _dact_to_fp8(quantizer, activation, d_act, fc1_out, kept, with_dbias, need_w
     """d(fc1_out) = act'(fc1_out) * d_act cast by `quantizer` (FC1_GRAD_OUTPUT): (FP8Operand, dbias or None). fc1_out
     is None when the forward kept its E4M3 copy instead (kept = (data, tile scale_inv)). With a known scale the fused
     kernel writes the rowwise data only: data_t (for the FC1 wgrad) is made from it after the FC1 dgrad, once fc1_out
-    and d_act are gone, so that the backward's peak (here) holds half the FP8 bytes."""
+    and d_act are gone, so that the backward's peak (here) holds half the FP8 bytes; from a kept input the kernel
+    writes data_t too (the same peak: the kept input is half fc1_out's bytes)."""
     fused = quantizer.fused_per_tensor and quantizer.known_scale
     if not fused:  # (unfused: the cast's scale comes from d_fc1)
         if fc1_out is None:
@@ -84,9 +85,10 @@ def _dact_to_fp8(quantizer, activation, d_act, fc1_out, kept, with_dbias, need_w
         d_fc1 = tfp8.activation_bwd(d_act, fc1_out, activation)
         return cast_grad_output(d_fc1, quantizer, with_dbias, True, need_wgrad)  # (data_t: the FC1 wgrad's only)
     scale, fp8_dtype, amax, scale_inv = quantizer.output_args()
-    if fc1_out is None:
-        q, _, dbias = tfp8.dact_cast_transpose_kept_input(d_act, *kept, activation, scale, fp8_dtype, amax, scale_inv,
-                                                          with_dbias, False)
+    if fc1_out is None:  # (the kept input is half fc1_out's bytes: the transpose fits in the same peak, one pass)
+        q, q_t, dbias = tfp8.dact_cast_transpose_kept_input(d_act, *kept, activation, scale, fp8_dtype, amax,
+                                                            scale_inv, with_dbias, need_wgrad)
+        return FP8Operand(q, q_t if need_wgrad else None, scale_inv, fp8_dtype), (dbias if with_dbias else None)
     else:
         q, _, dbias = tfp8.dact_cast_transpose(d_act, fc1_out, activation, scale, fp8_dtype, amax, scale_inv,
                                                with_dbias, False)
