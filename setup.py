@@ -75,7 +75,7 @@ def cudnn_frontend_include():
 
 
 def cutlass_include():
-    """The CUTLASS 3 include folder: TFP8_CUTLASS_INCLUDE, else the one the nvidia-cutlass pip package ships, or None."""
+    """The CUTLASS 3 include folder: TFP8_CUTLASS_INCLUDE, else the nvidia-cutlass pip package's, or None."""
     from importlib import metadata
 
     candidates = [os.environ.get("TFP8_CUTLASS_INCLUDE", "")]

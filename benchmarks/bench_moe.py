@@ -92,15 +92,19 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict
             x, w.transpose(-2, -1), scale_x, scale_w, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True),
         "fprop fp8 grouped (ours, large tiles)": ours(1),
         "fprop fp8 grouped (ours, small tiles)": ours(2),
+        "fprop fp8 grouped (ours, alt tiles)": ours(3),
         "fprop-shape split accumulator (torch kernel)": lambda: torch._scaled_grouped_mm(
             x, w.transpose(-2, -1), scale_x, scale_w, offs=offs, out_dtype=torch.bfloat16),
         "fprop-shape split accumulator (ours, large tiles)": ours(1, fast=False),
         "fprop-shape split accumulator (ours, small tiles)": ours(2, fast=False),
+        "fprop-shape split accumulator (ours, alt tiles)": ours(3, fast=False),
         "fprop-shape split accumulator (fp8 dense, equal FLOPs)": lambda: tfp8.fp8_gemm(
             x, one, dense_w, one, torch.bfloat16, use_split_accumulator=True),
         "wgrad fp8 grouped (ours, split, large tiles)": ours(1, fast=False, wgrad=True),
         "wgrad fp8 grouped (ours, split, small tiles)": ours(2, fast=False, wgrad=True),
+        "wgrad fp8 grouped (ours, split, alt tiles)": ours(3, fast=False, wgrad=True),
         "wgrad fp8 grouped (ours, fast accumulation, large tiles)": ours(1, fast=True, wgrad=True),
+        "wgrad fp8 grouped (ours, fast accumulation, small tiles)": ours(2, fast=True, wgrad=True),
         "fprop bf16 grouped": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=offs),
         "fprop fp8 loop of dense": loop,
         "fprop fp8 dense (equal FLOPs)": lambda: tfp8.fp8_gemm(x, one, dense_w, one, torch.bfloat16,
@@ -123,6 +127,37 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict
     measures = {name: (lambda fn=fn: flops / gpu_time_ms(fn, warmup=3, iters=iters) / 1e9) for name, fn in fns.items()}
     return measures, {"groups": groups, "M": m, "K": k, "N": n, "splits": splits, "wgrad_splits": splits16,
                       "wgrad_3d_rows_per_group": rows_max}
+
+
+def wgrad_precision(groups: int, m: int, k: int, n: int, block: int = 256) -> dict:
+    """The wgrad kernels' errors against float64 (the FP8 inputs' exact products summed in float64), on the first
+    `block` rows of N and K of every group: {variant: (norm-wise relative error, largest error / largest value)}.
+    The fast-accumulation / split trade-off of issue 23, on the benchmark's shape and uneven 16-row groups."""
+    splits16 = uneven_splits(groups, m, 16)
+    offs16 = group_offsets(torch.tensor(splits16, device="cuda"))
+    torch.manual_seed(1)
+    dy_t, x_t, one = fp8(n, m), fp8(k, m), torch.ones(1, device="cuda")
+    ref, start = [], 0
+    for size in splits16:
+        ref.append(dy_t[:block, start:start + size].double() @ x_t[:block, start:start + size].double().T)
+        start += size
+    ref = torch.stack(ref)
+    ones_n, ones_k = torch.ones(groups * n, device="cuda"), torch.ones(groups * k, device="cuda")
+    variants = {
+        "ours, split accumulator": lambda: tfp8.grouped_fp8_gemm_wgrad_sm90(dy_t, one, x_t, one, offs16, False, 1),
+        "ours, fast accumulation": lambda: tfp8.grouped_fp8_gemm_wgrad_sm90(dy_t, one, x_t, one, offs16, True, 1),
+        "torch kernel, split accumulator": lambda: torch._scaled_grouped_mm(
+            dy_t, x_t.t(), ones_n, ones_k, offs=offs16, out_dtype=torch.bfloat16),
+        "torch kernel, fast accumulation": lambda: torch._scaled_grouped_mm(
+            dy_t, x_t.t(), ones_n, ones_k, offs=offs16, out_dtype=torch.bfloat16, use_fast_accum=True),
+        "bf16 kernel on fp8 values": lambda: torch._grouped_mm(dy_t.bfloat16(), x_t.bfloat16().t(), offs=offs16),
+    }
+    errors = {}
+    for name, fn in variants.items():
+        out = fn()[:, :block, :block].double()
+        errors[name] = ((out - ref).norm().item() / ref.norm().item(),
+                        (out - ref).abs().max().item() / ref.abs().max().item())
+    return errors
 
 
 def bf16_grouped_moe(layer: torch.nn.Module):
@@ -284,6 +319,11 @@ def main():
             grouped = stats[name].get("median")
             if dense and grouped:
                 print(f"{name} / dense: {grouped / dense:.2f}")
+        if grouped_gemm.use_cutlass(torch.device("cuda")):
+            info["wgrad_precision"] = wgrad_precision(*shape)
+            print("| wgrad kernel | relative error (norm) | largest error / largest value |\n|---|---|---|")
+            for name, (rel, worst) in info["wgrad_precision"].items():
+                print(f"| {name} | {rel:.2e} | {worst:.2e} |")
     if not args.skip_layer:
         measures, info = layer_measures(args.iters)
         stats = run_rounds(measures, args.rounds)

@@ -18,11 +18,13 @@ enum class GroupedKind : int {
   kContraction = 1,
 };
 
-// The compiled kernel configurations (CTA tile M x N x 128, FP8 K); kAuto picks one from the average group size.
+// The compiled kernel configurations (CTA tile M x N x 128 of FP8 K), three per accumulation; kAuto picks one from the
+// kind, the accumulation and the groups' average size (csrc/grouped_gemm_launch.cu says which and why).
 enum class GroupedTile : int {
   kAuto = 0,
-  kLarge = 1,  // fast accumulation: cooperative 128x256, cluster 2x1; split: cooperative 128x128, cluster 2x1
-  kSmall = 2,  // fast accumulation: pingpong 128x128, cluster 2x1; split: pingpong 64x128, cluster 1x1
+  kLarge = 1,  // fast accumulation: cooperative 128x256, clusters 2x1; split: cooperative 128x128, clusters 2x1
+  kSmall = 2,  // fast accumulation: pingpong 128x128, clusters 1x2; split: pingpong 64x128, clusters 1x2
+  kAlt = 3,    // fast accumulation: pingpong 64x256, clusters 1x2; split: cooperative 128x192, clusters 2x1
 };
 
 struct GroupedFp8GemmArgs {
@@ -38,7 +40,7 @@ struct GroupedFp8GemmArgs {
   const float* a_scale_inv = nullptr;            // [1]
   const float* b_scale_inv = nullptr;            // [1], or [groups] when b_scale_per_group
   bool b_scale_per_group = false;
-  bool fast_accumulation = false;  // false: FP32 promotion of the FP8 partial sums every 4 K-blocks (split)
+  bool fast_accumulation = false;  // false: float32 promotion of the partial sums every 128 elements of K (split)
   GroupedTile tile = GroupedTile::kAuto;
 };
 

@@ -37,5 +37,7 @@ GroupedConfigEntry fast_large_config();
 GroupedConfigEntry fast_small_config();
 GroupedConfigEntry split_large_config();
 GroupedConfigEntry split_small_config();
+GroupedConfigEntry fast_alt_config();
+GroupedConfigEntry split_alt_config();
 
 }  // namespace tfp8::grouped

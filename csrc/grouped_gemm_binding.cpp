@@ -50,7 +50,7 @@ void check_hopper(const at::Tensor& t) {
 }
 
 GroupedTile to_tile(int64_t tile) {
-  TORCH_CHECK(tile >= 0 && tile <= 2, "tile: expected 0 (auto), 1 (large) or 2 (small), got ", num(tile));
+  TORCH_CHECK(tile >= 0 && tile <= 3, "tile: expected 0 (auto), 1 (large), 2 (small) or 3 (alt), got ", num(tile));
   return static_cast<GroupedTile>(tile);
 }
 

@@ -104,18 +104,24 @@ Device current_device() {
   return device;
 }
 
-// The configuration: kAuto takes the large tiles unless the groups average fewer rows than two large tiles hold
-// (many small experts), where the small tiles leave fewer idle rows. The wgrad's M is n: always large.
+// kAuto's choice, from the H200 measurements of benchmarks/bench_moe.py (RESULTS_grouped.md): with fast
+// accumulation the pingpong 128x128 tiles were the fastest at 8 and at 64 experts; with the split accumulator the
+// cooperative 128x128 tiles, unless the groups average fewer rows than 512 (64 experts of ~256 rows), where the
+// 64-row pingpong tiles leave fewer idle rows; the wgrad (its M is n, thousands of rows): the cooperative tiles.
+GroupedTile auto_tile(const GroupedFp8GemmArgs& args) {
+  if (args.kind == GroupedKind::kContraction) return GroupedTile::kLarge;
+  if (args.fast_accumulation) return GroupedTile::kSmall;
+  return args.rows < 512 * static_cast<int64_t>(args.groups) ? GroupedTile::kSmall : GroupedTile::kLarge;
+}
+
 GroupedConfigEntry pick_config(const GroupedFp8GemmArgs& args) {
-  GroupedTile tile = args.tile;
-  if (tile == GroupedTile::kAuto) {
-    const bool small_groups = args.kind == GroupedKind::kRows && args.rows < 512 * static_cast<int64_t>(args.groups);
-    tile = small_groups ? GroupedTile::kSmall : GroupedTile::kLarge;
+  const GroupedTile tile = args.tile == GroupedTile::kAuto ? auto_tile(args) : args.tile;
+  switch (tile) {
+    case GroupedTile::kSmall:
+      return args.fast_accumulation ? grouped::fast_small_config() : grouped::split_small_config();
+    case GroupedTile::kAlt: return args.fast_accumulation ? grouped::fast_alt_config() : grouped::split_alt_config();
+    default: return args.fast_accumulation ? grouped::fast_large_config() : grouped::split_large_config();
   }
-  if (args.fast_accumulation) {
-    return tile == GroupedTile::kSmall ? grouped::fast_small_config() : grouped::fast_large_config();
-  }
-  return tile == GroupedTile::kSmall ? grouped::split_small_config() : grouped::split_large_config();
 }
 
 }  // namespace

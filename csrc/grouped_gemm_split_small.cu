@@ -1,4 +1,4 @@
-// One tile configuration of the grouped FP8 GEMM (csrc/grouped_gemm_kernel.cuh): FP32 promotion every 4 K-blocks (split accumulator), pingpong 64x128x128 tiles, clusters of 1x2.
+// One tile configuration of the grouped FP8 GEMM (csrc/grouped_gemm_kernel.cuh): float32 promotion every 128 elements of K (split accumulator), pingpong 64x128x128 tiles, clusters of 1x2.
 #include "grouped_gemm_kernel.cuh"
 
 namespace tfp8::grouped {

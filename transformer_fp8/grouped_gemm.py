@@ -26,7 +26,7 @@ ALIGN = 16  # rows per group the wgrad kernel needs (16 bytes of FP8)
 # Which kernel runs the grouped GEMMs on CUDA: "auto", "cutlass" (ours; an error where it is not built or the GPU is
 # not a compute capability 9.0 one) or "torch" (torch._scaled_grouped_mm). Read at each call.
 BACKEND = "auto"
-# Our kernel's CTA tiles: 0 picks from the groups' average size, 1 the large tiles, 2 the small ones
+# Our kernel's CTA tiles: 0 picks by kind, accumulation and the groups' average size; 1 large, 2 small, 3 alt
 # (csrc/grouped_gemm.h). Read at each call.
 CUTLASS_TILE = 0
 _BACKENDS = ("auto", "cutlass", "torch")

@@ -148,7 +148,7 @@ def test_sm90_ops_cpu_reference_matches_grouped_ops():
     assert out.dtype == torch.bfloat16 and out.shape == (4, 16, 32)
     assert torch.equal(out, ops.grouped_fp8_gemm_wgrad(a_t, sa, b_t, sa, offs, torch.bfloat16))
     with pytest.raises(ValueError, match="tile: expected 0"):
-        ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offs, False, 3)
+        ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offs, False, 4)
 
 
 def test_backend_flag_is_checked():
@@ -213,7 +213,7 @@ def random_splits(groups, rows, multiple, generator):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", (1, 2))
+@pytest.mark.parametrize("tile", (0, 1, 2, 3))
 @pytest.mark.parametrize("fast_accumulation", (False, True))
 @pytest.mark.parametrize("groups,rows,n,k", ((8, 1000, 384, 1024), (33, 700, 160, 272), (3, 5, 16, 16)))
 def test_cuda_sm90_grouped_gemm_every_config(tile, fast_accumulation, groups, rows, n, k):
@@ -235,7 +235,7 @@ def test_cuda_sm90_grouped_gemm_every_config(tile, fast_accumulation, groups, ro
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", (0, 1, 2))
+@pytest.mark.parametrize("tile", (0, 1, 2, 3))
 @pytest.mark.parametrize("fast_accumulation", (False, True))
 @pytest.mark.parametrize("groups,rows,n,k", ((8, 4096, 384, 272), (17, 1024, 160, 256)))
 def test_cuda_sm90_grouped_wgrad_every_config(tile, fast_accumulation, groups, rows, n, k):

@@ -104,17 +104,17 @@ def grouped_fp8_gemm_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offs, out_dtype):
 
 
 def _check_tile(tile):
-    if tile not in (0, 1, 2):
-        raise ValueError(f"tile: expected 0 (auto), 1 (large) or 2 (small), got {tile}")
+    if tile not in (0, 1, 2, 3):
+        raise ValueError(f"tile: expected 0 (auto), 1 (large), 2 (small) or 3 (alt), got {tile}")
 
 
 @register("grouped_fp8_gemm_sm90")
 def grouped_fp8_gemm_sm90(a, a_scale_inv, b, b_scale_inv, offs, fast_accumulation=False, tile=0):
     _check_tile(tile)  # (the accumulation and the tiles are the CUDA kernel's: float32 sums here)
-    return grouped_fp8_gemm(a, a_scale_inv, b, b_scale_inv, offs, torch.bfloat16)
+    return torch.ops.transformer_fp8.grouped_fp8_gemm(a, a_scale_inv, b, b_scale_inv, offs, torch.bfloat16)
 
 
 @register("grouped_fp8_gemm_wgrad_sm90")
 def grouped_fp8_gemm_wgrad_sm90(a_t, a_scale_inv, b_t, b_scale_inv, offs, fast_accumulation=False, tile=0):
     _check_tile(tile)
-    return grouped_fp8_gemm_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offs, torch.bfloat16)
+    return torch.ops.transformer_fp8.grouped_fp8_gemm_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offs, torch.bfloat16)
