@@ -104,14 +104,13 @@ Device current_device() {
   return device;
 }
 
-// kAuto's choice, from the H200 measurements of benchmarks/bench_moe.py (RESULTS_grouped.md): with fast
-// accumulation the pingpong 128x128 tiles were the fastest at 8 and at 64 experts; with the split accumulator the
-// cooperative 128x128 tiles, unless the groups average fewer rows than 512 (64 experts of ~256 rows), where the
-// 64-row pingpong tiles leave fewer idle rows; the wgrad (its M is n, thousands of rows): the cooperative tiles.
+// kAuto's choice, from two H200 runs of benchmarks/bench_moe.py (RESULTS_grouped.md): with fast accumulation the
+// pingpong 128x128 tiles were the fastest forward at 8 and at 64 experts, the cooperative 128x256 ones the fastest
+// wgrad; with the split accumulator the cooperative 128x192 tiles were the fastest in every form measured (forward
+// shape and wgrad, 8 and 64 experts).
 GroupedTile auto_tile(const GroupedFp8GemmArgs& args) {
-  if (args.kind == GroupedKind::kContraction) return GroupedTile::kLarge;
-  if (args.fast_accumulation) return GroupedTile::kSmall;
-  return args.rows < 512 * static_cast<int64_t>(args.groups) ? GroupedTile::kSmall : GroupedTile::kLarge;
+  if (!args.fast_accumulation) return GroupedTile::kAlt;
+  return args.kind == GroupedKind::kContraction ? GroupedTile::kLarge : GroupedTile::kSmall;
 }
 
 GroupedConfigEntry pick_config(const GroupedFp8GemmArgs& args) {
