@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # Built in every configuration: the schemas, the composite ops, the C++ autograd nodes and the Python module.
 BASE_SOURCES = ["csrc/ops.cpp", "csrc/composite.cpp", "csrc/autograd_linear.cpp", "csrc/autograd_attention.cpp",
                 "csrc/python_module.cpp"]
-FAMILIES = ("quantize", "gemm", "norm", "activation", "scaling", "rope", "attention", "moe")
+FAMILIES = ("quantize", "gemm", "norm", "activation", "scaling", "rope", "attention", "moe", "grouped")
 
 
 def cuda_families():
@@ -35,6 +35,13 @@ def cuda_families():
         print(f"transformer_fp8: building without the attention family: {why} (DotProductAttention keeps its "
               f"PyTorch backend)")
         families.remove("attention")
+    if "grouped" in families and not cutlass_include():
+        why = ("the grouped family (our CUTLASS grouped FP8 GEMM) needs the CUTLASS headers (pip install --no-deps "
+               "nvidia-cutlass, or TFP8_CUTLASS_INCLUDE=<cutlass>/include)")
+        if only:
+            sys.exit(f"TFP8_ONLY: {why}")
+        print(f"transformer_fp8: building without the grouped family: {why} (GroupedLinear keeps torch's kernel)")
+        families.remove("grouped")
     return families
 
 
@@ -65,6 +72,18 @@ def cudnn_frontend_include():
     except metadata.PackageNotFoundError:
         return None
     return str(include) if os.path.isfile(os.path.join(str(include), "cudnn_frontend.h")) else None
+
+
+def cutlass_include():
+    """The CUTLASS 3 include folder: TFP8_CUTLASS_INCLUDE, else the nvidia-cutlass pip package's, or None."""
+    from importlib import metadata
+
+    candidates = [os.environ.get("TFP8_CUTLASS_INCLUDE", "")]
+    try:
+        candidates.append(str(metadata.distribution("nvidia-cutlass").locate_file("cutlass_library/source/include")))
+    except metadata.PackageNotFoundError:
+        pass
+    return next((c for c in candidates if c and os.path.isfile(os.path.join(c, "cutlass", "cutlass.h"))), None)
 
 
 def link_without_symbolic_functions():
@@ -117,6 +136,8 @@ def extension():
         if building_wheel():  # the user's site-packages, where torch's CUDA wheels keep these libraries
             rpaths = ["$ORIGIN/../nvidia/cudnn/lib", f"$ORIGIN/../nvidia/cu{torch_cuda_major()}/lib"]
         link_args = [f"-Wl,-rpath,{d}" for d in rpaths] + ["-l:libcudnn.so.9", "-lnvrtc"]
+    if "grouped" in families:
+        include_dirs.append(cutlass_include())
     if building_wheel():  # no host debug info in what users download (Python's CFLAGS carry -g)
         link_args.append("-Wl,--strip-debug")
     return CUDAExtension(

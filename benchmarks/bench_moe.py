@@ -2,7 +2,9 @@
 
 1. Grouped GEMM TFLOP/s, forward form (out [M, N] = x_g W_gᵀ per group) and weight-gradient form (dW_g = dy_gᵀ x_g),
    uneven group sizes (drawn once, seeded; the wgrad's rounded to multiples of 16, which its kernel needs):
-   - fp8 grouped: tfp8.grouped_fp8_gemm / grouped_fp8_gemm_wgrad (torch._scaled_grouped_mm's CUTLASS kernel);
+   - fp8 grouped (op): tfp8.grouped_fp8_gemm / grouped_fp8_gemm_wgrad on grouped_gemm.BACKEND's kernel (auto: ours);
+   - fp8 grouped (ours, large / small tiles): our CUTLASS kernel's ops (grouped_fp8_gemm_sm90, _wgrad_sm90) directly;
+   - fp8 grouped (torch kernel): torch._scaled_grouped_mm (rowwise scales, per-tensor ones expanded);
    - bf16 grouped: torch._grouped_mm on the same shapes;
    - fp8 loop: one tfp8.fp8_gemm (our cuBLASLt dense GEMM) per group, sizes known on the host;
    - fp8 dense: one tfp8.fp8_gemm of the same FLOPs (M x K x N): the target is grouped >= 85% of it.
@@ -77,8 +79,32 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict
     def wgrad_bf16_on_fp8():  # (the exact BF16 images of the FP8 operands; the conversions included)
         return torch._grouped_mm(dy_t.to(torch.bfloat16), x_t.to(torch.bfloat16).t(), offs=offs16)
 
+    scale_x, scale_w = torch.ones(m, device="cuda"), torch.ones(groups * n, device="cuda").view(groups, n)
+
+    def ours(tile, fast=True, wgrad=False):
+        if wgrad:
+            return lambda: tfp8.grouped_fp8_gemm_wgrad_sm90(dy_t, one, x_t, one, offs16, fast, tile)
+        return lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, offs, fast, tile)
+
     fns = {
         "fprop fp8 grouped": lambda: tfp8.grouped_fp8_gemm(x, one, w, one, offs, torch.bfloat16, False),
+        "fprop fp8 grouped (torch kernel)": lambda: torch._scaled_grouped_mm(
+            x, w.transpose(-2, -1), scale_x, scale_w, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True),
+        "fprop fp8 grouped (ours, large tiles)": ours(1),
+        "fprop fp8 grouped (ours, small tiles)": ours(2),
+        "fprop fp8 grouped (ours, alt tiles)": ours(3),
+        "fprop-shape split accumulator (torch kernel)": lambda: torch._scaled_grouped_mm(
+            x, w.transpose(-2, -1), scale_x, scale_w, offs=offs, out_dtype=torch.bfloat16),
+        "fprop-shape split accumulator (ours, large tiles)": ours(1, fast=False),
+        "fprop-shape split accumulator (ours, small tiles)": ours(2, fast=False),
+        "fprop-shape split accumulator (ours, alt tiles)": ours(3, fast=False),
+        "fprop-shape split accumulator (fp8 dense, equal FLOPs)": lambda: tfp8.fp8_gemm(
+            x, one, dense_w, one, torch.bfloat16, use_split_accumulator=True),
+        "wgrad fp8 grouped (ours, split, large tiles)": ours(1, fast=False, wgrad=True),
+        "wgrad fp8 grouped (ours, split, small tiles)": ours(2, fast=False, wgrad=True),
+        "wgrad fp8 grouped (ours, split, alt tiles)": ours(3, fast=False, wgrad=True),
+        "wgrad fp8 grouped (ours, fast accumulation, large tiles)": ours(1, fast=True, wgrad=True),
+        "wgrad fp8 grouped (ours, fast accumulation, small tiles)": ours(2, fast=True, wgrad=True),
         "fprop bf16 grouped": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=offs),
         "fprop fp8 loop of dense": loop,
         "fprop fp8 dense (equal FLOPs)": lambda: tfp8.fp8_gemm(x, one, dense_w, one, torch.bfloat16,
@@ -101,6 +127,37 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict
     measures = {name: (lambda fn=fn: flops / gpu_time_ms(fn, warmup=3, iters=iters) / 1e9) for name, fn in fns.items()}
     return measures, {"groups": groups, "M": m, "K": k, "N": n, "splits": splits, "wgrad_splits": splits16,
                       "wgrad_3d_rows_per_group": rows_max}
+
+
+def wgrad_precision(groups: int, m: int, k: int, n: int, block: int = 256) -> dict:
+    """The wgrad kernels' errors against float64 (the FP8 inputs' exact products summed in float64), on the first
+    `block` rows of N and K of every group: {variant: (norm-wise relative error, largest error / largest value)}.
+    The fast-accumulation / split trade-off of issue 23, on the benchmark's shape and uneven 16-row groups."""
+    splits16 = uneven_splits(groups, m, 16)
+    offs16 = group_offsets(torch.tensor(splits16, device="cuda"))
+    torch.manual_seed(1)
+    dy_t, x_t, one = fp8(n, m), fp8(k, m), torch.ones(1, device="cuda")
+    ref, start = [], 0
+    for size in splits16:
+        ref.append(dy_t[:block, start:start + size].double() @ x_t[:block, start:start + size].double().T)
+        start += size
+    ref = torch.stack(ref)
+    ones_n, ones_k = torch.ones(groups * n, device="cuda"), torch.ones(groups * k, device="cuda")
+    variants = {
+        "ours, split accumulator": lambda: tfp8.grouped_fp8_gemm_wgrad_sm90(dy_t, one, x_t, one, offs16, False, 1),
+        "ours, fast accumulation": lambda: tfp8.grouped_fp8_gemm_wgrad_sm90(dy_t, one, x_t, one, offs16, True, 1),
+        "torch kernel, split accumulator": lambda: torch._scaled_grouped_mm(
+            dy_t, x_t.t(), ones_n, ones_k, offs=offs16, out_dtype=torch.bfloat16),
+        "torch kernel, fast accumulation": lambda: torch._scaled_grouped_mm(
+            dy_t, x_t.t(), ones_n, ones_k, offs=offs16, out_dtype=torch.bfloat16, use_fast_accum=True),
+        "bf16 kernel on fp8 values": lambda: torch._grouped_mm(dy_t.bfloat16(), x_t.bfloat16().t(), offs=offs16),
+    }
+    errors = {}
+    for name, fn in variants.items():
+        out = fn()[:, :block, :block].double()
+        errors[name] = ((out - ref).norm().item() / ref.norm().item(),
+                        (out - ref).abs().max().item() / ref.abs().max().item())
+    return errors
 
 
 def bf16_grouped_moe(layer: torch.nn.Module):
@@ -149,7 +206,8 @@ def variant_moe(layer: torch.nn.Module, host_splits: bool = False, align_size: i
 def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module | None = None):
     """(run(): one fwd + bwd of the benchmark's MoE layer, the layer) for a recipe (None: BF16) and a variant:
     "layer" (MoELayer itself), "host", "host unaligned", "unaligned", "unfused swiglu" (variant_moe), "bf16 grouped"
-    (bf16_grouped_moe), "fast wgrad" (MoELayer, the FP8 wgrad kernel with fast accumulation)."""
+    (bf16_grouped_moe), "fast wgrad" (MoELayer, the FP8 wgrad kernel with fast accumulation), "torch kernel" (MoELayer
+    with grouped_gemm.BACKEND = "torch")."""
     from transformer_fp8.moe import MoELayer
 
     c = LAYER
@@ -158,29 +216,31 @@ def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module 
                          device="cuda")
     x = torch.randn(c["tokens"], c["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
-    fns = {"layer": None, "host": variant_moe(layer, host_splits=True),
+    fns = {"layer": None, "torch kernel": None, "host": variant_moe(layer, host_splits=True),
            "host unaligned": variant_moe(layer, host_splits=True, align_size=1),
            "unaligned": variant_moe(layer, align_size=1), "unfused swiglu": variant_moe(layer, fused_swiglu=False),
            "bf16 grouped": bf16_grouped_moe(layer)}
     fn = fns.get(variant)
     fast_wgrad = variant == "fast wgrad"  # (MoELayer with grouped_gemm.WGRAD_FAST_ACCUMULATION on)
+    backend = "torch" if variant == "torch kernel" else "auto"  # (MoELayer on torch._scaled_grouped_mm)
 
     def run():
         x.grad = None
         for p in layer.parameters():
             p.grad = None
-        grouped_gemm.WGRAD_FAST_ACCUMULATION = fast_wgrad
+        grouped_gemm.WGRAD_FAST_ACCUMULATION, grouped_gemm.BACKEND = fast_wgrad, backend
         try:
             with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
                 out = layer(x) if fn is None else fn(x)
             out.backward(grad)
         finally:
-            grouped_gemm.WGRAD_FAST_ACCUMULATION = False
+            grouped_gemm.WGRAD_FAST_ACCUMULATION, grouped_gemm.BACKEND = False, "auto"
     return run, layer
 
 
 LAYER_VARIANTS = {  # name: (recipe, variant of make_layer_step)
     "fp8 delayed (device splits: grouped kernel, no sync)": (DelayedScaling, "layer"),
+    "fp8 delayed (device splits, torch's grouped kernel)": (DelayedScaling, "torch kernel"),
     "fp8 current (device splits)": (Float8CurrentScaling, "layer"),
     "fp8 delayed (device splits, unaligned permute: padded wgrad copies)": (DelayedScaling, "unaligned"),
     "fp8 delayed (device splits, SwiGLU as its own op)": (DelayedScaling, "unfused swiglu"),
@@ -242,8 +302,9 @@ def main():
                         help="also profile 3 steps of the FP8 delayed layer (device and host splits): top kernels "
                              "printed and written to FILE")
     args = parser.parse_args()
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "gemm": [], "layer": None}
-    print(f"# {results['gpu']}, torch {results['torch']}")
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "gemm": [], "layer": None,
+               "grouped_backend": "cutlass" if grouped_gemm.use_cutlass(torch.device("cuda")) else "torch"}
+    print(f"# {results['gpu']}, torch {results['torch']}, grouped kernel (BACKEND auto): {results['grouped_backend']}")
     for shape in () if args.skip_gemm else GEMM_SHAPES:
         measures, info = gemm_measures(*shape, iters=args.iters)
         stats = run_rounds(measures, args.rounds)
@@ -254,9 +315,15 @@ def main():
         for name, s in stats.items():
             print(f"| {name} | {s.get('median', s.get('error'))} |")
         dense = stats["fprop fp8 dense (equal FLOPs)"].get("median")
-        grouped = stats["fprop fp8 grouped"].get("median")
-        if dense and grouped:
-            print(f"fprop fp8 grouped / dense: {grouped / dense:.2f}")
+        for name in [k for k in stats if k.startswith("fprop fp8 grouped")]:
+            grouped = stats[name].get("median")
+            if dense and grouped:
+                print(f"{name} / dense: {grouped / dense:.2f}")
+        if grouped_gemm.use_cutlass(torch.device("cuda")):
+            info["wgrad_precision"] = wgrad_precision(*shape)
+            print("| wgrad kernel | relative error (norm) | largest error / largest value |\n|---|---|---|")
+            for name, (rel, worst) in info["wgrad_precision"].items():
+                print(f"| {name} | {rel:.2e} | {worst:.2e} |")
     if not args.skip_layer:
         measures, info = layer_measures(args.iters)
         stats = run_rounds(measures, args.rounds)

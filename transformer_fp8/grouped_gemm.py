@@ -1,19 +1,62 @@
 """The CUDA kernels of the grouped FP8 GEMM ops (grouped_fp8_gemm, grouped_fp8_gemm_wgrad; contracts in csrc/ops.cpp),
 and the device-side group bookkeeping GroupedLinear uses with them.
 
-What the grouped GEMM is built on: torch._scaled_grouped_mm (torch >= 2.9), whose Hopper kernel is a CUTLASS grouped
-GEMM reading the group offsets on the device: no host sync, empty groups allowed. It was the fastest option we
-measured on the H100 with torch 2.11 (benchmarks/bench_moe.py); cuBLASLt 13.1 has no grouped FP8 GEMM on Hopper, and a
-loop of dense GEMMs needs the group sizes on the host. Its limits, which the ops' contracts carry: E4M3 operands only
-(GroupedLinear casts gradients to E4M3 under every format), a bfloat16 output, rowwise float32 scales (a per-tensor
-scale is expanded), and for the weight gradient (the contraction over the grouped rows) every group size a multiple
-of 16 (padded_groups below makes such a layout from any group sizes).
+Two kernels, chosen by BACKEND (read at each call):
+- "cutlass": ours (csrc/grouped_gemm_*.cu, the ops grouped_fp8_gemm_sm90 / grouped_fp8_gemm_wgrad_sm90), a CUTLASS 3
+  pointer-array grouped GEMM for Hopper with one FP32 alpha per group (per-tensor scales, no rowwise expansion) whose
+  group shapes and pointers are written on the device from the offsets: no host sync, empty groups allowed. Built
+  when the CUTLASS headers are found (setup.py); runs on compute capability 9.0 only.
+- "torch": torch._scaled_grouped_mm (torch >= 2.9), torch's own CUTLASS grouped kernel with rowwise scales (a
+  per-tensor scale is expanded), also reading the offsets on the device.
+"auto" (default) takes ours where it is built and the GPU is a 9.0 one, else torch's. cuBLASLt's grouped batch mode
+(CUBLASLT_BATCH_MODE_GROUPED) is not in the cuBLAS 13.1 that torch 2.11 pins (its FP8 Hopper support came with
+CUDA 13.2 update 1), and a loop of dense GEMMs needs the group sizes on the host.
+Limits both kernels share, which the ops' contracts carry: E4M3 operands only (GroupedLinear casts gradients to E4M3
+under every format), a bfloat16 output, and for the weight gradient (the contraction over the grouped rows) every
+group starting at a multiple of 16 rows (padded_groups below makes such a layout from any group sizes).
 """
+import functools
+
 import torch
 
 from .cpu.moe_grouped_gemm import check_grouped_gemm, check_grouped_wgrad
 
 ALIGN = 16  # rows per group the wgrad kernel needs (16 bytes of FP8)
+
+# Which kernel runs the grouped GEMMs on CUDA: "auto", "cutlass" (ours; an error where it is not built or the GPU is
+# not a compute capability 9.0 one) or "torch" (torch._scaled_grouped_mm). Read at each call.
+BACKEND = "auto"
+# Our kernel's CTA tiles: 0 picks by kind, accumulation and the groups' average size; 1 large, 2 small, 3 alt
+# (csrc/grouped_gemm.h). Read at each call.
+CUTLASS_TILE = 0
+_BACKENDS = ("auto", "cutlass", "torch")
+
+
+@functools.lru_cache(maxsize=None)
+def _cutlass_runs_on(device: torch.device) -> bool:
+    built = torch._C._dispatch_has_kernel_for_dispatch_key("transformer_fp8::grouped_fp8_gemm_sm90", "CUDA")
+    return built and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def use_cutlass(device: torch.device) -> bool:
+    """Whether the grouped GEMMs on `device` run on our CUTLASS kernel (BACKEND and what was built decide).
+
+    Args:
+        device: a CUDA device.
+
+    Returns:
+        True for our kernel, False for torch._scaled_grouped_mm.
+    """
+    if BACKEND not in _BACKENDS:
+        raise ValueError(f"transformer_fp8.grouped_gemm.BACKEND: expected one of {_BACKENDS}, got {BACKEND!r}")
+    if BACKEND == "torch":
+        return False
+    runs = _cutlass_runs_on(torch.device(device))
+    if BACKEND == "cutlass" and not runs:
+        raise RuntimeError("transformer_fp8.grouped_gemm.BACKEND='cutlass': our grouped kernel needs a compute "
+                           "capability 9.0 GPU and an extension built with the CUTLASS headers (pip install "
+                           "nvidia-cutlass, then rebuild); set BACKEND='torch' for torch's kernel")
+    return runs
 
 
 def _check_multiple_of_16(**sizes: int) -> None:
@@ -32,6 +75,10 @@ def _grouped_fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     m = a.shape[0]
     if m == 0:
         return a.new_empty((0, n), dtype=out_dtype)
+    if use_cutlass(a.device):
+        out = torch.ops.transformer_fp8.grouped_fp8_gemm_sm90(a, a_scale_inv, b, b_scale_inv, offs,
+                                                              not use_split_accumulator, CUTLASS_TILE)
+        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
     scale_a = a_scale_inv.expand(m).contiguous()
     scale_b = b_scale_inv.reshape(-1, 1).expand(g, n).contiguous()
     out = torch._scaled_grouped_mm(a, b.transpose(-2, -1), scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
@@ -39,16 +86,20 @@ def _grouped_fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
-# The weight gradient of groups averaging fewer rows than this runs torch's BF16 grouped kernel on BF16 copies of the
-# FP8 operands (b_t's exact; a_t's times both scales, rounded to BF16: 2**-9, far below the FP8 rounding; float32
-# sums): about the numbers of an FP8 GEMM with a split accumulator, faster. H100, torch 2.11 (bench_moe.py, RESULTS.md
-# 2026-11-26 session 2): 64 groups of ~256 rows (K=2048, N=1536): torch's FP8 2d x 2d kernel 129 TFLOP/s with a
-# split accumulator, BF16 on converted operands 222 (conversions included); 8 groups of ~2048 rows: FP8 756, BF16
-# 465. Read at each call; 0 turns the BF16 kernel off.
+# With torch's kernel (BACKEND "torch"), the weight gradient of groups averaging fewer rows than this runs torch's BF16
+# grouped kernel on BF16 copies of the FP8 operands (b_t's exact; a_t's times both scales, rounded to BF16: 2**-9, far
+# below the FP8 rounding; float32 sums): about the numbers of an FP8 GEMM with a split accumulator, faster there. H100,
+# torch 2.11 (RESULTS.md 2026-11-26 session 2): 64 groups of ~256 rows (K=2048, N=1536): torch's FP8 2d x 2d kernel
+# 129 TFLOP/s with a split accumulator, BF16 on converted operands 222; 8 groups of ~2048 rows: FP8 756, BF16 465.
+# Our kernel's split wgrad is faster than both at either size (H200: 375 at 64 groups, 887 at 8; RESULTS_grouped.md),
+# hence 0 for it below. Read at each call; 0 turns the BF16 kernel off.
 WGRAD_BF16_BELOW_ROWS_PER_GROUP = 1024
+# The same threshold when our CUTLASS kernel runs the FP8 wgrad (BACKEND); 0: always the FP8 kernel.
+CUTLASS_WGRAD_BF16_BELOW_ROWS_PER_GROUP = 0
 # The FP8 wgrad kernel's accumulation: False (default, Transformer Engine's choice for wgrad) promotes the partial
 # sums to float32 (split accumulator); True keeps Hopper's fast FP8 accumulation, less precise over long groups and
-# faster: 947 against 756 TFLOP/s at 8 groups, 365 against 129 at 64 (same H100 run). Read at each call.
+# faster. H200, our kernel, 8 groups of ~2048 rows: 1088-1108 against 828-887 TFLOP/s; error against float64 2.1e-3
+# against 1.7e-3 norm-wise, worst element 7.3e-3 against 3.1e-3 of the largest (RESULTS_grouped.md). Read at each call.
 WGRAD_FAST_ACCUMULATION = False
 
 
@@ -60,14 +111,29 @@ def _grouped_fp8_gemm_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: t
     _check_multiple_of_16(N=n, K=k, M=m)
     if m == 0:
         return a_t.new_zeros((g, n, k), dtype=out_dtype)
-    if m < WGRAD_BF16_BELOW_ROWS_PER_GROUP * g:  # (the scales go into a's copy: no pass over the output)
+    cutlass = use_cutlass(a_t.device)
+    bf16_below = CUTLASS_WGRAD_BF16_BELOW_ROWS_PER_GROUP if cutlass else WGRAD_BF16_BELOW_ROWS_PER_GROUP
+    if m < bf16_below * g:  # (the scales go into a's copy: no pass over the output)
         a = a_t.to(torch.bfloat16).mul_(a_scale_inv * b_scale_inv)
         out = torch._grouped_mm(a, b_t.to(torch.bfloat16).t(), offs=offs)
+    elif cutlass:
+        out = torch.ops.transformer_fp8.grouped_fp8_gemm_wgrad_sm90(a_t, a_scale_inv, b_t, b_scale_inv, offs,
+                                                                    WGRAD_FAST_ACCUMULATION, CUTLASS_TILE)
     else:
         out = torch._scaled_grouped_mm(a_t, b_t.t(), a_scale_inv.expand(g * n).contiguous(),
                                        b_scale_inv.expand(g * k).contiguous(), offs=offs, out_dtype=torch.bfloat16,
                                        use_fast_accum=WGRAD_FAST_ACCUMULATION)
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+
+@torch.library.register_fake("transformer_fp8::grouped_fp8_gemm_sm90")
+def _(a, a_scale_inv, b, b_scale_inv, offs, fast_accumulation=False, tile=0):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
+
+
+@torch.library.register_fake("transformer_fp8::grouped_fp8_gemm_wgrad_sm90")
+def _(a_t, a_scale_inv, b_t, b_scale_inv, offs, fast_accumulation=False, tile=0):
+    return a_t.new_empty((offs.shape[0], a_t.shape[0], b_t.shape[0]), dtype=torch.bfloat16)
 
 
 def group_offsets(m_splits: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,13 @@
-"""grouped_fp8_gemm / grouped_fp8_gemm_wgrad: CPU reference vs float64 formulas (uneven and empty groups, per-tensor
-and per-group scales), CUDA (torch._scaled_grouped_mm) vs the CPU reference, opcheck, bad inputs; padded_groups."""
+"""grouped_fp8_gemm / grouped_fp8_gemm_wgrad and our kernel's ops grouped_fp8_gemm_sm90 / grouped_fp8_gemm_wgrad_sm90:
+CPU reference vs float64 formulas (uneven and empty groups, per-tensor and per-group scales), CUDA (both backends:
+torch._scaled_grouped_mm and our CUTLASS kernel, each tile configuration and accumulation) vs float64, opcheck, bad
+inputs, no host sync; padded_groups."""
 import pytest
 import torch
 
 import transformer_fp8  # noqa: F401  (registers the ops)
 from tests.utils import assert_close_rel
+from transformer_fp8 import grouped_gemm
 from transformer_fp8.grouped_gemm import padded_groups, padded_rows_bound
 
 ops = torch.ops.transformer_fp8
@@ -99,6 +102,10 @@ def opcheck_cases(device):
         ("grouped_fp8_gemm", (a, sa, b, sa, offsets(splits, device), torch.float32, False)),
         ("grouped_fp8_gemm_wgrad", (fp8(16, 48, device=device), sa, fp8(32, 48, device=device), sa,
                                     offsets(splits, device), torch.float32)),
+        ("grouped_fp8_gemm_sm90", (a, sa, b, sb, offsets(splits, device))),
+        ("grouped_fp8_gemm_sm90", (a, sa, b, sa, offsets(splits, device), True, 2)),
+        ("grouped_fp8_gemm_wgrad_sm90", (fp8(16, 48, device=device), sa, fp8(32, 48, device=device), sa,
+                                         offsets(splits, device), False, 1)),
     ]
 
 
@@ -128,6 +135,31 @@ def _bad(device):
     ]
 
 
+def test_sm90_ops_cpu_reference_matches_grouped_ops():
+    """The CPU kernels of our kernel's ops are the references of grouped_fp8_gemm(_wgrad) with a bfloat16 output."""
+    splits = [16, 0, 32, 5]
+    a, b = fp8(53, 32), fp8(4, 16, 32)
+    sa, sb = torch.tensor([0.5]), torch.rand(4) + 0.5
+    offs = offsets(splits)
+    assert torch.equal(ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offs),
+                       ops.grouped_fp8_gemm(a, sa, b, sb, offs, torch.bfloat16))
+    a_t, b_t = fp8(16, 53), fp8(32, 53)
+    out = ops.grouped_fp8_gemm_wgrad_sm90(a_t, sa, b_t, sa, offs, True, 2)
+    assert out.dtype == torch.bfloat16 and out.shape == (4, 16, 32)
+    assert torch.equal(out, ops.grouped_fp8_gemm_wgrad(a_t, sa, b_t, sa, offs, torch.bfloat16))
+    with pytest.raises(ValueError, match="tile: expected 0"):
+        ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offs, False, 4)
+
+
+def test_backend_flag_is_checked():
+    grouped_gemm.BACKEND = "cublas"
+    try:
+        with pytest.raises(ValueError, match="BACKEND: expected one of"):
+            grouped_gemm.use_cutlass(torch.device("cpu"))
+    finally:
+        grouped_gemm.BACKEND = "auto"
+
+
 @pytest.mark.parametrize("case", range(len(_bad("cpu"))))
 def test_cpu_bad_inputs_raise(case):
     call, match = _bad("cpu")[case]
@@ -136,21 +168,131 @@ def test_cpu_bad_inputs_raise(case):
 
 
 # ------------------------------------------------------------------------------------------------------------- CUDA
+BACKENDS = ("torch", "cutlass")
+
+
+def cutlass_built():
+    return torch._C._dispatch_has_kernel_for_dispatch_key("transformer_fp8::grouped_fp8_gemm_sm90", "CUDA")
+
+
+def set_backend(monkeypatch, backend):
+    if backend == "cutlass" and not cutlass_built():
+        pytest.skip("the extension was built without the CUTLASS headers (no grouped family)")
+    monkeypatch.setattr(grouped_gemm, "BACKEND", backend)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("per_group_scale", (False, True))
 @pytest.mark.parametrize("transposed_b", (False, True))
-def test_cuda_grouped_gemm(splits, per_group_scale, transposed_b):
+def test_cuda_grouped_gemm(backend, splits, per_group_scale, transposed_b, monkeypatch):
+    set_backend(monkeypatch, backend)
     test_grouped_gemm_matches_formula(splits, per_group_scale, transposed_b, device="cuda")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("splits", ([16, 48, 0, 32, 64], [0, 0, 0, 16], [32]))
 @pytest.mark.parametrize("kernel", ("fp8", "bf16 on fp8 values"))
-def test_cuda_grouped_wgrad(splits, kernel, monkeypatch):
+def test_cuda_grouped_wgrad(backend, splits, kernel, monkeypatch):
+    set_backend(monkeypatch, backend)
     threshold = 0 if kernel == "fp8" else 1 << 30  # (small groups choose the BF16 kernel, see grouped_gemm.py)
-    monkeypatch.setattr("transformer_fp8.grouped_gemm.WGRAD_BF16_BELOW_ROWS_PER_GROUP", threshold)
+    monkeypatch.setattr(grouped_gemm, "WGRAD_BF16_BELOW_ROWS_PER_GROUP", threshold)
+    monkeypatch.setattr(grouped_gemm, "CUTLASS_WGRAD_BF16_BELOW_ROWS_PER_GROUP", threshold)
     test_grouped_wgrad_matches_formula(splits, device="cuda")
+
+
+def random_splits(groups, rows, multiple, generator):
+    """Uneven group sizes (multiples of `multiple`, some groups empty) summing to `rows`."""
+    weights = torch.rand(groups, generator=generator) ** 3
+    weights[torch.randperm(groups, generator=generator)[: max(1, groups // 4)]] = 0  # a quarter of them empty
+    sizes = (weights / weights.sum() * rows / multiple).floor().long() * multiple
+    sizes[int(weights.argmax())] += rows - int(sizes.sum())
+    return sizes.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", (0, 1, 2, 3))
+@pytest.mark.parametrize("fast_accumulation", (False, True))
+@pytest.mark.parametrize("groups,rows,n,k", ((8, 1000, 384, 1024), (33, 700, 160, 272), (3, 5, 16, 16)))
+def test_cuda_sm90_grouped_gemm_every_config(tile, fast_accumulation, groups, rows, n, k):
+    """Our kernel, each tile configuration and accumulation, on several CTA tiles per group, K-loops longer than the
+    promotion interval, ragged edges (N, K not multiples of the tiles) and empty groups, against float64."""
+    if not cutlass_built():
+        pytest.skip("the extension was built without the CUTLASS headers (no grouped family)")
+    gen = torch.Generator().manual_seed(groups * 7 + tile)
+    splits = random_splits(groups, rows, 1, gen)
+    a = (torch.randn(rows, k, generator=gen) * 2).to(E4M3).cuda()
+    b = torch.randn(groups, n, k, generator=gen).to(E4M3).cuda()
+    sa, sb = torch.tensor([0.75], device="cuda"), torch.rand(groups, device="cuda") + 0.25
+    out = ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offsets(splits, "cuda"), fast_accumulation, tile)
+    ref = fprop_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), splits)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    assert_close_rel(out.cpu(), ref, 8e-3)
+    # every row of every group (a row from a wrong group or left unwritten is off by the order of the largest values)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=2 ** -7, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", (0, 1, 2, 3))
+@pytest.mark.parametrize("fast_accumulation", (False, True))
+@pytest.mark.parametrize("groups,rows,n,k", ((8, 4096, 384, 272), (17, 1024, 160, 256)))
+def test_cuda_sm90_grouped_wgrad_every_config(tile, fast_accumulation, groups, rows, n, k):
+    if not cutlass_built():
+        pytest.skip("the extension was built without the CUTLASS headers (no grouped family)")
+    gen = torch.Generator().manual_seed(groups + 100 * tile)
+    splits = random_splits(groups, rows, 16, gen)
+    a_t = torch.randn(n, rows, generator=gen).to(E4M3).cuda()
+    b_t = torch.randn(k, rows, generator=gen).to(E4M3).cuda()
+    sa, sb = torch.tensor([0.5], device="cuda"), torch.tensor([1.5], device="cuda")
+    junk = torch.full((groups, n, k), 7.0, dtype=torch.bfloat16, device="cuda")
+    del junk  # (its block goes back to the cache and likely becomes out: empty groups' zeros must be written)
+    out = ops.grouped_fp8_gemm_wgrad_sm90(a_t, sa, b_t, sb, offsets(splits, "cuda"), fast_accumulation, tile)
+    assert out.dtype == torch.bfloat16 and out.shape == (groups, n, k)
+    start = 0
+    for g, size in enumerate(splits):
+        ref = (a_t[:, start:start + size].cpu().double() * 0.5) @ (b_t[:, start:start + size].cpu().double() * 1.5).T
+        if size:
+            assert_close_rel(out[g].cpu(), ref, 1e-2 if fast_accumulation else 8e-3, f"group {g} ({size} rows)")
+        else:
+            assert torch.count_nonzero(out[g]) == 0, f"empty group {g} not zero"
+        start += size
+
+
+@pytest.mark.gpu
+def test_cuda_sm90_no_host_sync():
+    """Group sizes stay on the device: the ops launch without a device-to-host copy."""
+    if not cutlass_built():
+        pytest.skip("the extension was built without the CUTLASS headers (no grouped family)")
+    a, b, s = fp8(64, 32, device="cuda"), fp8(4, 16, 32, device="cuda"), torch.ones(1, device="cuda")
+    offs = offsets([16, 0, 32, 16], "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.grouped_fp8_gemm_sm90(a, s, b, s, offs)
+        ops.grouped_fp8_gemm_wgrad_sm90(fp8(16, 64, device="cuda"), s, fp8(32, 64, device="cuda"), s, offs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_cuda_sm90_bad_inputs_raise():
+    if not cutlass_built():
+        pytest.skip("the extension was built without the CUTLASS headers (no grouped family)")
+    a, b, s = fp8(32, 32, device="cuda"), fp8(2, 16, 32, device="cuda"), torch.ones(1, device="cuda")
+    offs = offsets([16, 16], "cuda")
+    with pytest.raises(RuntimeError, match="N: expected a multiple of 16"):
+        ops.grouped_fp8_gemm_sm90(a, s, fp8(2, 24, 32, device="cuda"), s, offs)
+    with pytest.raises(RuntimeError, match="a: expected a 16-byte aligned"):
+        ops.grouped_fp8_gemm_sm90(fp8(33 * 32 + 8, device="cuda")[8:].view(33, 32)[:32], s, b, s, offs)
+    with pytest.raises(RuntimeError, match="b_scale_inv: expected a contiguous 1-D tensor of 1 or 2"):
+        ops.grouped_fp8_gemm_sm90(a, s, b, torch.ones(3, device="cuda"), offs)
+    with pytest.raises(RuntimeError, match="M: expected a multiple of 16"):
+        ops.grouped_fp8_gemm_wgrad_sm90(fp8(16, 40, device="cuda"), s, fp8(16, 40, device="cuda"), s, offs)
+    with pytest.raises(RuntimeError, match="a: expected a torch.float8_e4m3fn"):
+        ops.grouped_fp8_gemm_sm90(a.to(torch.float8_e5m2), s, b, s, offs)
 
 
 @pytest.mark.gpu

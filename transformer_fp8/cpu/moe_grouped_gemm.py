@@ -1,5 +1,6 @@
-"""CPU reference kernels of the grouped FP8 GEMMs: grouped_fp8_gemm, grouped_fp8_gemm_wgrad (contracts in
-csrc/ops.cpp), and the argument checks the CUDA kernels (transformer_fp8/grouped_gemm.py) share.
+"""CPU reference kernels of the grouped FP8 GEMMs: grouped_fp8_gemm, grouped_fp8_gemm_wgrad and our CUTLASS kernel's
+ops grouped_fp8_gemm_sm90, grouped_fp8_gemm_wgrad_sm90 (contracts in csrc/ops.cpp), and the argument checks the CUDA
+kernels (transformer_fp8/grouped_gemm.py) share.
 Each group's product in float32 (the FP8 values are exact there), rounded to bfloat16 as the CUDA kernel's output,
 then converted to out_dtype."""
 import torch
@@ -100,3 +101,20 @@ def grouped_fp8_gemm_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offs, out_dtype):
         if end > start:
             out[g] = (a_t[:, start:end].float() @ b_t[:, start:end].float().T) * (a_scale_inv * b_scale_inv)
     return out.to(torch.bfloat16).to(out_dtype)
+
+
+def _check_tile(tile):
+    if tile not in (0, 1, 2, 3):
+        raise ValueError(f"tile: expected 0 (auto), 1 (large), 2 (small) or 3 (alt), got {tile}")
+
+
+@register("grouped_fp8_gemm_sm90")
+def grouped_fp8_gemm_sm90(a, a_scale_inv, b, b_scale_inv, offs, fast_accumulation=False, tile=0):
+    _check_tile(tile)  # (the accumulation and the tiles are the CUDA kernel's: float32 sums here)
+    return torch.ops.transformer_fp8.grouped_fp8_gemm(a, a_scale_inv, b, b_scale_inv, offs, torch.bfloat16)
+
+
+@register("grouped_fp8_gemm_wgrad_sm90")
+def grouped_fp8_gemm_wgrad_sm90(a_t, a_scale_inv, b_t, b_scale_inv, offs, fast_accumulation=False, tile=0):
+    _check_tile(tile)
+    return torch.ops.transformer_fp8.grouped_fp8_gemm_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offs, torch.bfloat16)

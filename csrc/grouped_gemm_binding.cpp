@@ -1,0 +1,137 @@
+// CUDA kernels of the grouped family for torch (our CUTLASS grouped FP8 GEMM, csrc/grouped_gemm.h): argument
+// checks, output and workspace allocation (torch's caching allocator: no sync), launch on the current stream.
+// Contracts: csrc/ops.cpp (grouped_fp8_gemm_sm90, grouped_fp8_gemm_wgrad_sm90).
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/library.h>
+
+#include "common.h"
+#include "grouped_gemm.h"
+
+namespace tfp8 {
+namespace {
+
+constexpr int64_t kAlign = 16;  // TMA: 16-byte aligned addresses and strides (FP8: 16 elements)
+
+void check_e4m3(const at::Tensor& t, const at::Tensor& ref, const char* arg) {
+  check_cuda(t, arg);
+  check_same_device(t, ref, arg);
+  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, arg,
+              ": expected a torch.float8_e4m3fn tensor (the grouped kernel takes E4M3 only), got ", t.scalar_type());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlign == 0, arg,
+              ": expected a 16-byte aligned data pointer (TMA)");
+}
+
+void check_multiple(int64_t value, const char* what) {
+  TORCH_CHECK(value % kAlign == 0, what, ": expected a multiple of 16 (the kernel's 16-byte alignment), got ",
+              num(value));
+}
+
+void check_scale(const at::Tensor& t, const at::Tensor& ref, int64_t groups, const char* arg) {
+  check_same_device(t, ref, arg);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, arg, ": expected a float32 tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && (t.numel() == 1 || t.numel() == groups) && t.is_contiguous(), arg,
+              ": expected a contiguous 1-D tensor of 1", groups > 1 ? " or " + num(groups) : std::string(),
+              " elements, got shape ", dims(t.sizes()));
+}
+
+void check_offs(const at::Tensor& offs, const at::Tensor& ref) {
+  check_same_device(offs, ref, "offs");
+  TORCH_CHECK(offs.scalar_type() == at::kInt && offs.dim() == 1 && offs.numel() > 0 && offs.is_contiguous(),
+              "offs: expected a contiguous non-empty 1-D int32 tensor (the groups' cumulative ends), got ",
+              offs.scalar_type(), " of shape ", dims(offs.sizes()));
+  TORCH_CHECK(offs.numel() <= 65535, "offs: at most 65535 groups supported, got ", num(offs.numel()));
+}
+
+void check_hopper(const at::Tensor& t) {
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(t.device().index());
+  TORCH_CHECK(prop->major == 9 && prop->minor == 0,
+              "grouped FP8 GEMM (CUTLASS sm_90a): needs a compute capability 9.0 GPU (H100/H200), got ",
+              num(prop->major), ".", num(prop->minor));
+}
+
+GroupedTile to_tile(int64_t tile) {
+  TORCH_CHECK(tile >= 0 && tile <= 3, "tile: expected 0 (auto), 1 (large), 2 (small) or 3 (alt), got ", num(tile));
+  return static_cast<GroupedTile>(tile);
+}
+
+at::Tensor run(const GroupedFp8GemmArgs& args, at::Tensor out, const at::Tensor& like) {
+  if (args.rows == 0 || args.n == 0 || args.k == 0) return out.zero_();
+  c10::cuda::CUDAGuard guard(like.device());
+  at::Tensor workspace = at::empty({static_cast<int64_t>(grouped_fp8_gemm_workspace_bytes(args))},
+                                   like.options().dtype(at::kByte));
+  const char* error = launch_grouped_fp8_gemm(args, workspace.data_ptr(), current_stream());
+  TORCH_CHECK(error == nullptr, "grouped FP8 GEMM: ", error ? error : "");
+  return out;
+}
+
+at::Tensor grouped_fp8_gemm_sm90(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
+                                 const at::Tensor& b_scale_inv, const at::Tensor& offs, bool fast_accumulation,
+                                 int64_t tile) {
+  check_e4m3(a, a, "a");
+  check_e4m3(b, a, "b");
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous(), "a: expected a contiguous 2-D tensor [M, K], got shape ",
+              dims(a.sizes()), ", strides ", dims(a.strides()));
+  TORCH_CHECK(b.dim() == 3 && b.size(2) == a.size(1) && b.stride(2) == 1, "b: expected [G, N, ", num(a.size(1)),
+              "] with a contiguous last dim, got shape ", dims(b.sizes()), ", strides ", dims(b.strides()));
+  check_offs(offs, a);
+  TORCH_CHECK(offs.numel() == b.size(0), "offs: expected ", num(b.size(0)), " elements (b's groups), got ",
+              num(offs.numel()));
+  check_scale(a_scale_inv, a, 1, "a_scale_inv");
+  check_scale(b_scale_inv, a, b.size(0), "b_scale_inv");
+  check_multiple(b.size(1), "N");
+  check_multiple(a.size(1), "K");
+  check_multiple(b.stride(0), "b.stride(0)");
+  check_multiple(b.stride(1), "b.stride(1)");
+  check_hopper(a);
+  GroupedFp8GemmArgs args;
+  args.kind = GroupedKind::kRows;
+  args.a = a.data_ptr(), args.b = b.data_ptr(), args.offs = offs.data_ptr<int32_t>();
+  args.groups = static_cast<int>(b.size(0));
+  args.rows = a.size(0), args.n = b.size(1), args.k = a.size(1);
+  args.b_group_stride = b.stride(0), args.b_row_stride = b.stride(1);
+  args.a_scale_inv = a_scale_inv.data_ptr<float>(), args.b_scale_inv = b_scale_inv.data_ptr<float>();
+  args.b_scale_per_group = b_scale_inv.numel() > 1;
+  args.fast_accumulation = fast_accumulation;
+  args.tile = to_tile(tile);
+  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kBFloat16));
+  args.out = out.data_ptr();
+  return run(args, out, a);
+}
+
+at::Tensor grouped_fp8_gemm_wgrad_sm90(const at::Tensor& a_t, const at::Tensor& a_scale_inv, const at::Tensor& b_t,
+                                       const at::Tensor& b_scale_inv, const at::Tensor& offs, bool fast_accumulation,
+                                       int64_t tile) {
+  check_e4m3(a_t, a_t, "a_t");
+  check_e4m3(b_t, a_t, "b_t");
+  TORCH_CHECK(a_t.dim() == 2 && a_t.is_contiguous(), "a_t: expected a contiguous 2-D tensor [N, M], got shape ",
+              dims(a_t.sizes()), ", strides ", dims(a_t.strides()));
+  TORCH_CHECK(b_t.dim() == 2 && b_t.is_contiguous() && b_t.size(1) == a_t.size(1), "b_t: expected a contiguous [K, ",
+              num(a_t.size(1)), "] (a_t's columns), got shape ", dims(b_t.sizes()), ", strides ", dims(b_t.strides()));
+  check_offs(offs, a_t);
+  check_scale(a_scale_inv, a_t, 1, "a_scale_inv");
+  check_scale(b_scale_inv, a_t, 1, "b_scale_inv");
+  check_multiple(a_t.size(0), "N");
+  check_multiple(b_t.size(0), "K");
+  check_multiple(a_t.size(1), "M");
+  check_hopper(a_t);
+  GroupedFp8GemmArgs args;
+  args.kind = GroupedKind::kContraction;
+  args.a = a_t.data_ptr(), args.b = b_t.data_ptr(), args.offs = offs.data_ptr<int32_t>();
+  args.groups = static_cast<int>(offs.numel());
+  args.rows = a_t.size(1), args.n = a_t.size(0), args.k = b_t.size(0);
+  args.a_scale_inv = a_scale_inv.data_ptr<float>(), args.b_scale_inv = b_scale_inv.data_ptr<float>();
+  args.fast_accumulation = fast_accumulation;
+  args.tile = to_tile(tile);
+  at::Tensor out = at::empty({offs.numel(), a_t.size(0), b_t.size(0)}, a_t.options().dtype(at::kBFloat16));
+  args.out = out.data_ptr();
+  return run(args, out, a_t);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m) {
+  m.impl("grouped_fp8_gemm_sm90", &grouped_fp8_gemm_sm90);
+  m.impl("grouped_fp8_gemm_wgrad_sm90", &grouped_fp8_gemm_wgrad_sm90);
+}
+
+}  // namespace tfp8

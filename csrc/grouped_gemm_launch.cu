@@ -1,0 +1,149 @@
+// The grouped FP8 GEMM's launcher (csrc/grouped_gemm.h): a setup kernel turns the groups' offsets into the per-group
+// shapes, pointers, leading dimensions and alphas CUTLASS reads (on the device: no host sync), then the chosen tile
+// configuration runs; the wgrad's empty groups are zero-filled by a kernel of their own (CUTLASS skips a group with no
+// tiles, and an empty contraction's product is zero).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "grouped_gemm.h"
+#include "grouped_gemm_arrays.h"
+
+namespace tfp8 {
+namespace {
+
+using grouped::Device;
+using grouped::GroupArrays;
+using grouped::GroupedConfigEntry;
+
+constexpr size_t kArrayAlign = 256;
+constexpr int kSetupThreads = 128;
+
+size_t round_up(size_t bytes) { return (bytes + kArrayAlign - 1) / kArrayAlign * kArrayAlign; }
+
+// The byte size of the per-group arrays, and (when base is given) their places in it.
+size_t layout_arrays(int groups, char* base, GroupArrays* arrays) {
+  size_t offset = 0;
+  auto take = [&](size_t bytes) {
+    char* at = base ? base + offset : nullptr;
+    offset += round_up(bytes);
+    return at;
+  };
+  char* shapes = take(sizeof(int) * 3 * groups);
+  char* a = take(sizeof(void*) * groups);
+  char* b = take(sizeof(void*) * groups);
+  char* d = take(sizeof(void*) * groups);
+  char* lda = take(sizeof(int64_t) * groups);
+  char* ldb = take(sizeof(int64_t) * groups);
+  char* ldd = take(sizeof(int64_t) * groups);
+  char* alpha = take(sizeof(float) * groups);
+  if (arrays) {
+    *arrays = {reinterpret_cast<int*>(shapes),  reinterpret_cast<const void**>(a), reinterpret_cast<const void**>(b),
+               reinterpret_cast<void**>(d),     reinterpret_cast<int64_t*>(lda),   reinterpret_cast<int64_t*>(ldb),
+               reinterpret_cast<int64_t*>(ldd), reinterpret_cast<float*>(alpha)};
+  }
+  return offset;
+}
+
+// Group g's rows [start, end) of the grouped dimension, clamped to [0, rows] (an end past rows is the contract's
+// "unspecified" case: clamping keeps every access in bounds).
+__device__ void group_range(const int32_t* offs, int g, int64_t rows, int64_t* start, int64_t* end) {
+  const int64_t hi = min(static_cast<int64_t>(offs[g]), rows);
+  const int64_t lo = g == 0 ? 0 : min(static_cast<int64_t>(offs[g - 1]), rows);
+  *start = max(lo, int64_t{0});
+  *end = max(hi, *start);
+}
+
+__global__ void write_group_arrays(GroupedFp8GemmArgs args, GroupArrays arrays) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= args.groups) return;
+  int64_t start, end;
+  group_range(args.offs, g, args.rows, &start, &end);
+  const int count = static_cast<int>(end - start);
+  const auto* a = static_cast<const uint8_t*>(args.a);
+  const auto* b = static_cast<const uint8_t*>(args.b);
+  auto* d = static_cast<__nv_bfloat16*>(args.out);
+  int* shape = arrays.shapes + 3 * g;
+  arrays.alpha[g] = args.a_scale_inv[0] * args.b_scale_inv[args.b_scale_per_group ? g : 0];
+  if (args.kind == GroupedKind::kRows) {
+    shape[0] = count, shape[1] = static_cast<int>(args.n), shape[2] = static_cast<int>(args.k);
+    arrays.a[g] = a + start * args.k;
+    arrays.b[g] = b + g * args.b_group_stride;
+    arrays.d[g] = d + start * args.n;
+    arrays.lda[g] = args.k, arrays.ldb[g] = args.b_row_stride, arrays.ldd[g] = args.n;
+  } else {  // a_t [n, rows] . b_t [k, rows]ᵀ over the group's columns; an empty group has no tiles (zero-filled)
+    shape[0] = count > 0 ? static_cast<int>(args.n) : 0, shape[1] = static_cast<int>(args.k), shape[2] = count;
+    arrays.a[g] = a + start;
+    arrays.b[g] = b + start;
+    arrays.d[g] = d + g * args.n * args.k;
+    arrays.lda[g] = args.rows, arrays.ldb[g] = args.rows, arrays.ldd[g] = args.k;
+  }
+}
+
+// out[g] = 0 for every empty group g (blockIdx.y = g; 16-byte stores: n * k bfloat16 is a multiple of 16 bytes).
+__global__ void zero_empty_groups(const int32_t* offs, int64_t rows, int64_t vectors_per_group, uint4* out) {
+  int64_t start, end;
+  group_range(offs, blockIdx.y, rows, &start, &end);
+  if (end > start) return;
+  uint4* group = out + blockIdx.y * vectors_per_group;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors_per_group;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    group[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+Device current_device() {
+  // (the SM count per device, asked once: cudaDeviceGetAttribute is cheap, but this runs on every call)
+  static int sm_counts[64] = {};
+  Device device;
+  cudaGetDevice(&device.id);
+  if (device.id < 64 && sm_counts[device.id] == 0) {
+    cudaDeviceGetAttribute(&sm_counts[device.id], cudaDevAttrMultiProcessorCount, device.id);
+  }
+  device.sm_count = device.id < 64 ? sm_counts[device.id] : 0;
+  return device;
+}
+
+// kAuto's choice, from two H200 runs of benchmarks/bench_moe.py (RESULTS_grouped.md): with fast accumulation the
+// pingpong 128x128 tiles were the fastest forward at 8 and at 64 experts, the cooperative 128x256 ones the fastest
+// wgrad; with the split accumulator the cooperative 128x192 tiles were the fastest in every form measured (forward
+// shape and wgrad, 8 and 64 experts).
+GroupedTile auto_tile(const GroupedFp8GemmArgs& args) {
+  if (!args.fast_accumulation) return GroupedTile::kAlt;
+  return args.kind == GroupedKind::kContraction ? GroupedTile::kLarge : GroupedTile::kSmall;
+}
+
+GroupedConfigEntry pick_config(const GroupedFp8GemmArgs& args) {
+  const GroupedTile tile = args.tile == GroupedTile::kAuto ? auto_tile(args) : args.tile;
+  switch (tile) {
+    case GroupedTile::kSmall:
+      return args.fast_accumulation ? grouped::fast_small_config() : grouped::split_small_config();
+    case GroupedTile::kAlt: return args.fast_accumulation ? grouped::fast_alt_config() : grouped::split_alt_config();
+    default: return args.fast_accumulation ? grouped::fast_large_config() : grouped::split_large_config();
+  }
+}
+
+}  // namespace
+
+size_t grouped_fp8_gemm_workspace_bytes(const GroupedFp8GemmArgs& args) {
+  return layout_arrays(args.groups, nullptr, nullptr) + pick_config(args).workspace(args.groups, current_device());
+}
+
+const char* launch_grouped_fp8_gemm(const GroupedFp8GemmArgs& args, void* workspace, cudaStream_t stream) {
+  GroupArrays arrays;
+  char* base = static_cast<char*>(workspace);
+  const size_t arrays_bytes = layout_arrays(args.groups, base, &arrays);
+  const int setup_blocks = (args.groups + kSetupThreads - 1) / kSetupThreads;
+  write_group_arrays<<<setup_blocks, kSetupThreads, 0, stream>>>(args, arrays);
+  if (cudaGetLastError() != cudaSuccess) return "the grouped GEMM's setup kernel failed to launch";
+  if (args.kind == GroupedKind::kContraction) {
+    const int64_t vectors = args.n * args.k * static_cast<int64_t>(sizeof(__nv_bfloat16)) / 16;
+    const int blocks = static_cast<int>(std::min<int64_t>((vectors + 255) / 256, 64));
+    zero_empty_groups<<<dim3(blocks, args.groups), 256, 0, stream>>>(args.offs, args.rows, vectors,
+                                                                     static_cast<uint4*>(args.out));
+    if (cudaGetLastError() != cudaSuccess) return "the grouped GEMM's zero-fill kernel failed to launch";
+  }
+  return pick_config(args).run(args.groups, arrays, base + arrays_bytes, current_device(), stream);
+}
+
+}  // namespace tfp8
