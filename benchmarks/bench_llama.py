@@ -23,10 +23,6 @@ Variants:
                         and native GQA, as in eager
   ours-fp8-checkpointed / hf-eager-checkpointed  (not run by default) ours-fp8 and hf-eager with each decoder layer's
                         activations recomputed in the backward (integrations.gradient_checkpointing_enable)
-  ours-fp8-graphed / ours-bf16-graphed  (not run by default) ours-fp8 / ours-bf16 with the whole step (forward, loss,
-                        backward, AdamW(fused, capturable), FP8 scaling update) captured once in a CUDA graph and
-                        replayed, the batch copied into the graph's input first: the same GPU work without the host
-                        (no phase_ms or act GiB for these rows)
   hf-compile-model      torch.compile(model) (not run by default): with torch < 2.14 transformers then materialises the
                         [b, 1, s, s] causal mask while tracing (it cannot tell compiling from exporting), so SDPA runs
                         with an explicit mask (no flash/cuDNN causal kernel) and K/V repeated to all heads
@@ -61,8 +57,7 @@ LLAMA_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
 FP8_RECIPE = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
 VARIANTS = ("ours-fp8", "ours-fp8-hf-loss", "ours-bf16", "hf-eager", "hf-eager-chunked-loss", "hf-compile",
-            "hf-compile-model", "ours-fp8-torch-sdpa", "ours-fp8-checkpointed", "hf-eager-checkpointed",
-            "ours-fp8-graphed", "ours-bf16-graphed")
+            "hf-compile-model", "ours-fp8-torch-sdpa", "ours-fp8-checkpointed", "hf-eager-checkpointed")
 DEFAULT_VARIANTS = VARIANTS[:6]
 PROFILE_ROWS = 30
 PHASES = ("forward", "backward", "optimizer", "between")
@@ -77,7 +72,6 @@ def build(variant, seed, config, device):
         model = LlamaForCausalLM(LlamaConfig(**config, use_cache=False)).to(torch.bfloat16).train()
     if variant.startswith("ours"):
         convert_llama(model)
-    variant = variant.removesuffix("-graphed")  # (the model is the eager variant's; Runner captures the step)
     if variant.endswith("-checkpointed"):  # (ours recompute through te.checkpoint)
         gradient_checkpointing_enable(model)
     if variant.startswith("ours"):
@@ -165,11 +159,7 @@ class Runner:
         synchronize(device)
         before_build = allocated(device)
         self.model, self.loss_fn = build(variant, args.seed, config, device)
-        self.graphed = variant.endswith("-graphed")
-        if self.graphed and not self.cuda:
-            raise ValueError(f"{variant}: CUDA graphs need --device cuda")
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, fused=self.cuda,
-                                           capturable=self.graphed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, fused=self.cuda)
         generator = torch.Generator(device=device).manual_seed(args.seed)
         self.batches = [torch.randint(0, config["vocab_size"], (args.batch, args.seq), device=device,
                                       generator=generator) for _ in range(4)]
@@ -181,41 +171,9 @@ class Runner:
         for _ in range(1, args.warmup):
             self.step()
         synchronize(device)
-        if self.graphed:
-            self.capture()
         self.static_bytes = allocated(device) - before_build  # (parameters, optimizer state; gradients are None)
 
-    def capture(self):
-        """Capture one whole step in a CUDA graph (after a warm-up step on a side stream, as torch.cuda.graph asks);
-        its gradients then stay allocated (the graph's backward writes them, its optimizer reads them)."""
-        self.static_ids = self.batches[0].clone()
-
-        def body():
-            loss = self.loss_fn(self.static_ids)
-            loss.backward()
-            self.optimizer.step()
-            return loss.detach()
-
-        self.optimizer.zero_grad(set_to_none=True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream().wait_stream(side)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.static_loss = body()
-        torch.cuda.synchronize()
-
     def step(self, marks=None):
-        if getattr(self, "graph", None) is not None:  # (a graphed variant after its capture)
-            self.static_ids.copy_(self.batches[self.index % len(self.batches)])
-            self.graph.replay()
-            self.losses.append(self.static_loss.clone())
-            self.memory["before"] = self.memory["after_forward"] = 0
-            self.index += 1
-            return
         self.memory["before"] = allocated(self.device)
         record(marks)
         with torch.profiler.record_function("phase::forward"):
@@ -239,7 +197,7 @@ class Runner:
         others = allocated(self.device) - self.static_bytes  # (what the other variants keep allocated)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        marks = [] if self.cuda and not self.graphed else None
+        marks = [] if self.cuda else None
         t0 = time.perf_counter()
         for _ in range(args.steps):
             self.step(marks)
@@ -248,9 +206,8 @@ class Runner:
         result = dict(tokens_per_s=args.steps * args.batch * args.seq / elapsed, step_ms=1000 * elapsed / args.steps,
                       act_gib=round((self.memory["after_forward"] - self.memory["before"]) / 2**30, 2))
         if self.cuda:
-            result.update(peak_gib=round((torch.cuda.max_memory_allocated() - others) / 2**30, 2))
-            if marks is not None:
-                result.update(phase_ms=phase_ms(marks))
+            result.update(peak_gib=round((torch.cuda.max_memory_allocated() - others) / 2**30, 2),
+                          phase_ms=phase_ms(marks))
         return result
 
     def free(self):
@@ -271,7 +228,6 @@ def summarize(variant, rounds, runners):
     if "peak_gib" in rounds[0]:
         row["peak_gib"] = max(r["peak_gib"] for r in rounds)
         row["peak_gib_rounds"] = [r["peak_gib"] for r in rounds]
-    if "phase_ms" in rounds[0]:
         row["phase_ms"] = {p: spread([r["phase_ms"][p] for r in rounds], 2)["median"] for p in PHASES}
         row["phase_ms_rounds"] = [r["phase_ms"] for r in rounds]
     return row
