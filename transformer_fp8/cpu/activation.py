@@ -135,7 +135,8 @@ def keep_input(x):
     the kept copy's tiles, computed in float32 (the CUDA kernel's math: scale = 448 / amax, scale_inv = 1 / scale)."""
     tiles = x.float().reshape(*x.shape[:-1], x.shape[-1] // KEEP_TILE, KEEP_TILE)
     amax = tiles.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
+    # (tensor / tensor: IEEE division as the kernel's; a Python number / tensor is reciprocal() * number in torch)
+    scale = torch.where(amax > 0, torch.full_like(amax, E4M3_MAX) / amax, torch.ones_like(amax))
     kept = saturating_cast(tiles * scale.unsqueeze(-1), torch.float8_e4m3fn).reshape(x.shape)
     return kept, 1.0 / scale
 
