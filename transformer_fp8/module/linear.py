@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from .. import _C, autocast
 from ..distributed import TensorParallel
-from ..quantization import GEMM_ROLES, Role
+from ..float8_tensor import Float8Tensor
+from ..quantization import GEMM_ROLES, Role, update
 from ._column_parallel import check_sequence_block, dgrad_collective, gather_cast, gathered_shape, output_grads
 from ._gemm import fp8_gemm_bias, fused_forward, fused_forward_applies, high_precision_linear
 from ._row_parallel import epilogue_terms, sum_partials
@@ -21,6 +22,12 @@ from .base import (FP8ModuleBase, check_input, check_positive, check_residual, f
 # time of small layers). Results are the Function's bit for bit. Read at each call; False: always the Function.
 NATIVE_NODE = True
 _C.set_backward_registrar(autocast.register_backward)
+# A Linear with an FP8 weight (fp8_model_init) that needs no gradient (no_grad / inference_mode, or nothing requires
+# grad) runs its forward as one call of the op fp8_linear_inference (csrc/linear_inference.cpp: the input's cast and
+# the GEMM) instead of the autograd Function: a small layer's inference is host-bound (issue 22, target 5). The same
+# ops in the same order, so the outputs and the scaling state are the Function's bit for bit. Read at each call;
+# False: always the Function (benchmarks/bench_fp8_inference.py times both).
+INFERENCE_PATH = True
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -159,6 +166,11 @@ class Linear(FP8ModuleBase):
             except (RuntimeError, TypeError):
                 check_input(inp, self.in_features)  # (raises the clear error when the input is the cause)
                 raise
+        if self._fp8_params and INFERENCE_PATH and residual is None and is_first_microbatch is None and \
+                autocast.STATE.enabled:
+            out = self._inference_forward(inp)
+            if out is not None:
+                return (out, self.bias) if self.return_bias else out
         if self.tp is not None:
             if residual is not None:
                 check_residual(residual, inp, self.out_features, self.tp)
@@ -169,6 +181,53 @@ class Linear(FP8ModuleBase):
         if self.return_bias:
             return self._local_linear(inp, None, is_first_microbatch, residual, residual_grad_relay), self.bias
         return self._local_linear(inp, self.bias, is_first_microbatch, residual, residual_grad_relay)
+
+    def _inference_forward(self, inp: torch.Tensor) -> torch.Tensor | None:
+        """Inside fp8_autocast, an FP8 (per-tensor) weight, no TP, no gradient needed: out = inp Wᵀ (+ bias unless
+        return_bias) through fp8_linear_inference, with the training path's bookkeeping (the call counted, the
+        forward state queued for the update at the autocast's exit under delayed scaling; current scaling writes its
+        slot's scale as its cast does). Returns None where the Function's path must run: the recipe not adopted yet,
+        delayed scaling before its first update (the first call calibrates in Python), a checkpoint region,
+        torch.compile, fp8_disabled, a block-scaled weight, a gradient needed.
+
+        Args:
+            inp: the input [..., in_features].
+        Returns:
+            The output [..., out_features], or None.
+        """
+        state = autocast.STATE
+        params = self._parameters
+        weight, bias = params.get("weight"), params.get("bias")
+        if state.recipe is not self._fp8_recipe or state.checkpoint is not None or self.tp is not None or \
+                self.fp8_disabled or not isinstance(weight, Float8Tensor) or weight._scale_inv.dim() != 1:
+            return None
+        if torch.is_grad_enabled() and (weight.requires_grad or getattr(inp, "requires_grad", False) or
+                                        (bias is not None and bias.requires_grad)):
+            return None
+        quantizers = self.quantizers
+        if not quantizers.fused_per_tensor or torch.compiler.is_compiling():
+            return None
+        quantizer = quantizers._quantizers[Role.INPUT]
+        fwd, slot = quantizer.state, quantizer.slot
+        current = not quantizers.updates_by_history
+        if not current:  # delayed: the slot's known scale; the state queued once per autocast, as begin_forward does
+            if not fwd.calibrated:
+                return None
+            if not fwd.pending:
+                update.register_forward(state.forward_states, fwd, quantizers.recipe, state.group)
+        self._fp8_call_counts[0] += 1
+        if not self._last_forward_fp8:
+            self._last_forward_fp8 = True
+        try:
+            # (current scaling: the update writes the slot's scale_inv, the cast 1/scale again; delayed: the cast
+            # writes the slot's snapshot, as cast_args gives it)
+            return _C.linear_inference(inp if inp.is_contiguous() else inp.contiguous(), weight._data,
+                                       weight._scale_inv, fwd.scales[slot], quantizer.fp8_dtype, fwd.amaxes[slot],
+                                       fwd.scale_inv_slots[slot] if current else fwd.scale_invs[slot],
+                                       None if self.return_bias else bias, current, quantizer.fp8_max)
+        except (RuntimeError, TypeError, AttributeError):
+            check_input(inp, self.in_features)  # (raises the clear error when the input is the cause)
+            raise
 
     def _local_linear(self, inp, bias, is_first_microbatch, residual=None, relay=None):
         """inp [..., local in] @ this rank's weightᵀ (+ bias) (+ residual): FP8 inside fp8_autocast, else high
