@@ -186,8 +186,8 @@ class Linear(FP8ModuleBase):
         """Inside fp8_autocast, an FP8 (per-tensor) weight, no TP, no gradient needed: out = inp Wᵀ (+ bias unless
         return_bias) through fp8_linear_inference, with the training path's bookkeeping (the call counted, the
         forward state queued for the update at the autocast's exit under delayed scaling; current scaling writes its
-        slot's scale as its cast does). Returns None where the Function's path must run: the recipe not adopted yet,
-        delayed scaling before its first update (the first call calibrates in Python), a checkpoint region,
+        slot's scale as its cast does; the recipe adopted as _fp8_begin does). Returns None where the Function's
+        path must run: delayed scaling before its first update (the first call calibrates in Python), a checkpoint region,
         torch.compile, fp8_disabled, a block-scaled weight, a gradient needed.
 
         Args:
@@ -198,14 +198,18 @@ class Linear(FP8ModuleBase):
         state = autocast.STATE
         params = self._parameters
         weight, bias = params.get("weight"), params.get("bias")
-        if state.recipe is not self._fp8_recipe or state.checkpoint is not None or self.tp is not None or \
-                self.fp8_disabled or not isinstance(weight, Float8Tensor) or weight._scale_inv.dim() != 1:
+        if state.checkpoint is not None or self.tp is not None or self.fp8_disabled or \
+                not isinstance(weight, Float8Tensor) or weight._scale_inv.dim() != 1:
             return None
         if torch.is_grad_enabled() and (weight.requires_grad or getattr(inp, "requires_grad", False) or
                                         (bias is not None and bias.requires_grad)):
             return None
+        if torch.compiler.is_compiling():
+            return None
+        if state.recipe is not self._fp8_recipe:
+            self._adopt_recipe(state.recipe)
         quantizers = self.quantizers
-        if not quantizers.fused_per_tensor or torch.compiler.is_compiling():
+        if not quantizers.fused_per_tensor:
             return None
         quantizer = quantizers._quantizers[Role.INPUT]
         fwd, slot = quantizer.state, quantizer.slot
