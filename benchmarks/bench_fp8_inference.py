@@ -224,7 +224,15 @@ def main() -> None:
     with_te = device == "cuda" and te_available()
     rounds = 1 if args.quick else args.rounds
     compiled: Dict[torch.dtype, Callable] = {}
-    rows = []
+    rows: List[dict] = []
+    info = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "te_installed": with_te, "rounds": rounds, "iters": args.iters}
+
+    def write_json() -> None:  # (after every point: a run cut short keeps what it measured)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({**info, "summary": summary(rows), "rows": rows}, f, indent=1)
     for recipe_name in args.recipes.split(","):
         for dtype_name in args.dtypes.split(","):
             for m, k, n in grid(args.quick, device):
@@ -233,18 +241,15 @@ def main() -> None:
                     calls.pop("nn-compile")
                 point = measure_point(calls, rounds, args.iters, args.seed, device == "cuda")
                 rows.append({"recipe": recipe_name, "dtype": dtype_name, "m": m, "k": k, "n": n, "variants": point})
+                write_json()
                 del calls
                 if device == "cuda":
                     torch.cuda.empty_cache()
+    print(f"device: {info['device']}, torch {info['torch']}, Transformer Engine: "
+          f"{'yes' if with_te else 'not installed (skipped)'}")
     print_table(rows)
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-              "torch": torch.__version__, "te_installed": with_te, "rounds": rounds, "iters": args.iters,
-              "summary": summary(rows), "rows": rows}
-    print(json.dumps(result["summary"], indent=1))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    print(json.dumps(summary(rows), indent=1))
+    write_json()
 
 
 if __name__ == "__main__":

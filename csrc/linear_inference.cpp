@@ -32,8 +32,7 @@ using LinearInference = at::Tensor(const at::Tensor&, const at::Tensor&, const a
                                    at::ScalarType, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
                                    double);
 
-void check_arguments(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv,
-                     const OptTensor& bias) {
+void check_arguments(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv, const OptTensor& bias) {
   TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "x: expected a contiguous tensor with at least one dim, got shape ",
               x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
@@ -41,8 +40,7 @@ void check_arguments(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat8_e4m3fn || w.scalar_type() == at::kFloat8_e5m2),
               "w: expected an FP8 (float8_e4m3fn / float8_e5m2) matrix [out_features, in_features], got ",
               w.scalar_type(), " of shape ", w.sizes());
-  TORCH_CHECK(x.size(-1) == w.size(1), "x: expected last dim ", w.size(1), " (w's in_features), got shape ",
-              x.sizes());
+  TORCH_CHECK(x.size(-1) == w.size(1), "x: expected last dim ", w.size(1), " (w's in_features), got shape ", x.sizes());
   TORCH_CHECK(w_scale_inv.numel() == 1 && w_scale_inv.scalar_type() == at::kFloat,
               "w_scale_inv: expected one float32 element (a per-tensor scale), got ", w_scale_inv.scalar_type(),
               " of shape ", w_scale_inv.sizes());
@@ -89,6 +87,9 @@ at::Tensor linear_inference(const at::Tensor& x, const at::Tensor& w, const at::
                             const at::Tensor& x_scale_inv, const OptTensor& bias, bool current_scaling,
                             double fp8_max) {
   static const auto op = library_op<LinearInference>("transformer_fp8::fp8_linear_inference");
+  // (the caller needs no gradient: below autograd, so that neither this call nor the composite's inner ops pass
+  // through the autograd layer, as the C++ Linear node's forward does)
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   return op.call(x, w, w_scale_inv, x_scale, fp8_dtype, x_amax, x_scale_inv, bias, current_scaling, fp8_max);
 }
 

@@ -49,7 +49,8 @@ class _FP8Linear(torch.autograd.Function):
         row_tp = tp if tp is not None and tp.mode == "row" else None
         bias_here, residual_here = epilogue_terms(row_tp, bias, residual)
         gathers = tp is not None and tp.gathers_input
-        x_quantizer, w_quantizer = quantizers[Role.INPUT], quantizers[Role.WEIGHT]
+        roles = quantizers.by_role  # (a dict read, not QuantizerSet.__getitem__'s call: host time)
+        x_quantizer, w_quantizer = roles[Role.INPUT], roles[Role.WEIGHT]
         if not gathers and fused_forward_applies(quantizers, weight, bias_here, inp.dtype, is_first_microbatch):
             # (casts and GEMM in one op call: the common case, where a small layer's host time counts)
             out, x_op, w_op = fused_forward(
@@ -80,10 +81,11 @@ class _FP8Linear(torch.autograd.Function):
         quantizers, tp, fuse_wgrad, weight, x_op, w_op, group, need_dgrad, need_wgrad, dx_dtype = ctx.info
         x_op, w_op = x_op.transposed_only(x_t), w_op.transposed_only(w_t)  # (the saved tensors)
         dy = grad if grad.dim() == 2 and grad.is_contiguous() else grad.reshape(-1, grad.shape[-1]).contiguous()
-        w_op = fp8_weight_transpose(weight, w_op, quantizers[Role.WEIGHT]) if need_dgrad else None
+        roles = quantizers.by_role
+        w_op = fp8_weight_transpose(weight, w_op, roles[Role.WEIGHT]) if need_dgrad else None
         main_grad = main_grad_of(weight) if need_wgrad and fuse_wgrad else None
         # (sequence parallel: dx reduce-scattered to this rank's block while the wgrad GEMM runs)
-        dx, dw, dbias = output_grads(tp, dgrad_collective(tp, False), quantizers[Role.GRAD_OUTPUT], dy,
+        dx, dw, dbias = output_grads(tp, dgrad_collective(tp, False), roles[Role.GRAD_OUTPUT], dy,
                                      ctx.needs_input_grad[2], w_op, x_op if need_wgrad else None, dx_dtype,
                                      weight.dtype, main_grad)
         quantizers.register_backward(group)
@@ -180,15 +182,17 @@ class Linear(FP8ModuleBase):
             check_residual(residual, inp, self.out_features, None)
         if self.return_bias:
             return self._local_linear(inp, None, is_first_microbatch, residual, residual_grad_relay), self.bias
-        return self._local_linear(inp, self.bias, is_first_microbatch, residual, residual_grad_relay)
+        bias = self._parameters.get("bias")  # (as the weight in _local_linear; a bias=False Linear has none there)
+        return self._local_linear(inp, self.bias if bias is None else bias, is_first_microbatch, residual,
+                                  residual_grad_relay)
 
     def _inference_forward(self, inp: torch.Tensor) -> torch.Tensor | None:
         """Inside fp8_autocast, an FP8 (per-tensor) weight, no TP, no gradient needed: out = inp Wᵀ (+ bias unless
         return_bias) through fp8_linear_inference, with the training path's bookkeeping (the call counted, the
         forward state queued for the update at the autocast's exit under delayed scaling; current scaling writes its
         slot's scale as its cast does; the recipe adopted as _fp8_begin does). Returns None where the Function's
-        path must run: delayed scaling before its first update (the first call calibrates in Python), a checkpoint region,
-        torch.compile, fp8_disabled, a block-scaled weight, a gradient needed.
+        path must run: delayed scaling before its first update (the first call calibrates in Python), a checkpoint
+        region, torch.compile, fp8_disabled, a block-scaled weight, a gradient needed.
 
         Args:
             inp: the input [..., in_features].
@@ -237,16 +241,30 @@ class Linear(FP8ModuleBase):
         """inp [..., local in] @ this rank's weightᵀ (+ bias) (+ residual): FP8 inside fp8_autocast, else high
         precision."""
         state = autocast.STATE
+        # (the parameter straight from _parameters: nn.Module.__getattr__ costs ~0.4 µs per read; `self.weight` where
+        # a parametrization has moved it out)
+        weight = self._parameters.get("weight")
+        weight = self.weight if weight is None else weight
+        if state.enabled and self._plain and state.recipe is not self._fp8_recipe and not self.fp8_disabled:
+            self._adopt_recipe(state.recipe)  # (a plain Linear here runs FP8: adopt as _fp8_begin would, first)
+        if state.enabled and self._native_node_applies(inp, weight, bias, is_first_microbatch, residual, state):
+            # _runs_fp8's and _fp8_begin's bookkeeping for this case, inline (a small layer's host time counts):
+            # the call counted, the forward state queued for the update at the autocast's exit
+            self._fp8_call_counts[0] += 1
+            if not self._last_forward_fp8:
+                self._last_forward_fp8 = True
+            quantizers = self.quantizers
+            fwd = quantizers.fwd_state
+            if not fwd.pending:
+                update.register_forward(state.forward_states, fwd, quantizers.recipe, state.group)
+            return _C.fp8_linear(inp if inp.is_contiguous() else inp.contiguous(), weight, bias,
+                                 *quantizers.linear_node_args(state.group),
+                                 weight.numel() < base.MIN_RECAST_WEIGHT_NUMEL)  # (base.keeps_weight_transpose)
         if state.enabled and self._runs_fp8(inp):
             self._fp8_begin(state)
-            inp = inp if inp.is_contiguous() else inp.contiguous()
-            quantizers = self.quantizers
-            if self._native_node_applies(quantizers, inp, bias, is_first_microbatch, residual, state):
-                return _C.fp8_linear(inp, self.weight, bias, *quantizers.linear_node_args(state.group),
-                                     base.keeps_weight_transpose(self.weight, is_first_microbatch))
-            return _FP8Linear.apply(inp, self.weight, bias, quantizers, self.tp, self._weight_cache,
-                                    self.fuse_wgrad_accumulation, torch.is_grad_enabled(), is_first_microbatch,
-                                    residual, relay)
+            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), weight, bias, self.quantizers,
+                                    self.tp, self._weight_cache, self.fuse_wgrad_accumulation,
+                                    torch.is_grad_enabled(), is_first_microbatch, residual, relay)
         if self._last_forward_fp8:
             self._check_recompute_precision()
         if state.calibrating:
@@ -257,14 +275,17 @@ class Linear(FP8ModuleBase):
             out = F.linear(inp, self.weight, bias)  # (the small-shape path's host time matters: F.linear directly)
         return out if residual is None else out + residual
 
-    def _native_node_applies(self, quantizers, inp, bias, is_first_microbatch, residual, state):
-        """Whether this FP8 call takes the C++ node (NATIVE_NODE): a plain Linear (no TP, no return_bias, no wgrad
-        fusion, high-precision weight) with no residual and no weight cache, per-tensor quantizers whose scales are
-        known before the casts (delayed scaling past the first update of both its states: the first step
-        calibrates them in Python; the node casts with the slots' scales and registers the gradient state), a bias
-        in the input's 16-bit dtype, outside checkpoint regions and torch.compile (which trace the Function)."""
+    def _native_node_applies(self, inp, weight, bias, is_first_microbatch, residual, state):
+        """Inside fp8_autocast: whether this call takes the C++ node (NATIVE_NODE): a plain Linear (no TP, no
+        return_bias, no wgrad fusion, high-precision weight) with no residual and no weight cache, not fp8_disabled,
+        the autocast's recipe already adopted, per-tensor quantizers whose scales are known before the casts (delayed
+        scaling past the first update of both its states: the first step calibrates them in Python; the node casts
+        with the slots' scales and registers the gradient state), a bias in the input's 16-bit dtype, outside
+        checkpoint regions and torch.compile (which trace the Function). (A plain Linear reaching here runs FP8: its
+        forward took the small-shape path already where it applies.)"""
         return (NATIVE_NODE and self._plain and residual is None and is_first_microbatch is None and
-                quantizers.scales_known_per_tensor() and state.checkpoint is None and
+                state.recipe is self._fp8_recipe and not self.fp8_disabled and
+                self.quantizers.scales_known_per_tensor() and state.checkpoint is None and
                 (bias is None or bias.dtype == inp.dtype != torch.float32) and not torch.compiler.is_compiling())
 
     def _parallel_forward(self, inp, is_first_microbatch, residual, relay):
