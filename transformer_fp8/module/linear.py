@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from .. import _C, autocast
 from ..distributed import TensorParallel
 from ..float8_tensor import Float8Tensor
-from ..quantization import GEMM_ROLES, Role, update
+from ..quantization import GEMM_ROLES, FP8Operand, Role, update
 from ._column_parallel import check_sequence_block, dgrad_collective, gather_cast, gathered_shape, output_grads
 from ._gemm import fp8_gemm_bias, fused_forward, fused_forward_applies, high_precision_linear
 from ._row_parallel import epilogue_terms, sum_partials
@@ -71,15 +71,19 @@ class _FP8Linear(torch.autograd.Function):
             ctx.save_for_backward(x_op.data_t if need_wgrad else None, w_op.data_t)
             # scale_inv snapshots ride outside save_for_backward (their buffer's other slots get written: see
             # quantization/state.py); the weight is kept for main_grad, its dtype and the backward's Wᵀ cast
-            ctx.info = (quantizers, tp, fuse_wgrad, weight, x_op.transposed_only(), w_op.transposed_only(),
+            # (the operands' scales as tuples, FP8Operand's arguments after data_t: the backward builds the two
+            # operands it needs, and no operand object is made here for it, a small layer's host time)
+            ctx.info = (quantizers, tp, fuse_wgrad, weight,
+                        (x_op.scale_inv, x_op.fp8_dtype, x_op.layout, x_op.scale_inv_t),
+                        (w_op.scale_inv, w_op.fp8_dtype, w_op.layout, w_op.scale_inv_t),
                         autocast.STATE.group, need_dgrad, need_wgrad, inp.dtype)
         return out if inp.dim() == 2 else out.view(*out_shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
         x_t, w_t = ctx.saved_tensors
-        quantizers, tp, fuse_wgrad, weight, x_op, w_op, group, need_dgrad, need_wgrad, dx_dtype = ctx.info
-        x_op, w_op = x_op.transposed_only(x_t), w_op.transposed_only(w_t)  # (the saved tensors)
+        quantizers, tp, fuse_wgrad, weight, x_scales, w_scales, group, need_dgrad, need_wgrad, dx_dtype = ctx.info
+        x_op, w_op = FP8Operand(None, x_t, *x_scales), FP8Operand(None, w_t, *w_scales)  # (the saved tensors)
         dy = grad if grad.dim() == 2 and grad.is_contiguous() else grad.reshape(-1, grad.shape[-1]).contiguous()
         roles = quantizers.by_role
         w_op = fp8_weight_transpose(weight, w_op, roles[Role.WEIGHT]) if need_dgrad else None
