@@ -233,9 +233,10 @@ def main() -> None:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump({**info, "summary": summary(rows), "rows": rows}, f, indent=1)
-    for recipe_name in args.recipes.split(","):
+    # (shapes outermost, smallest first: a run cut short keeps every recipe and dtype of the shapes it reached)
+    for m, k, n in grid(args.quick, device):
         for dtype_name in args.dtypes.split(","):
-            for m, k, n in grid(args.quick, device):
+            for recipe_name in args.recipes.split(","):
                 calls = variants_for(m, k, n, DTYPES[dtype_name], RECIPES[recipe_name], device, compiled, with_te)
                 if args.no_compile:
                     calls.pop("nn-compile")
