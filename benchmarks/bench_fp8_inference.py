@@ -99,6 +99,11 @@ def variants_for(m: int, k: int, n: int, dtype: torch.dtype, fp8_recipe, device:
             return ours_call()
 
     if dtype not in compiled:
+        # (one compiled function per dtype, dynamic shapes; both dtypes' graphs count against one code object's
+        # recompile limit, 8 by default, which the grid's shapes would pass: raised so that no point falls back)
+        for limit in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
         compiled[dtype] = torch.compile(lambda a, w, b: F.linear(a, w, b), dynamic=True)
     linear_compiled = compiled[dtype]
     calls = {"ours-new": ours_call, "ours-old": ours_old_call, "nn-linear": lambda: plain(x),
