@@ -31,17 +31,18 @@ INFERENCE_PATH = True
 
 
 class _FP8Linear(torch.autograd.Function):
-    """inp [..., K] (contiguous), weight [N, K], bias [N] or None, residual [..., N] or None -> [..., N] (the
-    residual added in the GEMM's epilogue), cast by `quantizers` (the module's QuantizerSet: roles INPUT, WEIGHT,
-    GRAD_OUTPUT). Saves only the FP8 xᵀ (+ scale_invs; Wᵀ only when cached: the backward casts it, see
-    base.fp8_weight). tp: the module's distributed.TensorParallel or None. Row-parallel: bias and residual in rank
-    0's epilogue, the output summed over the TP ranks here (or reduce-scattered by the caller): see
-    _row_parallel.py. weight_cache: the module's FP8 weight cache; fuse_wgrad: accumulate the wgrad into
-    weight.main_grad."""
+    """inp [..., K] (contiguous), weight [N, K], bias [N] or None, residual [..., N] or None, setup = (quantizers,
+    tp, weight_cache, fuse_wgrad, training, is_first_microbatch, relay) -> [..., N] (the residual added in the GEMM's
+    epilogue), cast by `quantizers` (the module's QuantizerSet: roles INPUT, WEIGHT, GRAD_OUTPUT). Saves only the
+    FP8 xᵀ (+ scale_invs; Wᵀ only when cached: the backward casts it, see base.fp8_weight). tp: the module's
+    distributed.TensorParallel or None. Row-parallel: bias and residual in rank 0's epilogue, the output summed over
+    the TP ranks here (or reduce-scattered by the caller): see _row_parallel.py. weight_cache: the module's FP8 weight
+    cache; fuse_wgrad: accumulate the wgrad into weight.main_grad."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, quantizers, tp, weight_cache, fuse_wgrad, training, is_first_microbatch,
-                residual, relay):
+    def forward(ctx, inp, weight, bias, residual, setup):
+        # (the non-tensor arguments come as one tuple: Function.apply handles each argument, host time per call)
+        quantizers, tp, weight_cache, fuse_wgrad, training, is_first_microbatch, relay = setup
         need_dgrad = training and ctx.needs_input_grad[0]
         need_wgrad = training and ctx.needs_input_grad[1]
         x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
@@ -100,7 +101,7 @@ class _FP8Linear(torch.autograd.Function):
         residual_grad = grad if ctx.has_residual else None
         if ctx.relay is not None:  # (handed to the norm backward of the LayerNormLinear that added it: see
             ctx.relay.grad, residual_grad = grad, None  # _residual_relay.py)
-        return dx, dw, dbias, None, None, None, None, None, None, residual_grad, None
+        return dx, dw, dbias, residual_grad, None
 
 
 class Linear(FP8ModuleBase):
@@ -266,9 +267,9 @@ class Linear(FP8ModuleBase):
                                  weight.numel() < base.MIN_RECAST_WEIGHT_NUMEL)  # (base.keeps_weight_transpose)
         if state.enabled and self._runs_fp8(inp):
             self._fp8_begin(state)
-            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), weight, bias, self.quantizers,
-                                    self.tp, self._weight_cache, self.fuse_wgrad_accumulation,
-                                    torch.is_grad_enabled(), is_first_microbatch, residual, relay)
+            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), weight, bias, residual,
+                                    (self.quantizers, self.tp, self._weight_cache, self.fuse_wgrad_accumulation,
+                                     torch.is_grad_enabled(), is_first_microbatch, relay))
         if self._last_forward_fp8:
             self._check_recompute_precision()
         if state.calibrating:
@@ -289,7 +290,8 @@ class Linear(FP8ModuleBase):
         forward took the small-shape path already where it applies.)"""
         return (NATIVE_NODE and self._plain and residual is None and is_first_microbatch is None and
                 state.recipe is self._fp8_recipe and not self.fp8_disabled and
-                self.quantizers.scales_known_per_tensor() and state.checkpoint is None and
+                self.quantizers.updates_by_history and self.quantizers.scales_known_per_tensor() and
+                state.checkpoint is None and
                 (bias is None or bias.dtype == inp.dtype != torch.float32) and not torch.compiler.is_compiling())
 
     def _parallel_forward(self, inp, is_first_microbatch, residual, relay):
@@ -309,9 +311,9 @@ class Linear(FP8ModuleBase):
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp):  # (the Function adds bias and residual once and sums the ranks)
             self._fp8_begin(state)
-            out = _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias,
-                                   self.quantizers, tp, self._weight_cache, self.fuse_wgrad_accumulation,
-                                   torch.is_grad_enabled(), is_first_microbatch, residual, relay)
+            out = _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, residual,
+                                   (self.quantizers, tp, self._weight_cache, self.fuse_wgrad_accumulation,
+                                    torch.is_grad_enabled(), is_first_microbatch, relay))
             out = tp.row_output(out) if tp.sequence_parallel else out
         else:
             out = tp.row_output(self._local_linear(inp, None, is_first_microbatch))
@@ -328,9 +330,9 @@ class Linear(FP8ModuleBase):
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp, self.tp.size):
             self._fp8_begin(state)
-            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias,
-                                    self.quantizers, self.tp, self._weight_cache, self.fuse_wgrad_accumulation,
-                                    torch.is_grad_enabled(), is_first_microbatch, None, None)
+            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, None,
+                                    (self.quantizers, self.tp, self._weight_cache, self.fuse_wgrad_accumulation,
+                                     torch.is_grad_enabled(), is_first_microbatch, None))
         return self._local_linear(self.tp.column_input(inp), bias, is_first_microbatch)
 
     def extra_repr(self):
