@@ -88,6 +88,18 @@ TORCH_LIBRARY(transformer_fp8, m) {
         "Tensor? x_t, Tensor x_scale_inv, ScalarType dw_dtype, Tensor(c!)? main_grad=None) "
         "-> (Tensor, Tensor, Tensor)");
 
+  // Inference forward of out = x Wᵀ (+ bias) with an FP8 weight (fp8_model_init): x [..., K] (contiguous, float32 /
+  // float16 / bfloat16) cast to fp8_dtype as cast_transpose does (rowwise only), then fp8_gemm(xq, x_scale_inv, w,
+  // w_scale_inv, x's dtype, bias, use_split_accumulator=False) (a float32 output gets the bias added after the GEMM).
+  // w [N, K] FP8 with one float32 w_scale_inv. Delayed scaling (current_scaling false): the cast uses x_scale,
+  // max-accumulates into x_amax and writes 1 / x_scale into x_scale_inv. Current scaling: compute_amax(x, x_amax)
+  // (x_amax zero on entry), delayed_scaling_update([x_amax as [1, 1]], [x_scale], [x_scale_inv], fp8_max, 0,
+  // "most_recent") (x_scale = fp8_max / amax, x_amax zeroed again), then the cast (no amax) writing x_scale_inv.
+  // Returns out [..., N] in x's dtype (no autograd: nothing is saved).
+  m.def("fp8_linear_inference(Tensor x, Tensor w, Tensor w_scale_inv, Tensor(a!) x_scale, ScalarType fp8_dtype, "
+        "Tensor(b!) x_amax, Tensor(c!) x_scale_inv, Tensor? bias=None, bool current_scaling=False, "
+        "float fp8_max=448.0) -> Tensor");
+
   // --- norm family --- input [M, N]; out in input's dtype, or fp8_dtype (scale required) when given
   m.def("layernorm_fwd(Tensor input, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma=False, "
         "Tensor? scale=None, ScalarType? fp8_dtype=None, Tensor(a!)? amax=None, Tensor(b!)? scale_inv=None) "

@@ -4,6 +4,7 @@
 #include <torch/csrc/Exceptions.h>
 
 #include "autograd_nodes.h"
+#include "linear_inference.h"
 
 namespace {
 
@@ -22,6 +23,9 @@ auto translated(R (*fn)(Args...)) {
 PYBIND11_MODULE(_C, m) {
   m.def("fp8_linear", translated(&tfp8::fp8_linear),
         "The plain FP8 Linear with its C++ autograd node (csrc/autograd_linear.cpp)");
+  m.def("linear_inference", translated(&tfp8::linear_inference),
+        "fp8_linear_inference through the dispatcher: an FP8-weight Linear's no-grad forward "
+        "(csrc/linear_inference.cpp)");
   m.def("set_backward_registrar", &tfp8::set_backward_registrar,
         "The callable fp8_linear's backward calls with its registration tuple");
   m.def("fused_attention", translated(&tfp8::fused_attention),

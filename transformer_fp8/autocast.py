@@ -51,6 +51,7 @@ class _FP8ThreadState(threading.local):
         self.recipe = DEFAULT_RECIPE
         self.group = None
         self.depth = 0
+        self.saved = []  # the settings the enclosing fp8_autocasts' enters replaced, innermost last
         self.model_init = False
         self.preserve_init_val = False  # (see fp8_model_init)
         self.model_init_options = {}  # Float8Tensor.from_hp's layout arguments for fp8_model_init's weights
@@ -93,24 +94,22 @@ class fp8_autocast(contextlib.ContextDecorator):
             raise TypeError(f"fp8_recipe: expected DelayedScaling, Float8CurrentScaling or Float8BlockScaling, got "
                             f"{fp8_recipe!r}")
         self.settings = (enabled, calibrating, fp8_recipe, fp8_group)
-        # thread id -> the settings each enter replaced, innermost last: one instance (say a decorator) may be
-        # entered by several threads at once, and each exit must restore its own thread's settings
-        self.saved = {}
 
+    # The settings each enter replaces go on the calling thread's own stack (STATE.saved), innermost last: one
+    # instance (say a decorator) may be entered by several threads at once, and each exit restores its own thread's
+    # settings. (A per-thread stack rather than one per instance keyed by thread id: no thread-id lookup and no dict
+    # per call: ~0.3 of ~1.6 µs per construct + enter + exit with nothing to update, measured on the CPU-only
+    # development machine, where one autocast per call of a small inference layer counts.)
     def __enter__(self):
         state = STATE  # (the calling thread's)
-        self.saved.setdefault(threading.get_ident(), []).append(
-            (state.enabled, state.calibrating, state.recipe, state.group))
+        state.saved.append((state.enabled, state.calibrating, state.recipe, state.group))
         state.enabled, state.calibrating, state.recipe, state.group = self.settings
         state.depth += 1
         return self
 
     def __exit__(self, *exc):
-        state, thread = STATE, threading.get_ident()
-        stack = self.saved[thread]
-        state.enabled, state.calibrating, state.recipe, state.group = stack.pop()
-        if not stack:
-            del self.saved[thread]
+        state = STATE
+        state.enabled, state.calibrating, state.recipe, state.group = state.saved.pop()
         state.depth -= 1
         if state.depth == 0 and state.forward_states:
             entries, state.forward_states = state.forward_states, []

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from .. import _C, autocast
 from ..distributed import TensorParallel
-from ..quantization import GEMM_ROLES, Role
+from ..float8_tensor import Float8Tensor
+from ..quantization import GEMM_ROLES, FP8Operand, Role, update
 from ._column_parallel import check_sequence_block, dgrad_collective, gather_cast, gathered_shape, output_grads
 from ._gemm import fp8_gemm_bias, fused_forward, fused_forward_applies, high_precision_linear
 from ._row_parallel import epilogue_terms, sum_partials
@@ -21,20 +22,27 @@ from .base import (FP8ModuleBase, check_input, check_positive, check_residual, f
 # time of small layers). Results are the Function's bit for bit. Read at each call; False: always the Function.
 NATIVE_NODE = True
 _C.set_backward_registrar(autocast.register_backward)
+# A Linear with an FP8 weight (fp8_model_init) that needs no gradient (no_grad / inference_mode, or nothing requires
+# grad) runs its forward as one call of the op fp8_linear_inference (csrc/linear_inference.cpp: the input's cast and
+# the GEMM) instead of the autograd Function: a small layer's inference is host-bound (issue 22, target 5). The same
+# ops in the same order, so the outputs and the scaling state are the Function's bit for bit. Read at each call;
+# False: always the Function (benchmarks/bench_fp8_inference.py times both).
+INFERENCE_PATH = True
 
 
 class _FP8Linear(torch.autograd.Function):
-    """inp [..., K] (contiguous), weight [N, K], bias [N] or None, residual [..., N] or None -> [..., N] (the
-    residual added in the GEMM's epilogue), cast by `quantizers` (the module's QuantizerSet: roles INPUT, WEIGHT,
-    GRAD_OUTPUT). Saves only the FP8 xᵀ (+ scale_invs; Wᵀ only when cached: the backward casts it, see
-    base.fp8_weight). tp: the module's distributed.TensorParallel or None. Row-parallel: bias and residual in rank
-    0's epilogue, the output summed over the TP ranks here (or reduce-scattered by the caller): see
-    _row_parallel.py. weight_cache: the module's FP8 weight cache; fuse_wgrad: accumulate the wgrad into
-    weight.main_grad."""
+    """inp [..., K] (contiguous), weight [N, K], bias [N] or None, residual [..., N] or None, setup = (quantizers,
+    tp, weight_cache, fuse_wgrad, training, is_first_microbatch, relay) -> [..., N] (the residual added in the GEMM's
+    epilogue), cast by `quantizers` (the module's QuantizerSet: roles INPUT, WEIGHT, GRAD_OUTPUT). Saves only the
+    FP8 xᵀ (+ scale_invs; Wᵀ only when cached: the backward casts it, see base.fp8_weight). tp: the module's
+    distributed.TensorParallel or None. Row-parallel: bias and residual in rank 0's epilogue, the output summed over
+    the TP ranks here (or reduce-scattered by the caller): see _row_parallel.py. weight_cache: the module's FP8 weight
+    cache; fuse_wgrad: accumulate the wgrad into weight.main_grad."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, quantizers, tp, weight_cache, fuse_wgrad, training, is_first_microbatch,
-                residual, relay):
+    def forward(ctx, inp, weight, bias, residual, setup):
+        # (the non-tensor arguments come as one tuple: Function.apply handles each argument, host time per call)
+        quantizers, tp, weight_cache, fuse_wgrad, training, is_first_microbatch, relay = setup
         need_dgrad = training and ctx.needs_input_grad[0]
         need_wgrad = training and ctx.needs_input_grad[1]
         x = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
@@ -42,7 +50,8 @@ class _FP8Linear(torch.autograd.Function):
         row_tp = tp if tp is not None and tp.mode == "row" else None
         bias_here, residual_here = epilogue_terms(row_tp, bias, residual)
         gathers = tp is not None and tp.gathers_input
-        x_quantizer, w_quantizer = quantizers[Role.INPUT], quantizers[Role.WEIGHT]
+        roles = quantizers.by_role  # (a dict read, not QuantizerSet.__getitem__'s call: host time)
+        x_quantizer, w_quantizer = roles[Role.INPUT], roles[Role.WEIGHT]
         if not gathers and fused_forward_applies(quantizers, weight, bias_here, inp.dtype, is_first_microbatch):
             # (casts and GEMM in one op call: the common case, where a small layer's host time counts)
             out, x_op, w_op = fused_forward(
@@ -63,20 +72,25 @@ class _FP8Linear(torch.autograd.Function):
             ctx.save_for_backward(x_op.data_t if need_wgrad else None, w_op.data_t)
             # scale_inv snapshots ride outside save_for_backward (their buffer's other slots get written: see
             # quantization/state.py); the weight is kept for main_grad, its dtype and the backward's Wᵀ cast
-            ctx.info = (quantizers, tp, fuse_wgrad, weight, x_op.transposed_only(), w_op.transposed_only(),
+            # (the operands' scales as tuples, FP8Operand's arguments after data_t: the backward builds the two
+            # operands it needs, and no operand object is made here for it, a small layer's host time)
+            ctx.info = (quantizers, tp, fuse_wgrad, weight,
+                        (x_op.scale_inv, x_op.fp8_dtype, x_op.layout, x_op.scale_inv_t),
+                        (w_op.scale_inv, w_op.fp8_dtype, w_op.layout, w_op.scale_inv_t),
                         autocast.STATE.group, need_dgrad, need_wgrad, inp.dtype)
         return out if inp.dim() == 2 else out.view(*out_shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
         x_t, w_t = ctx.saved_tensors
-        quantizers, tp, fuse_wgrad, weight, x_op, w_op, group, need_dgrad, need_wgrad, dx_dtype = ctx.info
-        x_op, w_op = x_op.transposed_only(x_t), w_op.transposed_only(w_t)  # (the saved tensors)
+        quantizers, tp, fuse_wgrad, weight, x_scales, w_scales, group, need_dgrad, need_wgrad, dx_dtype = ctx.info
+        x_op, w_op = FP8Operand(None, x_t, *x_scales), FP8Operand(None, w_t, *w_scales)  # (the saved tensors)
         dy = grad if grad.dim() == 2 and grad.is_contiguous() else grad.reshape(-1, grad.shape[-1]).contiguous()
-        w_op = fp8_weight_transpose(weight, w_op, quantizers[Role.WEIGHT]) if need_dgrad else None
+        roles = quantizers.by_role
+        w_op = fp8_weight_transpose(weight, w_op, roles[Role.WEIGHT]) if need_dgrad else None
         main_grad = main_grad_of(weight) if need_wgrad and fuse_wgrad else None
         # (sequence parallel: dx reduce-scattered to this rank's block while the wgrad GEMM runs)
-        dx, dw, dbias = output_grads(tp, dgrad_collective(tp, False), quantizers[Role.GRAD_OUTPUT], dy,
+        dx, dw, dbias = output_grads(tp, dgrad_collective(tp, False), roles[Role.GRAD_OUTPUT], dy,
                                      ctx.needs_input_grad[2], w_op, x_op if need_wgrad else None, dx_dtype,
                                      weight.dtype, main_grad)
         quantizers.register_backward(group)
@@ -87,7 +101,7 @@ class _FP8Linear(torch.autograd.Function):
         residual_grad = grad if ctx.has_residual else None
         if ctx.relay is not None:  # (handed to the norm backward of the LayerNormLinear that added it: see
             ctx.relay.grad, residual_grad = grad, None  # _residual_relay.py)
-        return dx, dw, dbias, None, None, None, None, None, None, residual_grad, None
+        return dx, dw, dbias, residual_grad, None
 
 
 class Linear(FP8ModuleBase):
@@ -159,6 +173,11 @@ class Linear(FP8ModuleBase):
             except (RuntimeError, TypeError):
                 check_input(inp, self.in_features)  # (raises the clear error when the input is the cause)
                 raise
+        if self._fp8_params and INFERENCE_PATH and residual is None and is_first_microbatch is None and \
+                autocast.STATE.enabled:
+            out = self._inference_forward(inp)
+            if out is not None:
+                return (out, self.bias) if self.return_bias else out
         if self.tp is not None:
             if residual is not None:
                 check_residual(residual, inp, self.out_features, self.tp)
@@ -168,22 +187,89 @@ class Linear(FP8ModuleBase):
             check_residual(residual, inp, self.out_features, None)
         if self.return_bias:
             return self._local_linear(inp, None, is_first_microbatch, residual, residual_grad_relay), self.bias
-        return self._local_linear(inp, self.bias, is_first_microbatch, residual, residual_grad_relay)
+        bias = self._parameters.get("bias")  # (as the weight in _local_linear; a bias=False Linear has none there)
+        return self._local_linear(inp, self.bias if bias is None else bias, is_first_microbatch, residual,
+                                  residual_grad_relay)
+
+    def _inference_forward(self, inp: torch.Tensor) -> torch.Tensor | None:
+        """Inside fp8_autocast, an FP8 (per-tensor) weight, no TP, no gradient needed: out = inp Wᵀ (+ bias unless
+        return_bias) through fp8_linear_inference, with the training path's bookkeeping (the call counted, the
+        forward state queued for the update at the autocast's exit under delayed scaling; current scaling writes its
+        slot's scale as its cast does; the recipe adopted as _fp8_begin does). Returns None where the Function's
+        path must run: delayed scaling before its first update (the first call calibrates in Python), a checkpoint
+        region, torch.compile, fp8_disabled, a block-scaled weight, a gradient needed.
+
+        Args:
+            inp: the input [..., in_features].
+        Returns:
+            The output [..., out_features], or None.
+        """
+        state = autocast.STATE
+        params = self._parameters
+        weight, bias = params.get("weight"), params.get("bias")
+        if state.checkpoint is not None or self.tp is not None or self.fp8_disabled or \
+                not isinstance(weight, Float8Tensor) or weight._scale_inv.dim() != 1:
+            return None
+        if torch.is_grad_enabled() and (weight.requires_grad or getattr(inp, "requires_grad", False) or
+                                        (bias is not None and bias.requires_grad)):
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        if state.recipe is not self._fp8_recipe:
+            self._adopt_recipe(state.recipe)
+        quantizers = self.quantizers
+        if not quantizers.fused_per_tensor:
+            return None
+        quantizer = quantizers._quantizers[Role.INPUT]
+        fwd, slot = quantizer.state, quantizer.slot
+        current = not quantizers.updates_by_history
+        if not current:  # delayed: the slot's known scale; the state queued once per autocast, as begin_forward does
+            if not fwd.calibrated:
+                return None
+            if not fwd.pending:
+                update.register_forward(state.forward_states, fwd, quantizers.recipe, state.group)
+        self._fp8_call_counts[0] += 1
+        if not self._last_forward_fp8:
+            self._last_forward_fp8 = True
+        try:
+            # (current scaling: the update writes the slot's scale_inv, the cast 1/scale again; delayed: the cast
+            # writes the slot's snapshot, as cast_args gives it)
+            return _C.linear_inference(inp if inp.is_contiguous() else inp.contiguous(), weight._data,
+                                       weight._scale_inv, fwd.scales[slot], quantizer.fp8_dtype, fwd.amaxes[slot],
+                                       fwd.scale_inv_slots[slot] if current else fwd.scale_invs[slot],
+                                       None if self.return_bias else bias, current, quantizer.fp8_max)
+        except (RuntimeError, TypeError, AttributeError):
+            check_input(inp, self.in_features)  # (raises the clear error when the input is the cause)
+            raise
 
     def _local_linear(self, inp, bias, is_first_microbatch, residual=None, relay=None):
         """inp [..., local in] @ this rank's weightᵀ (+ bias) (+ residual): FP8 inside fp8_autocast, else high
         precision."""
         state = autocast.STATE
+        # (the parameter straight from _parameters: nn.Module.__getattr__ costs ~0.4 µs per read; `self.weight` where
+        # a parametrization has moved it out)
+        weight = self._parameters.get("weight")
+        weight = self.weight if weight is None else weight
+        if state.enabled and self._plain and state.recipe is not self._fp8_recipe and not self.fp8_disabled:
+            self._adopt_recipe(state.recipe)  # (a plain Linear here runs FP8: adopt as _fp8_begin would, first)
+        if state.enabled and self._native_node_applies(inp, weight, bias, is_first_microbatch, residual, state):
+            # _runs_fp8's and _fp8_begin's bookkeeping for this case, inline (a small layer's host time counts):
+            # the call counted, the forward state queued for the update at the autocast's exit
+            self._fp8_call_counts[0] += 1
+            if not self._last_forward_fp8:
+                self._last_forward_fp8 = True
+            quantizers = self.quantizers
+            fwd = quantizers.fwd_state
+            if not fwd.pending:
+                update.register_forward(state.forward_states, fwd, quantizers.recipe, state.group)
+            return _C.fp8_linear(inp if inp.is_contiguous() else inp.contiguous(), weight, bias,
+                                 *quantizers.linear_node_args(state.group),
+                                 weight.numel() < base.MIN_RECAST_WEIGHT_NUMEL)  # (base.keeps_weight_transpose)
         if state.enabled and self._runs_fp8(inp):
             self._fp8_begin(state)
-            inp = inp if inp.is_contiguous() else inp.contiguous()
-            quantizers = self.quantizers
-            if self._native_node_applies(quantizers, inp, bias, is_first_microbatch, residual, state):
-                return _C.fp8_linear(inp, self.weight, bias, *quantizers.linear_node_args(state.group),
-                                     base.keeps_weight_transpose(self.weight, is_first_microbatch))
-            return _FP8Linear.apply(inp, self.weight, bias, quantizers, self.tp, self._weight_cache,
-                                    self.fuse_wgrad_accumulation, torch.is_grad_enabled(), is_first_microbatch,
-                                    residual, relay)
+            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), weight, bias, residual,
+                                    (self.quantizers, self.tp, self._weight_cache, self.fuse_wgrad_accumulation,
+                                     torch.is_grad_enabled(), is_first_microbatch, relay))
         if self._last_forward_fp8:
             self._check_recompute_precision()
         if state.calibrating:
@@ -194,14 +280,18 @@ class Linear(FP8ModuleBase):
             out = F.linear(inp, self.weight, bias)  # (the small-shape path's host time matters: F.linear directly)
         return out if residual is None else out + residual
 
-    def _native_node_applies(self, quantizers, inp, bias, is_first_microbatch, residual, state):
-        """Whether this FP8 call takes the C++ node (NATIVE_NODE): a plain Linear (no TP, no return_bias, no wgrad
-        fusion, high-precision weight) with no residual and no weight cache, per-tensor quantizers whose scales are
-        known before the casts (delayed scaling past the first update of both its states: the first step
-        calibrates them in Python; the node casts with the slots' scales and registers the gradient state), a bias
-        in the input's 16-bit dtype, outside checkpoint regions and torch.compile (which trace the Function)."""
+    def _native_node_applies(self, inp, weight, bias, is_first_microbatch, residual, state):
+        """Inside fp8_autocast: whether this call takes the C++ node (NATIVE_NODE): a plain Linear (no TP, no
+        return_bias, no wgrad fusion, high-precision weight) with no residual and no weight cache, not fp8_disabled,
+        the autocast's recipe already adopted, per-tensor quantizers whose scales are known before the casts (delayed
+        scaling past the first update of both its states: the first step calibrates them in Python; the node casts
+        with the slots' scales and registers the gradient state), a bias in the input's 16-bit dtype, outside
+        checkpoint regions and torch.compile (which trace the Function). (A plain Linear reaching here runs FP8: its
+        forward took the small-shape path already where it applies.)"""
         return (NATIVE_NODE and self._plain and residual is None and is_first_microbatch is None and
-                quantizers.scales_known_per_tensor() and state.checkpoint is None and
+                state.recipe is self._fp8_recipe and not self.fp8_disabled and
+                self.quantizers.updates_by_history and self.quantizers.scales_known_per_tensor() and
+                state.checkpoint is None and
                 (bias is None or bias.dtype == inp.dtype != torch.float32) and not torch.compiler.is_compiling())
 
     def _parallel_forward(self, inp, is_first_microbatch, residual, relay):
@@ -221,9 +311,9 @@ class Linear(FP8ModuleBase):
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp):  # (the Function adds bias and residual once and sums the ranks)
             self._fp8_begin(state)
-            out = _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias,
-                                   self.quantizers, tp, self._weight_cache, self.fuse_wgrad_accumulation,
-                                   torch.is_grad_enabled(), is_first_microbatch, residual, relay)
+            out = _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, residual,
+                                   (self.quantizers, tp, self._weight_cache, self.fuse_wgrad_accumulation,
+                                    torch.is_grad_enabled(), is_first_microbatch, relay))
             out = tp.row_output(out) if tp.sequence_parallel else out
         else:
             out = tp.row_output(self._local_linear(inp, None, is_first_microbatch))
@@ -240,9 +330,9 @@ class Linear(FP8ModuleBase):
         state = autocast.STATE
         if state.enabled and self._runs_fp8(inp, self.tp.size):
             self._fp8_begin(state)
-            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias,
-                                    self.quantizers, self.tp, self._weight_cache, self.fuse_wgrad_accumulation,
-                                    torch.is_grad_enabled(), is_first_microbatch, None, None)
+            return _FP8Linear.apply(inp if inp.is_contiguous() else inp.contiguous(), self.weight, bias, None,
+                                    (self.quantizers, self.tp, self._weight_cache, self.fuse_wgrad_accumulation,
+                                     torch.is_grad_enabled(), is_first_microbatch, None))
         return self._local_linear(self.tp.column_input(inp), bias, is_first_microbatch)
 
     def extra_repr(self):

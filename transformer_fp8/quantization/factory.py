@@ -66,11 +66,12 @@ class QuantizerSet:
         fwd_dtype, bwd_dtype: the recipe's FP8 formats.
         fused_per_tensor: the fused per-tensor ops can take this set's quantizers (cast_args / output_args).
         updates_by_history: the delayed rules apply (queued for the fused update, calibrated by it).
+        by_role: {Role: Quantizer} (read-only: what `qset[role]` reads, for hot paths that skip the method call).
     """
 
     __slots__ = ("recipe", "forward_roles", "backward_roles", "fwd_dtype", "bwd_dtype", "tp_group",
                  "quantizer_class", "fused_per_tensor", "updates_by_history", "_fwd_state", "_bwd_state",
-                 "_quantizers")
+                 "_quantizers", "by_role")
 
     def __init__(self, recipe: Any, forward_roles: tuple[Role, ...], backward_roles: tuple[Role, ...],
                  device: torch.device | str, tp_group: Any = None,
@@ -87,7 +88,7 @@ class QuantizerSet:
         self.recipe, self.tp_group = recipe, tp_group
         self.forward_roles, self.backward_roles = tuple(forward_roles), tuple(backward_roles)
         fwd, bwd = states if states is not None else (None, None)
-        self._quantizers = {}
+        self._quantizers = self.by_role = {}
         if recipe is None:
             self.quantizer_class = None
             self.fused_per_tensor = self.updates_by_history = False
@@ -208,8 +209,12 @@ class QuantizerSet:
             (backward_registration(group), then output_args() of the INPUT, WEIGHT and GRAD_OUTPUT roles).
         """
         quantizers = self._quantizers
-        return ((self._bwd_state, self.recipe, group), quantizers[Role.INPUT].output_args(),
-                quantizers[Role.WEIGHT].output_args(), quantizers[Role.GRAD_OUTPUT].output_args())
+        x, w, dy = quantizers[Role.INPUT], quantizers[Role.WEIGHT], quantizers[Role.GRAD_OUTPUT]
+        xs, ws, dys = x.state, w.state, dy.state  # (output_args() of each, inline)
+        return ((self._bwd_state, self.recipe, group),
+                (xs.scales[x.slot], x.fp8_dtype, xs.amaxes[x.slot], xs.scale_invs[x.slot]),
+                (ws.scales[w.slot], w.fp8_dtype, ws.amaxes[w.slot], ws.scale_invs[w.slot]),
+                (dys.scales[dy.slot], dy.fp8_dtype, dys.amaxes[dy.slot], dys.scale_invs[dy.slot]))
 
     def backward_registration(self, group: Any) -> tuple:
         """Returns:

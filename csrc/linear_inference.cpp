@@ -1,0 +1,100 @@
+// fp8_linear_inference (contract: csrc/ops.cpp): an FP8 Linear's inference forward, where the weight is already FP8
+// (fp8_model_init) and nothing is kept for a backward: the input's cast and the GEMM behind one dispatcher call.
+//
+// Why: a small Linear's inference is host-bound (the L20 grid of issue 22: M 128-512, K, N 1280-20480, where the GPU
+// works 10-40 µs). The training path crosses from Python into the dispatcher once per op and builds an autograd
+// Function around them; here Python makes one call (transformer_fp8._C.linear_inference, a typed pybind entry with
+// no schema parsing) and the op runs the same library ops in C++, so the results are theirs bit for bit.
+// Registered as CompositeImplicitAutograd (as csrc/composite.cpp): CUDA kernels, the CPU reference and fake tensors
+// all run the same sequence of the underlying ops.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "library_op.h"
+#include "linear_inference.h"
+
+namespace tfp8 {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+using CastTranspose = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, at::ScalarType, bool,
+                                                         bool, const OptTensor&, const OptTensor&);
+using Gemm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                const at::Tensor&, at::ScalarType, const OptTensor&, bool,
+                                                const OptTensor&, const OptTensor&, bool, const OptTensor&);
+using ComputeAmax = void(const at::Tensor&, const at::Tensor&);
+using ScalingUpdate = void(at::TensorList, at::TensorList, at::TensorList, double, double, c10::string_view);
+using LinearInference = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   at::ScalarType, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
+                                   double);
+
+void check_arguments(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv, const OptTensor& bias) {
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "x: expected a contiguous tensor with at least one dim, got shape ",
+              x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "x: expected float32, float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat8_e4m3fn || w.scalar_type() == at::kFloat8_e5m2),
+              "w: expected an FP8 (float8_e4m3fn / float8_e5m2) matrix [out_features, in_features], got ",
+              w.scalar_type(), " of shape ", w.sizes());
+  TORCH_CHECK(x.size(-1) == w.size(1), "x: expected last dim ", w.size(1), " (w's in_features), got shape ", x.sizes());
+  TORCH_CHECK(w_scale_inv.numel() == 1 && w_scale_inv.scalar_type() == at::kFloat,
+              "w_scale_inv: expected one float32 element (a per-tensor scale), got ", w_scale_inv.scalar_type(),
+              " of shape ", w_scale_inv.sizes());
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == w.size(0)), "bias: expected shape [",
+              w.size(0), "], got ", bias.has_value() ? bias->sizes() : at::IntArrayRef{});
+}
+
+at::Tensor fp8_linear_inference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv,
+                                const at::Tensor& x_scale, at::ScalarType fp8_dtype, const at::Tensor& x_amax,
+                                const at::Tensor& x_scale_inv, const OptTensor& bias, bool current_scaling,
+                                double fp8_max) {
+  static const auto cast = library_op<CastTranspose>("transformer_fp8::cast_transpose");
+  static const auto gemm = library_op<Gemm>("transformer_fp8::fp8_gemm");
+  static const auto compute_amax = library_op<ComputeAmax>("transformer_fp8::compute_amax");
+  static const auto update = library_op<ScalingUpdate>("transformer_fp8::delayed_scaling_update");
+  check_arguments(x, w, w_scale_inv, bias);
+  const at::ScalarType out_dtype = x.scalar_type();
+  const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+  OptTensor cast_amax = x_amax;
+  if (current_scaling) {  // the scale from this tensor's amax, as quantization.state.set_current_scale makes it
+    compute_amax.call(x2, x_amax);
+    const at::Tensor history = x_amax.view({1, 1});
+    update.call({history}, {x_scale}, {x_scale_inv}, fp8_max, 0.0, "most_recent");
+    cast_amax = std::nullopt;
+  }
+  const at::Tensor xq = std::get<0>(cast.call(x2, x_scale, fp8_dtype, true, false, cast_amax, x_scale_inv));
+  // (a 16-bit output takes the bias in the GEMM epilogue, in its dtype; a float32 one gets it added afterwards, as
+  // module/_gemm.py's fp8_gemm_bias does)
+  const bool epilogue_bias = bias.has_value() && out_dtype != at::kFloat;
+  const OptTensor gemm_bias = epilogue_bias ? OptTensor(bias->to(out_dtype)) : std::nullopt;
+  at::Tensor out = std::get<0>(gemm.call(xq, x_scale_inv, w, w_scale_inv, out_dtype, gemm_bias, false, std::nullopt,
+                                         std::nullopt, /*use_split_accumulator=*/false, std::nullopt));
+  if (bias.has_value() && !epilogue_bias) out.add_(*bias);
+  if (x.dim() == 2) return out;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out.size(1);
+  return out.view(sizes);
+}
+
+}  // namespace
+
+at::Tensor linear_inference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv,
+                            const at::Tensor& x_scale, at::ScalarType fp8_dtype, const at::Tensor& x_amax,
+                            const at::Tensor& x_scale_inv, const OptTensor& bias, bool current_scaling,
+                            double fp8_max) {
+  static const auto op = library_op<LinearInference>("transformer_fp8::fp8_linear_inference");
+  // (the caller needs no gradient: below autograd, so that neither this call nor the composite's inner ops pass
+  // through the autograd layer, as the C++ Linear node's forward does)
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(x, w, w_scale_inv, x_scale, fp8_dtype, x_amax, x_scale_inv, bias, current_scaling, fp8_max);
+}
+
+}  // namespace tfp8
+
+TORCH_LIBRARY_IMPL(transformer_fp8, CompositeImplicitAutograd, m) {
+  m.impl("fp8_linear_inference", &tfp8::fp8_linear_inference);
+}

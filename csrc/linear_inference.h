@@ -1,0 +1,16 @@
+// csrc/linear_inference.cpp: fp8_linear_inference through the dispatcher, for transformer_fp8._C (one typed call from
+// Python, no schema parsing: a small Linear's inference is host-bound). Below autograd: for callers that need no
+// gradient (the output never requires grad).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace tfp8 {
+
+at::Tensor linear_inference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv,
+                            const at::Tensor& x_scale, at::ScalarType fp8_dtype, const at::Tensor& x_amax,
+                            const at::Tensor& x_scale_inv, const std::optional<at::Tensor>& bias, bool current_scaling,
+                            double fp8_max);
+
+}  // namespace tfp8
