@@ -1,7 +1,7 @@
 """Print a fingerprint of everything the compiled extension depends on, for tools/setup.sh's up-to-date check.
 
-Covers the C++/CUDA sources, the build scripts, the torch, Python, CUDA toolkit and cuDNN frontend versions, and the
-environment variables that change the build. Same fingerprint as at the last successful build -> nothing to rebuild.
+Covers the C++/CUDA sources, the build scripts, the torch, Python, CUDA toolkit, cuDNN frontend and CUTLASS
+versions, and the environment variables that change the build. Same fingerprint as at the last successful build -> nothing to rebuild.
 """
 import glob
 import hashlib
@@ -45,7 +45,8 @@ def fingerprint(root: str = ROOT) -> str:
             with open(path, "rb") as source:
                 digest.update(source.read())
     facts = [sys.version, torch.__version__, str(torch.version.cuda), _nvcc_version(),
-             _version("nvidia-cudnn-frontend"), _version("nvidia-cudnn-cu13")]
+             _version("nvidia-cudnn-frontend"), _version("nvidia-cudnn-cu13"),
+             _version("nvidia-cutlass")]
     facts += [f"{name}={os.environ.get(name, '')}" for name in BUILD_ENV]
     digest.update("\n".join(facts).encode())
     return digest.hexdigest()

@@ -33,7 +33,7 @@ missing() {  # the distributions among "$@" that are not installed
   "$PY" -c 'import sys; from importlib import metadata as m
 def absent(name):
     try:
-        m.distribution(name)
+        m.distribution(name.split("==")[0])
     except m.PackageNotFoundError:
         return True
 print(" ".join(n for n in sys.argv[1:] if absent(n)))' "$@"
@@ -44,8 +44,9 @@ install_missing() {  # pip install those of "$@" (distribution names) that are m
   if [ -n "$wanted" ]; then "$PY" -m pip install -q ${PIP_FLAGS:-} $wanted; fi
 }
 install_missing numpy pytest expecttest setuptools wheel ninja
-# the header-only cuDNN frontend for the attention family (only its headers are used: no dependencies)
-PIP_FLAGS=--no-deps install_missing nvidia-cudnn-frontend
+# header-only libraries, only their headers are used (no dependencies): the cuDNN frontend for the attention family,
+# CUTLASS for the grouped family (our grouped FP8 GEMM; without it GroupedLinear keeps torch's grouped kernel)
+PIP_FLAGS=--no-deps install_missing nvidia-cudnn-frontend "nvidia-cutlass==4.2.0.0"
 if [ "${TFP8_SKIP_EXTRAS:-0}" != 1 ]; then
   # for the examples, notebooks and integrations (the package itself needs none of them)
   install_missing transformers tqdm matplotlib nbclient nbformat ipykernel peft safetensors
