@@ -1,7 +1,8 @@
 """Print a fingerprint of everything the compiled extension depends on, for tools/setup.sh's up-to-date check.
 
 Covers the C++/CUDA sources, the build scripts, the torch, Python, CUDA toolkit, cuDNN frontend and CUTLASS
-versions, and the environment variables that change the build. Same fingerprint as at the last successful build -> nothing to rebuild.
+versions, and the environment variables that change the build. Same fingerprint as at the last successful build ->
+nothing to rebuild.
 """
 import glob
 import hashlib
