@@ -27,6 +27,7 @@ from ..module.layernorm_linear import LayerNormLinear
 from ..module.layernorm_mlp import LayerNormMLP
 from ..module.linear import Linear
 from ..ops import activation_high_precision, tfp8
+from ..module.activation import fused_activation
 from .adapter import (LoraAdapter, add_lora_update, add_up_projection, any_dropout, down_projection, lora_update,
                       sorted_adapters, stacked_a, up_projection)
 
@@ -93,25 +94,6 @@ class LoraLayerNormLinear(_LoraModule, LayerNormLinear):
             out = add_lora_update(out, ln_out, adapters)
         rest = rest if self._lora_returns_ln else rest[:-1]
         return (out, *rest) if rest else out
-
-
-class _Activation(torch.autograd.Function):
-    """act(x) with our activation kernels (the fused MLP's: gelu is the tanh approximation, swiglu's gate first);
-    saves x only."""
-
-    @staticmethod
-    def forward(ctx, x, activation):
-        x2d = x.reshape(-1, x.shape[-1])
-        out = activation_high_precision(x2d, activation)
-        ctx.save_for_backward(x2d)
-        ctx.activation = activation
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x2d,) = ctx.saved_tensors
-        dx = tfp8.activation_bwd(grad.reshape(-1, grad.shape[-1]).contiguous(), x2d, ctx.activation)
-        return dx.view(*grad.shape[:-1], dx.shape[-1]), None
 
 
 class _ActivationAndDown(torch.autograd.Function):
@@ -183,7 +165,7 @@ class LoraLayerNormMLP(_LoraModule, LayerNormMLP):
         if adapters and not any_dropout(adapters):
             act, h = _ActivationAndDown.apply(fc1_out, stacked_a(adapters), self.activation)
         else:
-            act = _Activation.apply(fc1_out, self.activation)
+            act = fused_activation(fc1_out, self.activation)
             h = down_projection(adapters, act) if adapters else None
         if h is not None:  # down_proj's update joins the residual (its add in the up-projection's epilogue), which
             # FC2's epilogue adds

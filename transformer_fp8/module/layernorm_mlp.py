@@ -21,6 +21,7 @@ from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_l
 from ._row_parallel import epilogue_terms, sum_partials
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_norm, gathered_shape, gathers_input,
                                start_dgrad_sum)
+from .activation import KERNEL_DTYPES, fused_activation
 from .base import (FP8ModuleBase, check_choice, check_input, check_positive, check_residual, fp8_weight,
                    fp8_weight_transpose, main_grad_of, pack_outputs, residual_rows)
 from .norm import NORMALIZATIONS, NormSpec, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
@@ -31,6 +32,7 @@ def _swiglu(x):
     return F.silu(gate) * up
 
 
+# plain PyTorch activations: the references, and the path for dtypes our kernels do not take (float64)
 ACTIVATIONS = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "swiglu": _swiglu}
 
 
@@ -327,7 +329,9 @@ class LayerNormMLP(FP8ModuleBase):
         inp = tp.column_input(inp) if tp is not None and not gathers else inp
         ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps, self.zero_centered_gamma)
         fc1_in = gather_from_sequence_parallel_region(ln_out, self.tp.group) if gathers else ln_out
-        act = ACTIVATIONS[self.activation](high_precision_linear(self, fc1_in, self.fc1_weight, self.fc1_bias))
+        fc1_out = high_precision_linear(self, fc1_in, self.fc1_weight, self.fc1_bias)
+        act = fused_activation(fc1_out, self.activation) if fc1_out.dtype in KERNEL_DTYPES else \
+            ACTIVATIONS[self.activation](fc1_out)
         if state.calibrating:
             self._calibrate(fc1_in, self.fc1_weight, act, self.fc2_weight)
         out = high_precision_linear(self, act, self.fc2_weight, fc2_bias if tp is None else None)
