@@ -36,7 +36,7 @@ CATEGORIES = (("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv", "cublas
 
 def category(kernel_name: str) -> str:
     """A kernel's category by substrings of its (lower-cased) name; "other" when none matches."""
-    name = kernel_name.lower()
+    name = kernel_name.lower().replace("gpu_kernel_impl_nocast", "gpu_kernel_impl")  # (not a cast)
     for label, keys in CATEGORIES:
         if any(k in name for k in keys):
             return label
