@@ -131,7 +131,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> activation_fwd_keep_input(
   const int64_t out_elems = c10::multiply_integers(out_shape);
   TORCH_CHECK(activation_fwd_can_keep_input(to_dtype(input.scalar_type(), "input"), out_elems, out_shape.back()),
               "input: activation_fwd_keep_input needs a float16 or bfloat16 input whose output's last dim is a "
-              "multiple of ", kKeepTile, ", got ", input.scalar_type(), " of shape ", dims(input.sizes()));
+              "multiple of ",
+              kKeepTile, ", got ", input.scalar_type(), " of shape ", dims(input.sizes()));
   const c10::cuda::CUDAGuard guard(input.device());
   at::Tensor out = at::empty(out_shape, input.options().dtype(fp8_dtype));
   at::Tensor kept = at::empty_like(input, input.options().dtype(at::kFloat8_e4m3fn));
@@ -193,13 +194,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dact_cast_transpose_kept_input(
   if (compute_dbias) {
     workspace = at::empty({dact_dbias_workspace_rows(rows), in_cols}, grad_out.options().dtype(at::kFloat));
   }
-  launch_dact_cast_transpose(grad_out.data_ptr(), nullptr, to_dtype(grad_out.scalar_type(), "grad_out"),
-                             static_cast<uint8_t*>(q.data_ptr()),
-                             transpose ? static_cast<uint8_t*>(qT.data_ptr()) : nullptr,
-                             to_dtype(fp8_dtype, "fp8_dtype"), rows, out_cols, act, scale.data_ptr<float>(),
-                             optional_ptr(amax), optional_ptr(scale_inv), compute_dbias ? dbias.data_ptr() : nullptr,
-                             compute_dbias ? workspace.data_ptr<float>() : nullptr, current_stream(),
-                             static_cast<const uint8_t*>(kept_input.data_ptr()), kept_scale_inv.data_ptr<float>());
+  launch_dact_cast_transpose(
+      grad_out.data_ptr(), nullptr, to_dtype(grad_out.scalar_type(), "grad_out"), static_cast<uint8_t*>(q.data_ptr()),
+      transpose ? static_cast<uint8_t*>(qT.data_ptr()) : nullptr, to_dtype(fp8_dtype, "fp8_dtype"), rows, out_cols, act,
+      scale.data_ptr<float>(), optional_ptr(amax), optional_ptr(scale_inv), compute_dbias ? dbias.data_ptr() : nullptr,
+      compute_dbias ? workspace.data_ptr<float>() : nullptr, current_stream(),
+      static_cast<const uint8_t*>(kept_input.data_ptr()), kept_scale_inv.data_ptr<float>());
   return {q, qT, dbias};
 }
 

@@ -29,7 +29,8 @@ __device__ __forceinline__ void load_input(const T* x, const uint8_t* x8, const 
       for (int k = 0; k < VEC; ++k) out[k] = fp8_to_float<DType::kE4M3>(v.v[k]) * tile_scale_inv;
     } else {
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) out[k] = k < count ? fp8_to_float<DType::kE4M3>(x8[offset + k]) * tile_scale_inv : 0;
+      for (int k = 0; k < VEC; ++k)
+        out[k] = k < count ? fp8_to_float<DType::kE4M3>(x8[offset + k]) * tile_scale_inv : 0;
     }
   } else {
     act::load_floats(x + offset, out, count);
@@ -153,8 +154,8 @@ __global__ void dbias_from_workspace_kernel(const float* __restrict__ workspace,
 
 void launch_dact_cast_transpose(const void* dy, const void* x, DType dtype, uint8_t* q, uint8_t* qT, DType fp8_dtype,
                                 int64_t rows, int64_t out_cols, Activation act, const float* scale, float* amax,
-                                float* scale_inv, void* dbias, float* workspace, cudaStream_t stream,
-                                const uint8_t* x8, const float* x8_scale_inv) {
+                                float* scale_inv, void* dbias, float* workspace, cudaStream_t stream, const uint8_t* x8,
+                                const float* x8_scale_inv) {
   const int64_t tile_rows = dact_dbias_workspace_rows(rows);
   const dim3 grid(static_cast<unsigned>(tile_rows), static_cast<unsigned>((out_cols + kTile - 1) / kTile));
   const int in_cols_factor = act == Activation::kSwiglu ? 2 : 1;

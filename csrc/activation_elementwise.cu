@@ -164,8 +164,8 @@ bool activation_fwd_can_keep_input(DType in_dtype, int64_t out_elems, int64_t ou
 void launch_activation_fwd_keep_input(const void* x, DType in_dtype, uint8_t* y, DType out_dtype, int64_t out_elems,
                                       int64_t out_cols, Activation act, const float* scale, float* amax,
                                       float* scale_inv, uint8_t* x8, float* x8_scale_inv, cudaStream_t stream) {
-  if (!activation_fwd_can_keep_input(in_dtype, out_elems, out_cols) || !act::aligned(x, 16) ||
-      !act::aligned(x8, 8) || !act::aligned(y, 8))
+  if (!activation_fwd_can_keep_input(in_dtype, out_elems, out_cols) || !act::aligned(x, 16) || !act::aligned(x8, 8) ||
+      !act::aligned(y, 8))
     throw std::invalid_argument("activation_fwd_keep_input: needs a 16-bit input whose output rows are whole "
                                 "128-element tiles, 16-byte aligned");
   act::with_activation(act, [&](auto a) {

@@ -2,22 +2,12 @@
 #include "grouped_gemm_kernel.cuh"
 
 namespace tfp8::grouped {
-namespace {
 
-using Config =
-    GroupedGemmConfig<cute::Shape<cute::_64, cute::_256, cute::_128>, cute::Shape<cute::_1, cute::_2, cute::_1>,
-                      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
-                      cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
-
-size_t workspace(int groups, const Device& device) { return grouped_cutlass_workspace<Config>(groups, device); }
-
-const char* run(int groups, const GroupArrays& arrays, void* cutlass_workspace, const Device& device,
-                cudaStream_t stream) {
-  return run_grouped<Config>(groups, arrays, cutlass_workspace, device, stream);
+GroupedConfigEntry fast_alt_config() {
+  return entry_of<
+      GroupedGemmConfig<cute::Shape<cute::_64, cute::_256, cute::_128>, cute::Shape<cute::_1, cute::_2, cute::_1>,
+                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
+                        cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>>();
 }
-
-}  // namespace
-
-GroupedConfigEntry fast_alt_config() { return {&workspace, &run}; }
 
 }  // namespace tfp8::grouped

@@ -97,4 +97,11 @@ const char* run_grouped(int groups, const GroupArrays& arrays, void* cutlass_wor
   return nullptr;
 }
 
+// The entry of one tile configuration: each csrc/grouped_gemm_<accumulation>_<tiles>.cu instantiates one (one
+// configuration per file, so that they compile in parallel).
+template <typename Config>
+GroupedConfigEntry entry_of() {
+  return {&grouped_cutlass_workspace<Config>, &run_grouped<Config>};
+}
+
 }  // namespace tfp8::grouped
