@@ -169,9 +169,11 @@ NormBlockCastResult norm_block_cast(const at::Tensor& input, const at::Tensor& w
   return {out.q, out.scale_inv, out.qt, out.scale_inv_t, mean, rstd};
 }
 
-BlockCastResult dact_block_cast(const at::Tensor& grad_out, const at::Tensor& input, c10::string_view activation,
-                                at::ScalarType fp8_dtype, bool rowwise, bool transpose, double amax_epsilon,
-                                bool power_2_scale) {
+using DactBlockCastResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+DactBlockCastResult dact_block_cast(const at::Tensor& grad_out, const at::Tensor& input, c10::string_view activation,
+                                    at::ScalarType fp8_dtype, bool rowwise, bool transpose, double amax_epsilon,
+                                    bool power_2_scale, bool compute_dbias) {
   const int act = activation_of(activation);
   check_cast_input(input, fp8_dtype, amax_epsilon);
   const bool gated = act == static_cast<int>(Activation::kSwiglu);
@@ -194,8 +196,14 @@ BlockCastResult dact_block_cast(const at::Tensor& grad_out, const at::Tensor& in
   args.act_input = input.data_ptr();
   args.activation = act;
   args.f = f;
+  // dbias: per-128-row-tile column sums from the kernel, summed here in a fixed order (deterministic)
+  at::Tensor partial_sums = compute_dbias ? at::empty({cdiv(m, kBlockLen), k}, input.options().dtype(at::kFloat))
+                                          : at::Tensor();
+  if (compute_dbias) args.cast.col_sums = partial_sums.data_ptr<float>();
   launch_dact_block_cast(args, current_stream());
-  return out.result();
+  at::Tensor dbias = compute_dbias ? partial_sums.sum(0).to(grad_out.scalar_type())
+                                   : at::empty({0}, grad_out.options());
+  return {out.q, out.scale_inv, out.qt, out.scale_inv_t, dbias};
 }
 
 at::Tensor block_dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t block_dim,

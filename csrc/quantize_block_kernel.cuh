@@ -166,6 +166,29 @@ __device__ __forceinline__ void store_block_scales(const BlockCastArgs& a, float
   }
 }
 
+// The tile's column sums of the values cast (float32, rows in order within a warp, then warps in order) to
+// a.col_sums[blockIdx.y * a.k + column]: the per-tile partials of a bias gradient. Uses `scratch` and leaves it free.
+__device__ __forceinline__ void write_column_sums(const BlockCastArgs& a, const float (&v)[kRows][kCols],
+                                                  float (&scratch)[kWarps][kBlockLen]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) sum += v[i][j];
+    scratch[warp][lane * kCols + j] = sum;
+  }
+  __syncthreads();
+  if (threadIdx.x < kBlockLen) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += scratch[w][threadIdx.x];
+    const int64_t col = int64_t{blockIdx.x} * kBlockLen + threadIdx.x;
+    if (col < a.k) a.col_sums[int64_t{blockIdx.y} * a.k + col] = sum;
+  }
+  __syncthreads();
+}
+
 template <DType F, bool kTwoD, typename Loader>
 __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, BlockCastArgs a) {
   __shared__ float partial[kWarps][kBlockLen];  // per-warp column amaxes (1x128), or warp amaxes (128x128)
@@ -190,6 +213,8 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
       col_amax[j] = max_abs(col_amax[j], v[i][j]);
     }
   }
+
+  if (a.col_sums != nullptr) write_column_sums(a, v, partial);
 
   float row_scale[kRows], my_col_scale[kCols];
   if constexpr (kTwoD) {
@@ -271,7 +296,7 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
 // Launches block_cast_kernel over a's [m, k] with `loader` (two_d only when Loader::kTwoDOk).
 template <typename Loader>
 void launch_with_loader(const Loader& loader, const BlockCastArgs& a, cudaStream_t stream) {
-  if (a.m == 0 || a.k == 0 || (a.q == nullptr && a.qt == nullptr)) return;
+  if (a.m == 0 || a.k == 0 || (a.q == nullptr && a.qt == nullptr && a.col_sums == nullptr)) return;
   if ((a.m + kBlockLen - 1) / kBlockLen > 65535)
     throw std::invalid_argument("block_cast: too many rows for one launch");
   const dim3 grid(static_cast<unsigned>((a.k + kBlockLen - 1) / kBlockLen),

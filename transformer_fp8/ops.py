@@ -95,8 +95,10 @@ def _(input, weight, bias, normalization, eps, zero_centered_gamma, fp8_dtype, r
 
 
 @_register_fake("transformer_fp8::dact_block_cast")
-def _(grad_out, input, activation, fp8_dtype, rowwise=True, transpose=False, amax_epsilon=0.0, power_2_scale=True):
-    return _block_1x128_outputs(input, input.shape[0], input.shape[1], fp8_dtype, rowwise, transpose)
+def _(grad_out, input, activation, fp8_dtype, rowwise=True, transpose=False, amax_epsilon=0.0, power_2_scale=True,
+      compute_dbias=False):
+    dbias = grad_out.new_empty((input.shape[1] if compute_dbias else 0,))
+    return (*_block_1x128_outputs(input, input.shape[0], input.shape[1], fp8_dtype, rowwise, transpose), dbias)
 
 
 @_register_fake("transformer_fp8::block_dequantize")

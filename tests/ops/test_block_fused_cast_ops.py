@@ -135,17 +135,22 @@ def _dact_inputs(activation, shape, dtype, device="cpu"):
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
 def test_dact_block_cast_matches_float64(activation, shape, fp8_dtype):
     dy, x = _dact_inputs(activation, shape, torch.float32)
-    q, s, qt, st = tfp8.dact_block_cast(dy, x, activation, fp8_dtype, True, True)
+    q, s, qt, st, dbias = tfp8.dact_block_cast(dy, x, activation, fp8_dtype, True, True, compute_dbias=True)
     ref = _dact64(dy, x, activation)
     assert q.shape == shape and qt.shape == shape[::-1]
     _assert_tiles_hold(q, s, ref, fp8_dtype)
     _assert_tiles_hold(qt, st, ref.t(), fp8_dtype)
+    assert dbias.dtype == dy.dtype
+    torch.testing.assert_close(dbias.double(), ref.sum(dim=0), rtol=1e-5, atol=1e-5 * ref.abs().sum(dim=0).max())
+    assert tfp8.dact_block_cast(dy, x, activation, fp8_dtype)[4].numel() == 0
 
 
 def test_dact_block_cast_is_activation_bwd_then_cast():
     dy, x = _dact_inputs("swiglu", (64, 512), torch.float32)
-    fused = tfp8.dact_block_cast(dy, x, "swiglu", E5M2, True, True)
-    unfused = tfp8.block_cast(tfp8.activation_bwd(dy, x, "swiglu"), E5M2, 1, True, True)
+    fused = tfp8.dact_block_cast(dy, x, "swiglu", E5M2, True, True, compute_dbias=True)
+    d_input = tfp8.activation_bwd(dy, x, "swiglu")
+    unfused = tfp8.block_cast(d_input, E5M2, 1, True, True)
+    torch.testing.assert_close(fused[4], d_input.sum(dim=0))
     assert torch.equal(fused[0].view(torch.uint8), unfused[0].view(torch.uint8))
     assert torch.equal(fused[2].view(torch.uint8), unfused[2].view(torch.uint8))
     assert torch.equal(fused[1], unfused[1]) and torch.equal(fused[3], unfused[3])
@@ -162,7 +167,7 @@ def opcheck_cases(device):
         (tfp8.norm_block_cast.default, (x, weight, bias, "LayerNorm", 1e-5, False, E4M3), {"transpose": True}),
         (tfp8.norm_block_cast.default, (x.float(), weight.float(), None, "RMSNorm", 1e-6, True, E5M2),
          {"power_2_scale": False}),
-        (tfp8.dact_block_cast.default, (dy, xs, "swiglu", E5M2), {"transpose": True}),
+        (tfp8.dact_block_cast.default, (dy, xs, "swiglu", E5M2), {"transpose": True, "compute_dbias": True}),
         (tfp8.dact_block_cast.default, (dy_g, xg, "gelu", E4M3), {"rowwise": False, "transpose": True}),
     ]
 
@@ -243,9 +248,16 @@ def test_norm_block_cast_cuda_matches_cpu(shape, normalization, with_bias, zero_
 @pytest.mark.parametrize("dtype", HP_DTYPES)
 def test_dact_block_cast_cuda_matches_cpu(activation, shape, dtype):
     dy, x = _dact_inputs(activation, shape, dtype)
-    cpu = tfp8.dact_block_cast(dy, x, activation, E5M2, True, True)
-    cuda = tfp8.dact_block_cast(dy.cuda(), x.cuda(), activation, E5M2, True, True)
+    cpu = tfp8.dact_block_cast(dy, x, activation, E5M2, True, True, compute_dbias=True)
+    cuda = tfp8.dact_block_cast(dy.cuda(), x.cuda(), activation, E5M2, True, True, compute_dbias=True)
     _assert_close_to_cpu(cuda, cpu, E5M2)
+    # dbias: float32 sums in another order (per 128-row tile, then over tiles), rounded to dtype
+    d_input = tfp8.activation_bwd(dy.float(), x.float(), activation).double()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(cuda[4].cpu().double(), d_input.sum(dim=0), rtol=tol,
+                               atol=tol * d_input.abs().sum(dim=0).max().item())
+    only_dbias = tfp8.dact_block_cast(dy.cuda(), x.cuda(), activation, E5M2, False, False, compute_dbias=True)
+    assert torch.equal(only_dbias[4], cuda[4])
 
 
 @pytest.mark.gpu

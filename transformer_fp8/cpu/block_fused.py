@@ -60,8 +60,9 @@ def norm_block_cast(input, weight, bias, normalization, eps, zero_centered_gamma
 
 @register("dact_block_cast")
 def dact_block_cast(grad_out, input, activation, fp8_dtype, rowwise=True, transpose=False, amax_epsilon=0.0,
-                    power_2_scale=True):
-    """act'(input) * grad_out [M, F or 2F] in float32, cast with 1x128 tiles -> (q, scale_inv, qt, scale_inv_t)."""
+                    power_2_scale=True, compute_dbias=False):
+    """act'(input) * grad_out [M, F or 2F] in float32, cast with 1x128 tiles -> (q, scale_inv, qt, scale_inv_t,
+    dbias: its column sums in grad_out's dtype when compute_dbias, else empty)."""
     check_activation(activation)
     _check_cast_input(input, fp8_dtype, amax_epsilon)
     if activation == "swiglu" and input.shape[1] % 2 != 0:
@@ -77,4 +78,5 @@ def dact_block_cast(grad_out, input, activation, fp8_dtype, rowwise=True, transp
     if not grad_out.is_contiguous():
         raise ValueError(f"grad_out: expected a contiguous tensor (got strides {grad_out.stride()})")
     d_input = act_backward(grad_out.float(), input.float(), activation)
-    return _cast_blocks(d_input, fp8_dtype, 1, rowwise, transpose, amax_epsilon, power_2_scale)
+    dbias = d_input.sum(dim=0).to(grad_out.dtype) if compute_dbias else grad_out.new_empty((0,))
+    return (*_cast_blocks(d_input, fp8_dtype, 1, rowwise, transpose, amax_epsilon, power_2_scale), dbias)

@@ -63,8 +63,8 @@ def _dact_to_fp8(quantizer, activation, d_act, fc1_out, with_dbias, need_wgrad):
     With a known scale the fused kernel writes the rowwise data only: data_t (for the FC1 wgrad) is made from it
     after the FC1 dgrad, once fc1_out and d_act are gone, so that the backward's peak (here) holds half the FP8
     bytes."""
-    if quantizer.fused_dact_cast and not with_dbias:  # (block scaling: one kernel, no high-precision d_fc1)
-        return quantizer.cast_activation_grad(d_act, fc1_out, activation, transpose=need_wgrad), None
+    if quantizer.fused_dact_cast:  # (block scaling: one kernel, no high-precision d_fc1)
+        return quantizer.cast_activation_grad(d_act, fc1_out, activation, transpose=need_wgrad, with_dbias=with_dbias)
     if not (quantizer.fused_per_tensor and quantizer.known_scale):  # (unfused: the cast's scale comes from d_fc1)
         d_fc1 = tfp8.activation_bwd(d_act, fc1_out, activation)
         return cast_grad_output(d_fc1, quantizer, with_dbias, True, need_wgrad)  # (data_t: the FC1 wgrad's only)

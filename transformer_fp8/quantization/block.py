@@ -156,12 +156,14 @@ class BlockScalingQuantizer(Quantizer):
         operand = FP8Operand(q, qt if transpose else None, scale_inv, self.fp8_dtype, self.layout, scale_inv_t)
         return operand, (mean if spec.normalization == "LayerNorm" else None), rstd
 
-    def cast_activation_grad(self, grad, x, activation, *, transpose=False):
-        """act'(x) * grad -> FP8Operand with 1x128 tiles (data_t with its own when transpose), from dact_block_cast."""
-        q, scale_inv, qt, scale_inv_t = tfp8.dact_block_cast(
+    def cast_activation_grad(self, grad, x, activation, *, transpose=False, with_dbias=False):
+        """act'(x) * grad -> (FP8Operand with 1x128 tiles (data_t with its own when transpose), its column sums or
+        None), from dact_block_cast."""
+        q, scale_inv, qt, scale_inv_t, dbias = tfp8.dact_block_cast(
             grad, x, activation, self.fp8_dtype, True, transpose, float(self.qparams.amax_epsilon),
-            self.qparams.power_2_scale)
-        return FP8Operand(q, qt if transpose else None, scale_inv, self.fp8_dtype, self.layout, scale_inv_t)
+            self.qparams.power_2_scale, with_dbias)
+        operand = FP8Operand(q, qt if transpose else None, scale_inv, self.fp8_dtype, self.layout, scale_inv_t)
+        return operand, (dbias if with_dbias else None)
 
     def cast_with_dbias(self, x: torch.Tensor) -> tuple[FP8Operand, torch.Tensor]:
         """A gradient x [M, N] -> (FP8Operand with data and data_t, x summed over rows [N] in float32, returned in

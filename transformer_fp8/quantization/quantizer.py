@@ -170,8 +170,8 @@ class Quantizer:
         """
         raise NotImplementedError(f"{self!r}: no fused norm cast (check fused_norm_cast first)")
 
-    def cast_activation_grad(self, grad: torch.Tensor, x: torch.Tensor, activation: str, *,
-                             transpose: bool = False) -> FP8Operand:
+    def cast_activation_grad(self, grad: torch.Tensor, x: torch.Tensor, activation: str, *, transpose: bool = False,
+                             with_dbias: bool = False) -> tuple[FP8Operand, torch.Tensor | None]:
         """act'(x) * grad cast in one kernel, never stored in high precision (only where fused_dact_cast).
 
         Args:
@@ -179,9 +179,10 @@ class Quantizer:
             x: the activation's input, [M, F] (or [M, 2F] for "swiglu").
             activation: "gelu", "relu" or "swiglu".
             transpose: make data_t as well.
+            with_dbias: also return the column sums of act'(x) * grad (a bias gradient), summed in float32.
 
         Returns:
-            The FP8Operand (data [M, F or 2F]).
+            (the FP8Operand (data [M, F or 2F]), the column sums in grad's dtype or None).
         """
         raise NotImplementedError(f"{self!r}: no fused activation-gradient cast (check fused_dact_cast first)")
 
