@@ -12,9 +12,10 @@
 // warm up, then kAutotuneRuns times between two events on the call's stream; the host waits for them once per
 // plan). The candidates write the call's own output, workspace and GELU aux; the chosen algorithm then runs once more,
 // so the output is its result. Accumulating calls (C = D), calls inside a capture and TFP8_GEMM_AUTOTUNE=0 take the
-// heuristic's first answer. Block-scaled GEMMs ask for kBlockAutotuneCandidates answers (their heuristic's first
-// answers were 10-35% slower than per-tensor kernels); TFP8_GEMM_AUTOTUNE_CANDIDATES=n sets the count for all. (H100: the first answer was the fastest for most split-accumulator GEMMs, and 10-18%
+// heuristic's first answer. (H100: the first answer was the fastest for most split-accumulator GEMMs, and 10-18%
 // slower than the best for fast-accumulation ones at M*N*K >= 1.4e11: benchmarks/RESULTS.md.)
+// TFP8_GEMM_AUTOTUNE_CANDIDATES=n asks for n answers instead of 8 (block-scaled GEMMs, H200: the heuristic offered
+// 1 algorithm for 1x128 x 128x128 and 3-7 for 1x128 x 1x128, so 8 already takes them all).
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -37,7 +38,6 @@ namespace {
 // Plans a thread keeps before it drops them all (a bound for workloads whose shapes keep changing).
 constexpr size_t kMaxPlansPerThread = 1024;
 constexpr int kAutotuneCandidates = 8;
-constexpr int kBlockAutotuneCandidates = 32;
 constexpr int kAutotuneRuns = 3;
 
 // TFP8_GEMM_AUTOTUNE: "0" off, unset or anything else on, "verbose" on and printing each plan's candidate times.
@@ -79,16 +79,14 @@ const char* torch_name(DType t) {
 
 bool is_fp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
 
-// Heuristic answers to time for g: TFP8_GEMM_AUTOTUNE_CANDIDATES when set to a positive number, else the default of
-// g's kind (block-scaled or per-tensor).
-int autotune_candidates(const Fp8GemmArgs& g) {
-  static const int from_env = [] {
+// Heuristic answers to time: TFP8_GEMM_AUTOTUNE_CANDIDATES when set to a positive number, else kAutotuneCandidates.
+int autotune_candidates() {
+  static const int count = [] {
     const char* value = std::getenv("TFP8_GEMM_AUTOTUNE_CANDIDATES");
-    return value == nullptr ? 0 : std::max(0, std::atoi(value));
+    const int n = value == nullptr ? 0 : std::atoi(value);
+    return n > 0 ? n : kAutotuneCandidates;
   }();
-  if (from_env > 0) return from_env;
-  const bool block = g.a_scale_mode != ScaleMode::kTensor || g.b_scale_mode != ScaleMode::kTensor;
-  return block ? kBlockAutotuneCandidates : kAutotuneCandidates;
+  return count;
 }
 
 cublasLtMatmulMatrixScale_t cublas_scale_mode(ScaleMode mode) {
@@ -267,7 +265,7 @@ struct Plan {
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(g.a));
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(g.residual != nullptr ? g.residual : g.out));
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(g.out));
-    const int wanted = autotune_mode() && !g.accumulate ? autotune_candidates(g) : 1;
+    const int wanted = autotune_mode() && !g.accumulate ? autotune_candidates() : 1;
     std::vector<cublasLtMatmulHeuristicResult_t> results(wanted);
     int count = 0;
     cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc.desc, a.layout, b.layout, c.layout, d.layout,

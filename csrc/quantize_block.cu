@@ -35,14 +35,23 @@ struct InputLoader {
   __device__ __forceinline__ void load(const BlockCastArgs& a, int64_t row0, int64_t col, bool interior,
                                        float (&v)[kRows][kCols]) const {
     const int64_t ld = kAct == kSwiglu ? 2 * a.k : a.k;
-    load_rows(x, a.m, a.k, ld, row0, col, vec, interior, v);
-    if constexpr (kAct != kNone) {
-      float up[kRows][kCols];
-      if constexpr (kAct == kSwiglu) load_rows(x + a.k, a.m, a.k, ld, row0, col, vec, interior, up);
+    if constexpr (kAct == kSwiglu) {  // (row by row: one row of up live, see load_row)
 #pragma unroll
-      for (int i = 0; i < kRows; ++i)
+      for (int i = 0; i < kRows; ++i) {
+        float up[kCols];
+        load_row(x, a.m, a.k, ld, row0 + i, col, vec, interior, v[i]);
+        load_row(x + a.k, a.m, a.k, ld, row0 + i, col, vec, interior, up);
 #pragma unroll
-        for (int j = 0; j < kCols; ++j) v[i][j] = apply_act<kAct>(v[i][j], kAct == kSwiglu ? up[i][j] : 0.0f);
+        for (int j = 0; j < kCols; ++j) v[i][j] = apply_act<kAct>(v[i][j], up[j]);
+      }
+    } else {
+      load_rows(x, a.m, a.k, ld, row0, col, vec, interior, v);
+      if constexpr (kAct != kNone) {
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+#pragma unroll
+          for (int j = 0; j < kCols; ++j) v[i][j] = apply_act<kAct>(v[i][j], 0.0f);
+      }
     }
   }
 };

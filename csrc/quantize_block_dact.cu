@@ -24,28 +24,30 @@ struct DactLoader {
   __device__ __forceinline__ void load(const BlockCastArgs& a, int64_t row0, int64_t col, bool interior,
                                        float (&v)[kRows][kCols]) const {
     if constexpr (A != Activation::kSwiglu) {
-      float x[kRows][kCols];
-      load_rows(dy, a.m, a.k, a.k, row0, col, vec, interior, v);
-      load_rows(input, a.m, a.k, a.k, row0, col, vec, interior, x);
 #pragma unroll
-      for (int i = 0; i < kRows; ++i)
+      for (int i = 0; i < kRows; ++i) {
+        float d[kCols], x[kCols];
+        load_row(dy, a.m, a.k, a.k, row0 + i, col, vec, interior, d);
+        load_row(input, a.m, a.k, a.k, row0 + i, col, vec, interior, x);
 #pragma unroll
-        for (int j = 0; j < kCols; ++j) v[i][j] = act::backward<A>(v[i][j], x[i][j]);
+        for (int j = 0; j < kCols; ++j) v[i][j] = act::backward<A>(d[j], x[j]);
+      }
     } else if (vec) {
       const bool up_half = col >= f;  // (columns past 2f: c >= f, every load below gives 0, and so d(input))
       const int64_t c = up_half ? col - f : col;
-      float gate[kRows][kCols], up[kRows][kCols];
-      load_rows(dy, a.m, f, f, row0, c, true, interior, v);
-      load_rows(input, a.m, f, 2 * f, row0, c, true, interior, gate);
-      load_rows(input + f, a.m, f, 2 * f, row0, c, true, interior, up);
 #pragma unroll
-      for (int i = 0; i < kRows; ++i)
+      for (int i = 0; i < kRows; ++i) {
+        float d[kCols], gate[kCols], up[kCols] = {0.0f, 0.0f, 0.0f, 0.0f};
+        load_row(dy, a.m, f, f, row0 + i, c, true, interior, d);
+        load_row(input, a.m, f, 2 * f, row0 + i, c, true, interior, gate);
+        if (!up_half) load_row(input + f, a.m, f, 2 * f, row0 + i, c, true, interior, up);  // (d up needs no up)
 #pragma unroll
         for (int j = 0; j < kCols; ++j) {
           float dgate, dup;
-          act::swiglu_backward(v[i][j], gate[i][j], up[i][j], dgate, dup);
+          act::swiglu_backward(d[j], gate[j], up[j], dgate, dup);
           v[i][j] = up_half ? dup : dgate;
         }
+      }
     } else {
 #pragma unroll
       for (int i = 0; i < kRows; ++i)

@@ -118,6 +118,23 @@ __device__ __forceinline__ void load_interior(const T* x, int64_t row0, int64_t 
   }
 }
 
+// Row `row`, columns col .. col + 3 of a [rows, cols] matrix x with row stride ld, as float: one unguarded word when
+// interior (the tile in bounds, vec), else load4. Loaders that combine several inputs per element go row by row
+// with it, so that only one row of each extra input is live (all 16 rows of three inputs took 218 registers).
+template <typename T>
+__device__ __forceinline__ void load_row(const T* x, int64_t rows, int64_t cols, int64_t ld, int64_t row, int64_t col,
+                                         bool vec, bool interior, float (&v)[kCols]) {
+  if (interior) {
+    const Word4<T> w = *reinterpret_cast<const Word4<T>*>(x + row * ld + col);
+    T t[kCols];
+    memcpy(t, &w, sizeof(w));
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) v[j] = to_float(t[j]);
+  } else {
+    load4(x, row, col, rows, cols, ld, vec, v);
+  }
+}
+
 // The lane's 16 rows x 4 columns of a [rows, cols] matrix x with row stride ld, as float (zeros past the edges).
 template <typename T>
 __device__ __forceinline__ void load_rows(const T* x, int64_t rows, int64_t cols, int64_t ld, int64_t row0, int64_t col,

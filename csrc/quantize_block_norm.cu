@@ -70,7 +70,6 @@ struct NormLoader {
 
   __device__ __forceinline__ void load(const BlockCastArgs& a, int64_t row0, int64_t col, bool interior,
                                        float (&v)[kRows][kCols]) const {
-    load_rows(x, a.m, a.k, a.k, row0, col, vec, interior, v);
     float g[kCols], b[kCols];
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
@@ -79,9 +78,10 @@ struct NormLoader {
       b[j] = in && beta != nullptr ? to_float(beta[col + j]) : 0.0f;
     }
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
+    for (int i = 0; i < kRows; ++i) {  // (row by row: see load_row)
       const int64_t row = row0 + i;
       const bool in_row = row < a.m;
+      load_row(x, a.m, a.k, a.k, row, col, vec, interior, v[i]);
       const float mu = kLayerNorm && in_row ? mean[row] : 0.0f, rs = in_row ? rstd[row] : 0.0f;
 #pragma unroll
       for (int j = 0; j < kCols; ++j) {
