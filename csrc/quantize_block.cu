@@ -19,7 +19,7 @@ enum ActKind : int {
 
 template <int kAct>
 __device__ __forceinline__ float apply_act(float x, float up) {
-  if constexpr (kAct == kSwiglu) return act::swiglu_forward(x, up);
+  if constexpr (kAct == kSwiglu) return x * fast_sigmoid(x) * up;  // (act::swiglu_forward with fast_sigmoid)
   else if constexpr (kAct == kGelu) return act::forward<Activation::kGelu>(x);
   else if constexpr (kAct == kRelu) return act::forward<Activation::kRelu>(x);
   else return x;

@@ -42,11 +42,7 @@ struct DactLoader {
         load_row(input, a.m, f, 2 * f, row0 + i, c, true, interior, gate);
         if (!up_half) load_row(input + f, a.m, f, 2 * f, row0 + i, c, true, interior, up);  // (d up needs no up)
 #pragma unroll
-        for (int j = 0; j < kCols; ++j) {
-          float dgate, dup;
-          act::swiglu_backward(d[j], gate[j], up[j], dgate, dup);
-          v[i][j] = up_half ? dup : dgate;
-        }
+        for (int j = 0; j < kCols; ++j) v[i][j] = swiglu_grad(d[j], gate[j], up[j], up_half);
       }
     } else {
 #pragma unroll
@@ -60,10 +56,14 @@ struct DactLoader {
   __device__ __forceinline__ float swiglu_element(const BlockCastArgs& a, int64_t row, int64_t col) const {
     if (row >= a.m || col >= a.k) return 0.0f;
     const int64_t c = col >= f ? col - f : col;
-    float dgate, dup;
-    act::swiglu_backward(to_float(dy[row * f + c]), to_float(input[row * 2 * f + c]),
-                         to_float(input[row * 2 * f + f + c]), dgate, dup);
-    return col >= f ? dup : dgate;
+    return swiglu_grad(to_float(dy[row * f + c]), to_float(input[row * 2 * f + c]),
+                       to_float(input[row * 2 * f + f + c]), col >= f);
+  }
+
+  // act::swiglu_backward's d gate (or d up) with fast_sigmoid.
+  static __device__ __forceinline__ float swiglu_grad(float dy, float gate, float up, bool up_half) {
+    const float sig = fast_sigmoid(gate);
+    return up_half ? dy * gate * sig : dy * up * sig * (1.0f + gate * (1.0f - sig));
   }
 };
 

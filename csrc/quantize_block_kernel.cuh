@@ -118,6 +118,12 @@ __device__ __forceinline__ void load_interior(const T* x, int64_t row0, int64_t 
   }
 }
 
+// SwiGLU's sigmoid from the hardware exponential and reciprocal (__expf, __fdividef: a few float32 ulps from
+// act::sigmoid's expf and IEEE division, far below an FP8 step). With the accurate ones, the loaders that evaluate
+// it were latency-bound at the cast kernel's occupancy (H200: the d(SwiGLU) cast 0.9 ms per 8192 x 16384 call,
+// activation_bwd plus a plain cast 0.48 ms).
+__device__ __forceinline__ float fast_sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+
 // Row `row`, columns col .. col + 3 of a [rows, cols] matrix x with row stride ld, as float: one unguarded word when
 // interior (the tile in bounds, vec), else load4. Loaders that combine several inputs per element go row by row
 // with it, so that only one row of each extra input is live (all 16 rows of three inputs took 218 registers).
