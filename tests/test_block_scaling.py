@@ -174,7 +174,8 @@ def test_linear_matches_reference(device, recipe_name, bias, lead_shape, in_f, o
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-def test_layernorm_linear_matches_reference(device, normalization):
+def test_layernorm_linear_matches_reference(device, normalization, monkeypatch):
+    monkeypatch.setenv("TFP8_BLOCK_FUSED", "1")  # (the fused norm cast; the unfused path: test_fused_casts_match_...)
     m = te.LayerNormLinear(128, 96, normalization=normalization, params_dtype=torch.bfloat16, device=device)
     randomize_vectors(m)
     x = torch.randn(2, 40, 128, dtype=torch.bfloat16, device=device)
@@ -187,7 +188,8 @@ def test_layernorm_linear_matches_reference(device, normalization):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("activation", ["gelu", "swiglu", "relu"])
-def test_layernorm_mlp_matches_reference(device, activation):
+def test_layernorm_mlp_matches_reference(device, activation, monkeypatch):
+    monkeypatch.setenv("TFP8_BLOCK_FUSED", "1")  # (the fused casts; the unfused path: test_fused_casts_match_...)
     m = te.LayerNormMLP(128, 192, activation=activation, normalization="RMSNorm", params_dtype=torch.bfloat16,
                         device=device)
     randomize_vectors(m)
@@ -206,8 +208,9 @@ def test_layernorm_mlp_matches_reference(device, activation):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("activation,normalization,bias", [("swiglu", "RMSNorm", False), ("gelu", "LayerNorm", True)])
 def test_fused_casts_match_unfused(device, activation, normalization, bias, monkeypatch):
-    """TFP8_BLOCK_FUSED=0 (norm, then block_cast; activation_bwd, then block_cast) and the fused kernels give the same
-    step up to the unfused path's rounding of the norm output and of d(fc1) to the parameters' dtype."""
+    """The default unfused casts (norm, then block_cast; activation_bwd, then block_cast) and the fused kernels
+    (TFP8_BLOCK_FUSED=1) give the same step up to the unfused path's rounding of the norm output and of d(fc1) to
+    the parameters' dtype."""
     torch.manual_seed(0)
     m = te.LayerNormMLP(256, 384, activation=activation, normalization=normalization, bias=bias,
                         params_dtype=torch.float32, device=device)
