@@ -10,11 +10,16 @@ fast accumulation (our per-tensor forward). Layer steps: forward + backward, gra
 (10 steps back to back) per round.
 --llama-stack adds issue 21's Llama-1.1B-shaped stack of TransformerLayers (B4xS2048, full logits, fused AdamW):
 tokens/s (median over rounds of 10 steps, recipes built and timed one after another) and peak GiB per recipe.
+--stack-recipes picks the stack's rows (bf16, delayed, current, block, block-fused: block scaling with
+TFP8_BLOCK_FUSED=1, the fused norm and activation-gradient casts); --profile prints the top GPU kernels of two
+block-scaled stack steps; --gemm-shapes llama1b times the stack's own GEMM shapes instead of the Llama-8B ones.
 Usage: python benchmarks/bench_block_scaling.py [--json out.json] [--rounds 5] [--skip-gemm] [--skip-layers]
-[--llama-stack]
+[--llama-stack] [--stack-recipes delayed,block,block-fused] [--profile] [--gemm-shapes llama1b]
 """
 import argparse
 import json
+import os
+from contextlib import contextmanager
 
 import torch
 
@@ -25,10 +30,13 @@ from transformer_fp8 import recipe
 
 ops = torch.ops.transformer_fp8
 E4M3 = torch.float8_e4m3fn
-GEMM_SHAPES = [  # (M, K, N): Llama-8B-like layer GEMMs at 8192 tokens
-    (8192, 4096, 4096), (8192, 4096, 6144), (8192, 4096, 14336), (8192, 14336, 4096), (8192, 4096, 28672),
-    (8192, 8192, 8192),
-]
+GEMM_SHAPES = {
+    "llama8b": [  # (M, K, N): Llama-8B-like layer GEMMs at 8192 tokens
+        (8192, 4096, 4096), (8192, 4096, 6144), (8192, 4096, 14336), (8192, 14336, 4096), (8192, 4096, 28672),
+        (8192, 8192, 8192)],
+    "llama1b": [  # the --llama-stack layer's GEMMs at 8192 tokens: qkv, proj, fc1 (swiglu), fc2
+        (8192, 2048, 3072), (8192, 2048, 2048), (8192, 2048, 16384), (8192, 8192, 2048)],
+}
 
 
 def graph_ms(fn, calls):
@@ -78,9 +86,9 @@ def probe_cublaslt():
     return results
 
 
-def gemm_table(rounds):
+def gemm_table(rounds, shapes="llama8b"):
     rows = []
-    for m, k, n in GEMM_SHAPES:
+    for m, k, n in GEMM_SHAPES[shapes]:
         flops = 2.0 * m * n * k
         calls = max(3, min(50, int(4e12 / flops)))
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -183,45 +191,122 @@ class LlamaStack(torch.nn.Module):
                                                  tokens.t()[1:].reshape(-1))
 
 
-def llama_stack_table(rounds, steps=10, batch=4, seq=2048):
-    """tokens/s and peak GiB of a training step (forward, loss, backward, fused AdamW) per recipe."""
-    recipes = {"BF16": None, "DelayedScaling": recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID,
-                                                                        amax_history_len=16),
-               "Float8CurrentScaling": recipe.Float8CurrentScaling(), "Float8BlockScaling": recipe.Float8BlockScaling()}
+# --stack-recipes name -> (row name, recipe factory, environment while it runs)
+STACK_RECIPES = {
+    "bf16": ("BF16", lambda: None, {}),
+    "delayed": ("DelayedScaling", lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16),
+                {}),
+    "current": ("Float8CurrentScaling", recipe.Float8CurrentScaling, {}),
+    "block": ("Float8BlockScaling", recipe.Float8BlockScaling, {"TFP8_BLOCK_FUSED": "0"}),
+    "block-fused": ("Float8BlockScaling, fused norm / dact casts (TFP8_BLOCK_FUSED=1)", recipe.Float8BlockScaling,
+                    {"TFP8_BLOCK_FUSED": "1"}),
+}
+
+
+@contextmanager
+def environment(values):
+    """os.environ updated with `values` inside the block, restored after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def stack_step(fp8_recipe, batch=4, seq=2048):
+    """A fresh LlamaStack and its training step (forward, loss, backward, fused AdamW) under fp8_recipe."""
+    torch.manual_seed(0)
+    model = LlamaStack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     tokens = torch.randint(0, 32000, (batch, seq), device="cuda")
+
+    def step():
+        with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+            loss = model(tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def llama_stack_table(rounds, steps=10, batch=4, seq=2048, names=tuple(STACK_RECIPES)):
+    """tokens/s and peak GiB of a training step (forward, loss, backward, fused AdamW) per recipe."""
     results = {}
-    for name, fp8_recipe in recipes.items():
-        torch.manual_seed(0)
-        model = LlamaStack()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    for key in names:
+        name, make_recipe, env = STACK_RECIPES[key]
+        with environment(env):
+            results[name] = stack_row(stack_step(make_recipe(), batch, seq), rounds, steps, batch * seq)
+        torch.cuda.empty_cache()
+    return results
 
-        def step():
-            with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
-                loss = model(tokens)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
 
+def stack_row(step, rounds, steps, tokens_per_step):
+    """Times `step`: 3 warm-up steps, then rounds of `steps` steps -> tokens/s per round, median, peak GiB, loss."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    per_round = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            loss = step()
+        end.record()
+        end.synchronize()
+        per_round.append(tokens_per_step * steps / (start.elapsed_time(end) * 1e-3))
+    return {"tokens_per_s": per_round, "median_tokens_per_s": sorted(per_round)[len(per_round) // 2],
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+
+
+KERNEL_KINDS = (  # (kind, substrings of a kernel name), first match wins
+    ("GEMM", ("gemm", "nvjet", "sm90_xmma", "cutlass", "matmul")),
+    ("block cast", ("block_cast_kernel", "row_stats_kernel")),
+    ("attention", ("flash", "fmha", "attn", "sdpa", "cudnn")),
+    ("norm", ("norm_",)),
+    ("activation", ("act", "swiglu", "gelu")),
+)
+
+
+def kernel_kind(name):
+    lowered = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in lowered for k in keys)), "other")
+
+
+def profile_stack(key="block", steps=2, top=25):
+    """The GPU kernels of `steps` stack steps under STACK_RECIPES[key] (after 3 warm-up steps): the top kernels by
+    GPU time and the time per kind, ms per step."""
+    name, make_recipe, env = STACK_RECIPES[key]
+    with environment(env):
+        step = stack_step(make_recipe())
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        per_round = []
-        for _ in range(rounds):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                loss = step()
-            end.record()
-            end.synchronize()
-            per_round.append(batch * seq * steps / (start.elapsed_time(end) * 1e-3))
-        results[name] = {"tokens_per_s": per_round, "median_tokens_per_s": sorted(per_round)[len(per_round) // 2],
-                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                         "loss": float(loss)}
-        model = opt = None  # (freed before the next recipe's model is built)
-        torch.cuda.empty_cache()
-    return results
+                step()
+            torch.cuda.synchronize()
+    kernels = []
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None)
+        us = event.self_cuda_time_total if us is None else us
+        if us > 0:
+            kernels.append({"name": event.key, "ms_per_step": us / 1e3 / steps, "calls_per_step": event.count / steps,
+                            "kind": kernel_kind(event.key)})
+    kernels.sort(key=lambda k: -k["ms_per_step"])
+    kinds = {}
+    for k in kernels:
+        kinds[k["kind"]] = kinds.get(k["kind"], 0.0) + k["ms_per_step"]
+    torch.cuda.empty_cache()
+    return {"recipe": name, "top": kernels[:top], "ms_per_kind": kinds,
+            "total_ms_per_step": sum(k["ms_per_step"] for k in kernels)}
 
 
 def print_tables(result):
@@ -249,6 +334,13 @@ def print_tables(result):
         print("|---|---|---|---|")
         for name, r in result["llama_stack"].items():
             print(f"| {name} | {r['median_tokens_per_s']:.0f} | {r['peak_gib']:.2f} | {r['loss']:.4f} |")
+    for prof in result.get("profile", []):
+        print(f"\nGPU kernels of a stack step, {prof['recipe']}: {prof['total_ms_per_step']:.2f} ms per step; by kind: "
+              + ", ".join(f"{k} {ms:.2f}" for k, ms in sorted(prof["ms_per_kind"].items(), key=lambda kv: -kv[1])))
+        print("| ms / step | calls / step | kind | kernel |")
+        print("|---|---|---|---|")
+        for k in prof["top"]:
+            print(f"| {k['ms_per_step']:.3f} | {k['calls_per_step']:.0f} | {k['kind']} | {k['name'][:110]} |")
     for row in result.get("layers", []):
         print(f"\n{row['config']}: ms per fwd+bwd step (median [min, max] over rounds)")
         for r, t in row["rounds"].items():
@@ -262,15 +354,29 @@ def main():
     parser.add_argument("--skip-layers", action="store_true")
     parser.add_argument("--skip-gemm", action="store_true", help="no probe and GEMM table")
     parser.add_argument("--llama-stack", action="store_true", help="also the Llama-1.1B-shaped stack (tokens/s)")
+    parser.add_argument("--stack-recipes", default=",".join(STACK_RECIPES),
+                        help=f"comma-separated stack rows, of {', '.join(STACK_RECIPES)}")
+    parser.add_argument("--profile", action="store_true", help="the top GPU kernels of block-scaled stack steps")
+    parser.add_argument("--gemm-shapes", choices=sorted(GEMM_SHAPES), default="llama8b")
+    parser.add_argument("--skip-cast", action="store_true", help="no cast table")
     args = parser.parse_args()
+    names = [n for n in args.stack_recipes.split(",") if n]
+    unknown = set(names) - set(STACK_RECIPES)
+    if unknown:
+        parser.error(f"--stack-recipes: unknown {sorted(unknown)}; expected some of {list(STACK_RECIPES)}")
     torch.manual_seed(0)
-    result = {"device": torch.cuda.get_device_name(), "probe": {}, "gemm": [], "cast": cast_table(args.rounds)}
+    result = {"device": torch.cuda.get_device_name(), "probe": {}, "gemm": [],
+              "cast": [] if args.skip_cast else cast_table(args.rounds),
+              "env": {k: v for k, v in os.environ.items() if k.startswith("TFP8_")}}
     if not args.skip_gemm:
-        result["probe"], result["gemm"] = probe_cublaslt(), gemm_table(args.rounds)
+        result["probe"], result["gemm"] = probe_cublaslt(), gemm_table(args.rounds, args.gemm_shapes)
     if not args.skip_layers:
         result["layers"] = layer_table(args.rounds)
     if args.llama_stack:
-        result["llama_stack"] = llama_stack_table(args.rounds)
+        result["llama_stack"] = llama_stack_table(args.rounds, names=names)
+    if args.profile:
+        result["profile"] = [profile_stack("block")] + ([profile_stack("block-fused")] if "block-fused" in names
+                                                        else [])
     print_tables(result)
     if args.json:
         with open(args.json, "w") as f:

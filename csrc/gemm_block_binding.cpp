@@ -146,9 +146,11 @@ at::Tensor block_fp8_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, in
   Fp8GemmArgs args = gemm_args(p, a_block_dim, b_block_dim);
   args.out = out.data_ptr();
   args.out_type = to_dtype(out_dtype, "out_dtype");
-  if (bias.has_value()) {
-    bias_p = at::zeros({p.n_pad}, bias->options());
-    bias_p.narrow(0, 0, n).copy_(*bias);
+  if (bias.has_value()) {  // (padded only when N is: an aligned bias is read in place)
+    const bool aligned = p.n_pad == n && bias->is_contiguous() &&
+                         reinterpret_cast<uintptr_t>(bias->data_ptr()) % 16 == 0;
+    bias_p = aligned ? *bias : at::zeros({p.n_pad}, bias->options());
+    if (!aligned) bias_p.narrow(0, 0, n).copy_(*bias);
     args.bias = bias_p.data_ptr();
     args.bias_type = to_dtype(bias_p.scalar_type(), "bias");
   }

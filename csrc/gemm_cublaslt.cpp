@@ -14,6 +14,8 @@
 // so the output is its result. Accumulating calls (C = D), calls inside a capture and TFP8_GEMM_AUTOTUNE=0 take the
 // heuristic's first answer. (H100: the first answer was the fastest for most split-accumulator GEMMs, and 10-18%
 // slower than the best for fast-accumulation ones at M*N*K >= 1.4e11: benchmarks/RESULTS.md.)
+// TFP8_GEMM_AUTOTUNE_CANDIDATES=n asks for n answers instead of 8 (block-scaled GEMMs, H200: the heuristic offered
+// 1 algorithm for 1x128 x 128x128 and 3-7 for 1x128 x 1x128, so 8 already takes them all).
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -76,6 +78,16 @@ const char* torch_name(DType t) {
 }
 
 bool is_fp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
+
+// Heuristic answers to time: TFP8_GEMM_AUTOTUNE_CANDIDATES when set to a positive number, else kAutotuneCandidates.
+int autotune_candidates() {
+  static const int count = [] {
+    const char* value = std::getenv("TFP8_GEMM_AUTOTUNE_CANDIDATES");
+    const int n = value == nullptr ? 0 : std::atoi(value);
+    return n > 0 ? n : kAutotuneCandidates;
+  }();
+  return count;
+}
 
 cublasLtMatmulMatrixScale_t cublas_scale_mode(ScaleMode mode) {
   switch (mode) {
@@ -253,7 +265,7 @@ struct Plan {
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(g.a));
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(g.residual != nullptr ? g.residual : g.out));
     pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(g.out));
-    const int wanted = autotune_mode() && !g.accumulate ? kAutotuneCandidates : 1;
+    const int wanted = autotune_mode() && !g.accumulate ? autotune_candidates() : 1;
     std::vector<cublasLtMatmulHeuristicResult_t> results(wanted);
     int count = 0;
     cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc.desc, a.layout, b.layout, c.layout, d.layout,

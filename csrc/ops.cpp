@@ -46,6 +46,18 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // input dtype): input [M, F] ("gelu", "relu") or [M, 2F] = [gate | up] ("swiglu") -> the cast of [M, F].
   m.def("block_activation_cast(Tensor input, str activation, ScalarType fp8_dtype, bool rowwise=True, "
         "bool transpose=False, float amax_epsilon=0.0, bool power_2_scale=True) -> (Tensor, Tensor, Tensor, Tensor)");
+  // LayerNorm / RMSNorm forward (normalization "LayerNorm" / "RMSNorm"; layernorm_fwd's contract, bias LayerNorm only)
+  // fused with block_cast (1x128 tiles) of its float32 output, which is never stored in high precision ->
+  // (q, scale_inv, qt, scale_inv_t as block_cast, mean [M] (LayerNorm; RMSNorm: empty), rstd [M]), float32 stats.
+  m.def("norm_block_cast(Tensor input, Tensor weight, Tensor? bias, str normalization, float eps, "
+        "bool zero_centered_gamma, ScalarType fp8_dtype, bool rowwise=True, bool transpose=False, "
+        "float amax_epsilon=0.0, bool power_2_scale=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // block_cast (1x128 tiles) of d(input) = act'(input) * grad_out computed in float32 (activation_bwd's math, without
+  // its rounding): input [M, F] ("gelu", "relu") or [M, 2F] ("swiglu"), grad_out [M, F] -> the cast of [M, F or 2F],
+  // and with compute_dbias its column sums in float32 (the bias gradient, in grad_out's dtype; else empty).
+  m.def("dact_block_cast(Tensor grad_out, Tensor input, str activation, ScalarType fp8_dtype, bool rowwise=True, "
+        "bool transpose=False, float amax_epsilon=0.0, bool power_2_scale=True, bool compute_dbias=False) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   // q [M, K] FP8 with its scale_inv (block_cast's layout for block_dim) -> out_dtype [M, K] = q * scale_inv of its tile
   m.def("block_dequantize(Tensor input, Tensor scale_inv, int block_dim, ScalarType out_dtype) -> Tensor");
   // out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T (+ bias [N]) in out_dtype (float32 / float16 / bfloat16):

@@ -66,6 +66,7 @@ struct BlockCastArgs {
   float* scale_inv_t;
   int64_t scale_t_ld;
   int activation = -1;  // >= 0: cast act(x) (an Activation, activation.h; 1x128 only): x is [m, k] ([m, 2k] swiglu)
+  float* col_sums = nullptr;  // optional [ceil(m / 128), k] float32: each 128-row tile's column sums of what is cast
 };
 void launch_block_cast(const BlockCastArgs& args, cudaStream_t stream);
 

@@ -10,6 +10,7 @@
 #include "activation.h"
 #include "common.h"
 #include "quantize.h"
+#include "quantize_block_fused.h"
 
 namespace tfp8 {
 namespace {
@@ -40,17 +41,25 @@ void check_cast_input(const at::Tensor& input, at::ScalarType fp8_dtype, double 
               std::to_string(amax_epsilon));
 }
 
-// Casts input (or act(input): activation >= 0, an Activation) whose cast values are [m, k], as block_cast's contract
-// says.
-BlockCastResult cast_blocks(const at::Tensor& input, int64_t m, int64_t k, at::ScalarType fp8_dtype, int64_t block_dim,
-                            bool rowwise, bool transpose, double amax_epsilon, bool power_2_scale, int activation) {
-  const c10::cuda::CUDAGuard guard(input.device());
+// block_cast's outputs for cast values [m, k] made from input (on input's device), and the launch arguments that
+// point at them (x = input; the activation unset).
+struct BlockCastOutputs {
+  at::Tensor q, scale_inv, qt, scale_inv_t;
+  BlockCastArgs args;
+  BlockCastResult result() const { return {q, scale_inv, qt, scale_inv_t}; }
+};
+
+BlockCastOutputs block_cast_outputs(const at::Tensor& input, int64_t m, int64_t k, at::ScalarType fp8_dtype,
+                                    int64_t block_dim, bool rowwise, bool transpose, double amax_epsilon,
+                                    bool power_2_scale) {
   const auto fp8 = input.options().dtype(fp8_dtype), f32 = input.options().dtype(at::kFloat);
-  at::Tensor q = rowwise ? at::empty({m, k}, fp8) : at::empty({0}, fp8);
-  at::Tensor scale_inv = rowwise ? at::empty(scale_shape(m, k, block_dim), f32) : at::empty({0}, f32);
-  at::Tensor qt = transpose ? at::empty({k, m}, fp8) : at::empty({0}, fp8);
-  at::Tensor scale_inv_t = transpose ? at::empty(scale_shape(k, m, block_dim), f32) : at::empty({0}, f32);
-  BlockCastArgs args{};
+  BlockCastOutputs out;
+  out.q = rowwise ? at::empty({m, k}, fp8) : at::empty({0}, fp8);
+  out.scale_inv = rowwise ? at::empty(scale_shape(m, k, block_dim), f32) : at::empty({0}, f32);
+  out.qt = transpose ? at::empty({k, m}, fp8) : at::empty({0}, fp8);
+  out.scale_inv_t = transpose ? at::empty(scale_shape(k, m, block_dim), f32) : at::empty({0}, f32);
+  BlockCastArgs& args = out.args;
+  args = BlockCastArgs{};
   args.x = input.data_ptr();
   args.m = m;
   args.k = k;
@@ -59,19 +68,29 @@ BlockCastResult cast_blocks(const at::Tensor& input, int64_t m, int64_t k, at::S
   args.two_d = block_dim == 2;
   args.amax_epsilon = static_cast<float>(amax_epsilon);
   args.power_2_scale = power_2_scale;
-  args.activation = activation;
   if (rowwise) {
-    args.q = static_cast<uint8_t*>(q.data_ptr());
-    args.scale_inv = scale_inv.data_ptr<float>();
-    args.scale_ld = scale_inv.size(1);
+    args.q = static_cast<uint8_t*>(out.q.data_ptr());
+    args.scale_inv = out.scale_inv.data_ptr<float>();
+    args.scale_ld = out.scale_inv.size(1);
   }
   if (transpose) {
-    args.qt = static_cast<uint8_t*>(qt.data_ptr());
-    args.scale_inv_t = scale_inv_t.data_ptr<float>();
-    args.scale_t_ld = scale_inv_t.size(1);
+    args.qt = static_cast<uint8_t*>(out.qt.data_ptr());
+    args.scale_inv_t = out.scale_inv_t.data_ptr<float>();
+    args.scale_t_ld = out.scale_inv_t.size(1);
   }
-  launch_block_cast(args, current_stream());
-  return {q, scale_inv, qt, scale_inv_t};
+  return out;
+}
+
+// Casts input (or act(input): activation >= 0, an Activation) whose cast values are [m, k], as block_cast's contract
+// says.
+BlockCastResult cast_blocks(const at::Tensor& input, int64_t m, int64_t k, at::ScalarType fp8_dtype, int64_t block_dim,
+                            bool rowwise, bool transpose, double amax_epsilon, bool power_2_scale, int activation) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  BlockCastOutputs out = block_cast_outputs(input, m, k, fp8_dtype, block_dim, rowwise, transpose, amax_epsilon,
+                                            power_2_scale);
+  out.args.activation = activation;
+  launch_block_cast(out.args, current_stream());
+  return out.result();
 }
 
 BlockCastResult block_cast(const at::Tensor& input, at::ScalarType fp8_dtype, int64_t block_dim, bool rowwise,
@@ -98,6 +117,93 @@ BlockCastResult block_activation_cast(const at::Tensor& input, c10::string_view 
               dims(input.sizes()));
   return cast_blocks(input, input.size(0), gated ? input.size(1) / 2 : input.size(1), fp8_dtype, 1, rowwise, transpose,
                      amax_epsilon, power_2_scale, act);
+}
+
+// --- the fused casts (quantize_block_fused.h) ---
+
+using NormBlockCastResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// weight / bias of the norm: [K], the input's dtype or float32, contiguous, on its device.
+void check_norm_param(const at::Tensor& t, const at::Tensor& input, const char* arg) {
+  TORCH_CHECK(t.scalar_type() == input.scalar_type() || t.scalar_type() == at::kFloat, arg, ": expected dtype ",
+              input.scalar_type(), " (the input's) or Float, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == input.size(1), arg, ": expected shape [", num(input.size(1)), "], got ",
+              dims(t.sizes()));
+  check_same_device(t, input, arg);
+  check_contiguous(t, arg);
+}
+
+NormBlockCastResult norm_block_cast(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias, c10::string_view normalization, double eps,
+                                    bool zero_centered_gamma, at::ScalarType fp8_dtype, bool rowwise, bool transpose,
+                                    double amax_epsilon, bool power_2_scale) {
+  const bool layernorm = normalization == "LayerNorm";
+  TORCH_CHECK(layernorm || normalization == "RMSNorm", "normalization: expected 'LayerNorm' or 'RMSNorm', got '",
+              std::string(normalization), "'");
+  check_cast_input(input, fp8_dtype, amax_epsilon);
+  TORCH_CHECK(input.size(1) > 0, "input: expected at least one column, got shape ", dims(input.sizes()));
+  check_norm_param(weight, input, "weight");
+  if (bias.has_value()) {
+    TORCH_CHECK(layernorm, "bias: RMSNorm takes no bias");
+    check_norm_param(*bias, input, "bias");
+    TORCH_CHECK(bias->scalar_type() == weight.scalar_type(), "bias: expected dtype ", weight.scalar_type(),
+                " (the weight's), got ", bias->scalar_type());
+  }
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "eps: expected a finite number >= 0, got ", std::to_string(eps));
+  const c10::cuda::CUDAGuard guard(input.device());
+  const int64_t m = input.size(0), k = input.size(1);
+  BlockCastOutputs out = block_cast_outputs(input, m, k, fp8_dtype, 1, rowwise, transpose, amax_epsilon, power_2_scale);
+  const auto f32 = input.options().dtype(at::kFloat);
+  at::Tensor mean = at::empty({layernorm ? m : 0}, f32), rstd = at::empty({m}, f32);
+  NormBlockCastArgs args{};
+  args.cast = out.args;
+  args.layernorm = layernorm;
+  args.weight = weight.data_ptr();
+  args.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  args.weight_type = to_dtype(weight.scalar_type(), "weight");
+  args.eps = static_cast<float>(eps);
+  args.gamma_offset = zero_centered_gamma ? 1.0f : 0.0f;
+  args.mean = layernorm ? mean.data_ptr<float>() : nullptr;
+  args.rstd = rstd.data_ptr<float>();
+  launch_norm_block_cast(args, current_stream());  // (the statistics even when neither copy is asked for)
+  return {out.q, out.scale_inv, out.qt, out.scale_inv_t, mean, rstd};
+}
+
+using DactBlockCastResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+DactBlockCastResult dact_block_cast(const at::Tensor& grad_out, const at::Tensor& input, c10::string_view activation,
+                                    at::ScalarType fp8_dtype, bool rowwise, bool transpose, double amax_epsilon,
+                                    bool power_2_scale, bool compute_dbias) {
+  const int act = activation_of(activation);
+  check_cast_input(input, fp8_dtype, amax_epsilon);
+  const bool gated = act == static_cast<int>(Activation::kSwiglu);
+  TORCH_CHECK(!gated || input.size(1) % 2 == 0, "input: swiglu expects an even last dimension [M, 2F], got shape ",
+              dims(input.sizes()));
+  check_cuda(grad_out, "grad_out");
+  TORCH_CHECK(grad_out.scalar_type() == input.scalar_type(), "grad_out: expected dtype ", input.scalar_type(),
+              " (input's), got ", grad_out.scalar_type());
+  const int64_t m = input.size(0), k = input.size(1), f = gated ? k / 2 : k;
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == m && grad_out.size(1) == f, "grad_out: expected shape ",
+              dims({m, f}), " for input ", dims(input.sizes()), " and ", std::string(activation), ", got ",
+              dims(grad_out.sizes()));
+  check_same_device(grad_out, input, "grad_out");
+  check_contiguous(grad_out, "grad_out");
+  const c10::cuda::CUDAGuard guard(input.device());
+  BlockCastOutputs out = block_cast_outputs(input, m, k, fp8_dtype, 1, rowwise, transpose, amax_epsilon, power_2_scale);
+  DactBlockCastArgs args{};
+  args.cast = out.args;
+  args.cast.x = grad_out.data_ptr();
+  args.act_input = input.data_ptr();
+  args.activation = act;
+  args.f = f;
+  // dbias: per-128-row-tile column sums from the kernel, summed here in a fixed order (deterministic)
+  at::Tensor partial_sums = compute_dbias ? at::empty({cdiv(m, kBlockLen), k}, input.options().dtype(at::kFloat))
+                                          : at::Tensor();
+  if (compute_dbias) args.cast.col_sums = partial_sums.data_ptr<float>();
+  launch_dact_block_cast(args, current_stream());
+  at::Tensor dbias = compute_dbias ? partial_sums.sum(0).to(grad_out.scalar_type())
+                                   : at::empty({0}, grad_out.options());
+  return {out.q, out.scale_inv, out.qt, out.scale_inv_t, dbias};
 }
 
 at::Tensor block_dequantize(const at::Tensor& input, const at::Tensor& scale_inv, int64_t block_dim,
@@ -133,4 +239,6 @@ TORCH_LIBRARY_IMPL(transformer_fp8, CUDA, m) {
   m.impl("block_cast", &tfp8::block_cast);
   m.impl("block_activation_cast", &tfp8::block_activation_cast);
   m.impl("block_dequantize", &tfp8::block_dequantize);
+  m.impl("norm_block_cast", &tfp8::norm_block_cast);
+  m.impl("dact_block_cast", &tfp8::dact_block_cast);
 }

@@ -174,28 +174,61 @@ def test_linear_matches_reference(device, recipe_name, bias, lead_shape, in_f, o
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-def test_layernorm_linear_matches_reference(device, normalization):
+def test_layernorm_linear_matches_reference(device, normalization, monkeypatch):
+    monkeypatch.setenv("TFP8_BLOCK_FUSED", "1")  # (the fused norm cast; the unfused path: test_fused_casts_match_...)
     m = te.LayerNormLinear(128, 96, normalization=normalization, params_dtype=torch.bfloat16, device=device)
     randomize_vectors(m)
     x = torch.randn(2, 40, 128, dtype=torch.bfloat16, device=device)
-    with _GemmCalls() as calls:
+    with _GemmCalls() as calls, OpCalls("norm_block_cast") as fused_norm:
         check_against_reference(m, x, torch.randn(2, 40, 96, dtype=torch.bfloat16, device=device),
                                 BLOCK_RECIPES["HYBRID"])
     assert calls.per_tensor == 0 and calls.block == 6
+    assert len(fused_norm.seen) == 2  # (the norm writes block-FP8 itself, with its transposed copy; once a step)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("activation", ["gelu", "swiglu", "relu"])
-def test_layernorm_mlp_matches_reference(device, activation):
+def test_layernorm_mlp_matches_reference(device, activation, monkeypatch):
+    monkeypatch.setenv("TFP8_BLOCK_FUSED", "1")  # (the fused casts; the unfused path: test_fused_casts_match_...)
     m = te.LayerNormMLP(128, 192, activation=activation, normalization="RMSNorm", params_dtype=torch.bfloat16,
                         device=device)
     randomize_vectors(m)
     x = torch.randn(48, 128, dtype=torch.bfloat16, device=device)
-    with _GemmCalls() as calls, OpCalls("block_activation_cast") as fused, OpCalls("activation_fwd") as unfused:
+    with _GemmCalls() as calls, OpCalls("block_activation_cast") as fused, OpCalls("activation_fwd") as unfused, \
+            OpCalls("norm_block_cast") as fused_norm, OpCalls("dact_block_cast") as fused_dact, \
+            OpCalls("activation_bwd") as unfused_dact:
         check_against_reference(m, x, torch.randn(48, 128, dtype=torch.bfloat16, device=device),
                                 BLOCK_RECIPES["E4M3"], grad_tol=RELU_GRAD_TOL if activation == "relu" else 0.2)
     assert calls.per_tensor == 0 and calls.block == 12
     assert len(fused.seen) == 2 and not unfused.seen  # (the activation is cast by the fused kernel, once per step)
+    # the norm and the activation gradient (with fc1's bias gradient) are cast by their fused kernels too
+    assert len(fused_norm.seen) == 2 and len(fused_dact.seen) == 2 and not unfused_dact.seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation,normalization,bias", [("swiglu", "RMSNorm", False), ("gelu", "LayerNorm", True)])
+def test_fused_casts_match_unfused(device, activation, normalization, bias, monkeypatch):
+    """The default unfused casts (norm, then block_cast; activation_bwd, then block_cast) and the fused kernels
+    (TFP8_BLOCK_FUSED=1) give the same step up to the unfused path's rounding of the norm output and of d(fc1) to
+    the parameters' dtype."""
+    torch.manual_seed(0)
+    m = te.LayerNormMLP(256, 384, activation=activation, normalization=normalization, bias=bias,
+                        params_dtype=torch.float32, device=device)
+    randomize_vectors(m)
+    x = torch.randn(64, 256, device=device)
+    dy = torch.randn(64, 256, device=device)
+    results = []
+    for fused in ("1", "0"):
+        monkeypatch.setenv("TFP8_BLOCK_FUSED", fused)
+        m.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        with te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()), OpCalls("norm_block_cast") as seen:
+            out = m(xr)
+        out.backward(dy)
+        assert bool(seen.seen) == (fused == "1")
+        results.append([out.detach(), xr.grad] + [p.grad for p in m.parameters()])
+    for got, want in zip(*results):  # float32 parameters: the unfused path rounds nothing in between either
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("device", DEVICES)

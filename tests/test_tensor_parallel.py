@@ -23,6 +23,7 @@ import transformer_fp8 as te
 from transformer_fp8 import distributed as tpd
 from transformer_fp8 import recipe
 from transformer_fp8.module import norm as norm_ops
+from transformer_fp8.quantization.block import BlockScalingQuantizer
 from tests.dist_utils import DEVICE, WORLD, run_workers_per_rank
 from tests.utils import FP8_RTOL, rel_error
 
@@ -150,8 +151,15 @@ class _Recorder:
             return real(normalization, x, *args, **kwargs)
         return recorded
 
+    def _cast_normalized(self, real):  # (block scaling's fused norm -> FP8 path: norm_fwd is not called)
+        def recorded(quantizer, spec, x, *args, **kwargs):
+            self.norm_rows.append(x.shape[0])
+            return real(quantizer, spec, x, *args, **kwargs)
+        return recorded
+
     def __enter__(self):
-        self.saved = tpd.dist, norm_ops.norm_fwd
+        self.saved = tpd.dist, norm_ops.norm_fwd, BlockScalingQuantizer.cast_normalized
+        BlockScalingQuantizer.cast_normalized = self._cast_normalized(BlockScalingQuantizer.cast_normalized)
         proxy = types.SimpleNamespace(**{n: getattr(dist, n) for n in dir(dist) if not n.startswith("__")})
         for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
             setattr(proxy, name, self._collective(name))
@@ -159,7 +167,7 @@ class _Recorder:
         return self
 
     def __exit__(self, *exc):
-        tpd.dist, norm_ops.norm_fwd = self.saved
+        tpd.dist, norm_ops.norm_fwd, BlockScalingQuantizer.cast_normalized = self.saved
 
 
 def _part(full, split, rank):

@@ -72,12 +72,33 @@ def _(input, fp8_dtype, block_dim, rowwise=True, transpose=False, amax_epsilon=0
 @_register_fake("transformer_fp8::block_activation_cast")
 def _(input, activation, fp8_dtype, rowwise=True, transpose=False, amax_epsilon=0.0, power_2_scale=True):
     m, k = input.shape[0], activation_out_features(activation, input.shape[1])
+    return _block_1x128_outputs(input, m, k, fp8_dtype, rowwise, transpose)
+
+
+def _block_1x128_outputs(input, m, k, fp8_dtype, rowwise, transpose):
+    """Fake outputs of a 1x128 block cast of values [m, k]: (q, scale_inv, qt, scale_inv_t), empty when not asked."""
     empty_q, empty_s = input.new_empty((0,), dtype=fp8_dtype), input.new_empty((0,), dtype=torch.float32)
     q = input.new_empty((m, k), dtype=fp8_dtype) if rowwise else empty_q
     scale_inv = input.new_empty(block_scale_shape(m, k, 1), dtype=torch.float32) if rowwise else empty_s
     qt = input.new_empty((k, m), dtype=fp8_dtype) if transpose else empty_q
     scale_inv_t = input.new_empty(block_scale_shape(k, m, 1), dtype=torch.float32) if transpose else empty_s
     return q, scale_inv, qt, scale_inv_t
+
+
+@_register_fake("transformer_fp8::norm_block_cast")
+def _(input, weight, bias, normalization, eps, zero_centered_gamma, fp8_dtype, rowwise=True, transpose=False,
+      amax_epsilon=0.0, power_2_scale=True):
+    m, k = input.shape
+    mean = input.new_empty((m if normalization == "LayerNorm" else 0,), dtype=torch.float32)
+    return (*_block_1x128_outputs(input, m, k, fp8_dtype, rowwise, transpose), mean,
+            input.new_empty((m,), dtype=torch.float32))
+
+
+@_register_fake("transformer_fp8::dact_block_cast")
+def _(grad_out, input, activation, fp8_dtype, rowwise=True, transpose=False, amax_epsilon=0.0, power_2_scale=True,
+      compute_dbias=False):
+    dbias = grad_out.new_empty((input.shape[1] if compute_dbias else 0,))
+    return (*_block_1x128_outputs(input, input.shape[0], input.shape[1], fp8_dtype, rowwise, transpose), dbias)
 
 
 @_register_fake("transformer_fp8::block_dequantize")

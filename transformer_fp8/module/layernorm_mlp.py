@@ -81,9 +81,11 @@ def _dact_to_fp8(quantizer, activation, d_act, fc1_out, kept, with_dbias, need_w
     and d_act are gone, so that the backward's peak (here) holds half the FP8 bytes; from a kept input the kernel
     writes data_t too (the same peak: the kept input is half fc1_out's bytes)."""
     fused = quantizer.fused_per_tensor and quantizer.known_scale
+    if fc1_out is None and not fused:  # (a kept input for a cast without the kept-input kernel)
+        fc1_out = dequantize_kept_input(*kept, d_act.dtype)
+    if quantizer.fused_dact_cast:  # (block scaling: one kernel, no high-precision d_fc1)
+        return quantizer.cast_activation_grad(d_act, fc1_out, activation, transpose=need_wgrad, with_dbias=with_dbias)
     if not fused:  # (unfused: the cast's scale comes from d_fc1)
-        if fc1_out is None:
-            fc1_out = dequantize_kept_input(*kept, d_act.dtype)
         d_fc1 = tfp8.activation_bwd(d_act, fc1_out, activation)
         return cast_grad_output(d_fc1, quantizer, with_dbias, True, need_wgrad)  # (data_t: the FC1 wgrad's only)
     scale, fp8_dtype, amax, scale_inv = quantizer.output_args()
@@ -91,9 +93,8 @@ def _dact_to_fp8(quantizer, activation, d_act, fc1_out, kept, with_dbias, need_w
         q, q_t, dbias = tfp8.dact_cast_transpose_kept_input(d_act, *kept, activation, scale, fp8_dtype, amax,
                                                             scale_inv, with_dbias, need_wgrad)
         return FP8Operand(q, q_t if need_wgrad else None, scale_inv, fp8_dtype), (dbias if with_dbias else None)
-    else:
-        q, _, dbias = tfp8.dact_cast_transpose(d_act, fc1_out, activation, scale, fp8_dtype, amax, scale_inv,
-                                               with_dbias, False)
+    q, _, dbias = tfp8.dact_cast_transpose(d_act, fc1_out, activation, scale, fp8_dtype, amax, scale_inv, with_dbias,
+                                           False)
     return FP8Operand(q, None, scale_inv, fp8_dtype), (dbias if with_dbias else None)
 
 

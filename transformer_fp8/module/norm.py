@@ -122,6 +122,9 @@ def norm_to_fp8(spec, quantizer, x, ln_weight, ln_bias, need_transpose, keep_hig
     With a known scale (delayed scaling past its first update) the norm kernel emits FP8 directly; otherwise
     (current scaling, the calibrating first step) or when the high-precision output is wanted: norm, then one
     cast(-transpose)."""
+    if quantizer.fused_norm_cast and not keep_high_precision:  # (block scaling: one kernel, no high-precision y)
+        operand, mean, rstd = quantizer.cast_normalized(spec, x, ln_weight, ln_bias, transpose=need_transpose)
+        return operand, None, mean, rstd
     args = (spec.normalization, x, ln_weight, ln_bias, spec.eps, spec.zero_centered_gamma)
     if keep_high_precision or not (quantizer.fused_per_tensor and quantizer.known_scale):
         out, mean, rstd = norm_fwd(*args)

@@ -30,6 +30,7 @@ GEMM ("TN", out [M, N] = a [M, K] · b [N, K]ᵀ): each operand is 1x128 or 128x
 fprop a = x (1x128) and b = w (128x128); dgrad a = dy (1x128) and b = w's data_t (128x128); wgrad a = dy's data_t
 (1x128) and b = x's data_t (1x128). 128x128 x 128x128 is refused (cuBLASLt has no such kernel).
 """
+import os
 from typing import Any
 
 import torch
@@ -47,6 +48,18 @@ BLOCK_DIM_OF_LAYOUT = {LAYOUT_1X128: 1, LAYOUT_128X128: 2}
 LAYOUT_OF_BLOCK_DIM = {1: LAYOUT_1X128, 2: LAYOUT_128X128}
 
 _WEIGHT_ROLES = (Role.WEIGHT, Role.FC1_WEIGHT, Role.FC2_WEIGHT)
+# "1": the norm and the activation gradient cast with the fused kernels (norm_block_cast, dact_block_cast). Off by
+# default: on the H200's Llama-1.1B-shaped stack the unfused path (norm_fwd / activation_bwd, then block_cast) was
+# faster (86.6k vs 84.7k tokens/s; the d(SwiGLU) cast kernel 0.68 ms per call against 0.24 + 0.24 ms unfused, see
+# benchmarks/RESULTS.md), at the same peak memory.
+FUSED_CASTS_ENV = "TFP8_BLOCK_FUSED"
+
+
+def fused_casts_enabled() -> bool:
+    """Returns:
+        Whether the fused norm -> block-FP8 and activation-gradient -> block-FP8 kernels are used (the environment
+        variable TFP8_BLOCK_FUSED is "1"; read at each call, so a benchmark can switch it between steps)."""
+    return os.environ.get(FUSED_CASTS_ENV, "0") == "1"
 _GRAD_ROLES = (Role.GRAD_OUTPUT, Role.FC1_GRAD_OUTPUT, Role.FC2_GRAD_OUTPUT)
 
 
@@ -127,6 +140,34 @@ class BlockScalingQuantizer(Quantizer):
             x, activation, self.fp8_dtype, True, transpose, float(self.qparams.amax_epsilon),
             self.qparams.power_2_scale)
         return FP8Operand(q, qt if transpose else None, scale_inv, self.fp8_dtype, self.layout, scale_inv_t)
+
+    @property
+    def fused_norm_cast(self) -> bool:
+        """1x128 tiles with TFP8_BLOCK_FUSED=1: norm_block_cast."""
+        return self.block_dim == 1 and fused_casts_enabled()
+
+    @property
+    def fused_dact_cast(self) -> bool:
+        """1x128 tiles with TFP8_BLOCK_FUSED=1: dact_block_cast."""
+        return self.block_dim == 1 and fused_casts_enabled()
+
+    def cast_normalized(self, spec, x, weight, bias, *, transpose=False):
+        """norm(x) -> (FP8Operand with 1x128 tiles (data_t with its own when transpose), mean or None, rstd) from
+        norm_block_cast: the statistics kernel, then the cast normalising as it loads."""
+        q, scale_inv, qt, scale_inv_t, mean, rstd = tfp8.norm_block_cast(
+            x, weight, bias, spec.normalization, spec.eps, spec.zero_centered_gamma, self.fp8_dtype, True, transpose,
+            float(self.qparams.amax_epsilon), self.qparams.power_2_scale)
+        operand = FP8Operand(q, qt if transpose else None, scale_inv, self.fp8_dtype, self.layout, scale_inv_t)
+        return operand, (mean if spec.normalization == "LayerNorm" else None), rstd
+
+    def cast_activation_grad(self, grad, x, activation, *, transpose=False, with_dbias=False):
+        """act'(x) * grad -> (FP8Operand with 1x128 tiles (data_t with its own when transpose), its column sums or
+        None), from dact_block_cast."""
+        q, scale_inv, qt, scale_inv_t, dbias = tfp8.dact_block_cast(
+            grad, x, activation, self.fp8_dtype, True, transpose, float(self.qparams.amax_epsilon),
+            self.qparams.power_2_scale, with_dbias)
+        operand = FP8Operand(q, qt if transpose else None, scale_inv, self.fp8_dtype, self.layout, scale_inv_t)
+        return operand, (dbias if with_dbias else None)
 
     def cast_with_dbias(self, x: torch.Tensor) -> tuple[FP8Operand, torch.Tensor]:
         """A gradient x [M, N] -> (FP8Operand with data and data_t, x summed over rows [N] in float32, returned in

@@ -43,12 +43,16 @@ class Quantizer:
             this quantizer's cast_args / output_args.
         updates_by_history: the scale comes from the amax history (delayed): the state is queued for the fused
             update and is calibrated by it.
+        fused_norm_cast / fused_dact_cast: cast_normalized / cast_activation_grad run one fused kernel (norm ->
+            FP8, activation gradient -> FP8) for this quantizer's own scales (block scaling).
     """
 
     __slots__ = ("role", "fp8_dtype", "fp8_max", "state", "slot")
     layout = "tensor"
     fused_per_tensor = True
     updates_by_history = False
+    fused_norm_cast = False
+    fused_dact_cast = False
 
     def __init__(self, role: Role, fp8_dtype: torch.dtype, state: ScalingState, slot: int, tp_group: Any = None,
                  recipe: Any = None):
@@ -150,6 +154,37 @@ class Quantizer:
             The FP8Operand of act(x).
         """
         return self.cast(activation_high_precision(x, activation), transpose=transpose)
+
+    def cast_normalized(self, spec: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                        transpose: bool = False) -> tuple[FP8Operand, torch.Tensor | None, torch.Tensor]:
+        """norm(x) cast in one kernel, never stored in high precision (only where fused_norm_cast).
+
+        Args:
+            spec: the norm's settings (module.norm.NormSpec: normalization, eps, zero_centered_gamma).
+            x: the norm's input [M, K], contiguous.
+            weight, bias: the norm's gamma [K] and beta [K] (LayerNorm) or None.
+            transpose: make data_t as well.
+
+        Returns:
+            (FP8Operand of norm(x), mean [M] float32 or None for RMSNorm, rstd [M] float32).
+        """
+        raise NotImplementedError(f"{self!r}: no fused norm cast (check fused_norm_cast first)")
+
+    def cast_activation_grad(self, grad: torch.Tensor, x: torch.Tensor, activation: str, *, transpose: bool = False,
+                             with_dbias: bool = False) -> tuple[FP8Operand, torch.Tensor | None]:
+        """act'(x) * grad cast in one kernel, never stored in high precision (only where fused_dact_cast).
+
+        Args:
+            grad: the gradient of act(x), [M, F].
+            x: the activation's input, [M, F] (or [M, 2F] for "swiglu").
+            activation: "gelu", "relu" or "swiglu".
+            transpose: make data_t as well.
+            with_dbias: also return the column sums of act'(x) * grad (a bias gradient), summed in float32.
+
+        Returns:
+            (the FP8Operand (data [M, F or 2F]), the column sums in grad's dtype or None).
+        """
+        raise NotImplementedError(f"{self!r}: no fused activation-gradient cast (check fused_dact_cast first)")
 
     def add_transpose(self, operand: FP8Operand, x: torch.Tensor) -> FP8Operand:
         """operand (cast from x by this quantizer) with data_t: a byte transpose of its data where the layout's

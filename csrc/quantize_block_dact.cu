@@ -1,0 +1,91 @@
+// The activation backward fused with the 1x128 block cast (dact_block_cast): d(input) = act'(input) * grad_out is
+// computed in float32 as the cast kernel loads it (activation_common.cuh's math, as activation_bwd), then cast with
+// 1x128 tiles and its own transposed tiles; d(input) is never stored in high precision.
+#include "activation_common.cuh"
+#include "quantize_block_fused.h"
+#include "quantize_block_kernel.cuh"
+
+namespace tfp8 {
+namespace {
+
+using namespace block;
+
+// Loads d(input) [m, k]: GELU / ReLU: dy [m, k], input [m, k]; SwiGLU: dy [m, f], input [m, 2f] = [gate | up],
+// d(input) = [d gate | d up]. vec: f % 4 == 0 and both pointers 16-byte aligned, so a lane's 4 columns lie in one
+// half of a SwiGLU row and load as words.
+template <typename T, Activation A>
+struct DactLoader {
+  static constexpr bool kTwoDOk = false;
+  const T* dy;
+  const T* input;
+  int64_t f;
+  bool vec;
+
+  __device__ __forceinline__ void load(const BlockCastArgs& a, int64_t row0, int64_t col, bool interior,
+                                       float (&v)[kRows][kCols]) const {
+    if constexpr (A != Activation::kSwiglu) {
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        float d[kCols], x[kCols];
+        load_row(dy, a.m, a.k, a.k, row0 + i, col, vec, interior, d);
+        load_row(input, a.m, a.k, a.k, row0 + i, col, vec, interior, x);
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) v[i][j] = act::backward<A>(d[j], x[j]);
+      }
+    } else if (vec) {
+      const bool up_half = col >= f;  // (columns past 2f: c >= f, every load below gives 0, and so d(input))
+      const int64_t c = up_half ? col - f : col;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        float d[kCols], gate[kCols], up[kCols] = {0.0f, 0.0f, 0.0f, 0.0f};
+        load_row(dy, a.m, f, f, row0 + i, c, true, interior, d);
+        load_row(input, a.m, f, 2 * f, row0 + i, c, true, interior, gate);
+        if (!up_half) load_row(input + f, a.m, f, 2 * f, row0 + i, c, true, interior, up);  // (d up needs no up)
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) v[i][j] = swiglu_grad(d[j], gate[j], up[j], up_half);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRows; ++i)
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) v[i][j] = swiglu_element(a, row0 + i, col + j);
+    }
+  }
+
+  // One element of d(input) (any f, any alignment), 0 past the edges.
+  __device__ __forceinline__ float swiglu_element(const BlockCastArgs& a, int64_t row, int64_t col) const {
+    if (row >= a.m || col >= a.k) return 0.0f;
+    const int64_t c = col >= f ? col - f : col;
+    return swiglu_grad(to_float(dy[row * f + c]), to_float(input[row * 2 * f + c]),
+                       to_float(input[row * 2 * f + f + c]), col >= f);
+  }
+
+  // act::swiglu_backward's d gate (or d up) with fast_sigmoid.
+  static __device__ __forceinline__ float swiglu_grad(float dy, float gate, float up, bool up_half) {
+    const float sig = fast_sigmoid(gate);
+    return up_half ? dy * gate * sig : dy * up * sig * (1.0f + gate * (1.0f - sig));
+  }
+};
+
+template <typename T, Activation A>
+void launch_typed(const DactBlockCastArgs& p, cudaStream_t stream) {
+  const T* dy = static_cast<const T*>(p.cast.x);
+  const T* input = static_cast<const T*>(p.act_input);
+  const DactLoader<T, A> loader{dy, input, p.f, p.f % kCols == 0 && aligned16(dy) && aligned16(input)};
+  launch_with_loader(loader, p.cast, stream);
+}
+
+}  // namespace
+
+void launch_dact_block_cast(const DactBlockCastArgs& p, cudaStream_t stream) {
+  if (p.cast.two_d) throw std::invalid_argument("dact_block_cast: 1x128 tiles only");
+  TFP8_DISPATCH_HIGH_PRECISION(
+      p.cast.in_type, T, switch (static_cast<Activation>(p.activation)) {
+        case Activation::kGelu: launch_typed<T, Activation::kGelu>(p, stream); break;
+        case Activation::kRelu: launch_typed<T, Activation::kRelu>(p, stream); break;
+        case Activation::kSwiglu: launch_typed<T, Activation::kSwiglu>(p, stream); break;
+        default: throw std::invalid_argument("dact_block_cast: unknown activation");
+      });
+}
+
+}  // namespace tfp8
