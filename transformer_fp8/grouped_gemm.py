@@ -88,18 +88,17 @@ def _grouped_fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
 
 # With torch's kernel (BACKEND "torch"), the weight gradient of groups averaging fewer rows than this runs torch's BF16
 # grouped kernel on BF16 copies of the FP8 operands (b_t's exact; a_t's times both scales, rounded to BF16: 2**-9, far
-# below the FP8 rounding; float32 sums): about the numbers of an FP8 GEMM with a split accumulator, faster there. H100,
-# torch 2.11 (RESULTS.md 2026-11-26 session 2): 64 groups of ~256 rows (K=2048, N=1536): torch's FP8 2d x 2d kernel
-# 129 TFLOP/s with a split accumulator, BF16 on converted operands 222; 8 groups of ~2048 rows: FP8 756, BF16 465.
-# Our kernel's split wgrad is faster than both at either size (H200: 375 at 64 groups, 887 at 8; RESULTS_grouped.md),
-# hence 0 for it below. Read at each call; 0 turns the BF16 kernel off.
+# below the FP8 rounding; float32 sums): about the numbers of an FP8 GEMM with a split accumulator, and faster than
+# torch's FP8 kernel for small groups. Our kernel's split wgrad is faster than both at every measured size, hence 0 for
+# it below (benchmarks/RESULTS.md, MoE sections of 2026-11-26 sessions 2 and 3). Read at each call; 0 turns the BF16
+# kernel off.
 WGRAD_BF16_BELOW_ROWS_PER_GROUP = 1024
 # The same threshold when our CUTLASS kernel runs the FP8 wgrad (BACKEND); 0: always the FP8 kernel.
 CUTLASS_WGRAD_BF16_BELOW_ROWS_PER_GROUP = 0
 # The FP8 wgrad kernel's accumulation: False (default, Transformer Engine's choice for wgrad) promotes the partial
 # sums to float32 (split accumulator); True keeps Hopper's fast FP8 accumulation, less precise over long groups and
-# faster. H200, our kernel, 8 groups of ~2048 rows: 1088-1108 against 828-887 TFLOP/s; error against float64 2.1e-3
-# against 1.7e-3 norm-wise, worst element 7.3e-3 against 3.1e-3 of the largest (RESULTS_grouped.md). Read at each call.
+# faster (the measured trade in benchmarks/RESULTS.md, "wgrad precision: fast accumulation vs split"). Read at each
+# call.
 WGRAD_FAST_ACCUMULATION = False
 
 
