@@ -25,6 +25,7 @@ import torch
 
 import transformer_fp8 as te
 from bench_gemm import graph_of, replay_ms
+from bench_stack import FULL, LlamaStack
 from timing import gpu_time_ms, run_rounds
 from transformer_fp8 import recipe
 
@@ -167,28 +168,8 @@ def layer_table(rounds):
     return rows
 
 
-class LlamaStack(torch.nn.Module):
-    """A Llama-1.1B-shaped stack (issue 21's measure): embedding, 16 TransformerLayers (hidden 2048, ffn 8192 swiglu,
-    RMSNorm, 32 heads / 8 KV groups, no bias, causal), final RMSNorm, untied LM head over vocab 32000 (full logits)."""
-
-    def __init__(self, layers=16, hidden=2048, ffn=8192, heads=32, groups=8, vocab=32000):
-        super().__init__()
-        dt = torch.bfloat16
-        self.embed = torch.nn.Embedding(vocab, hidden, device="cuda", dtype=dt)
-        self.layers = torch.nn.ModuleList(
-            te.TransformerLayer(hidden, ffn, heads, num_gqa_groups=groups, hidden_dropout=0.0, attention_dropout=0.0,
-                                bias=False, activation="swiglu", normalization="RMSNorm", params_dtype=dt,
-                                self_attn_mask_type="causal") for _ in range(layers))
-        self.norm = te.RMSNorm(hidden, params_dtype=dt)
-        self.head = torch.nn.Linear(hidden, vocab, bias=False, device="cuda", dtype=dt)
-
-    def forward(self, tokens):  # tokens [b, s] -> loss
-        x = self.embed(tokens).transpose(0, 1).contiguous()  # sbhd
-        for layer in self.layers:
-            x = layer(x)
-        logits = self.head(self.norm(x)).float()
-        return torch.nn.functional.cross_entropy(logits[:-1].reshape(-1, logits.shape[-1]),
-                                                 tokens.t()[1:].reshape(-1))
+# The Llama-1.1B-shaped stack (issue 21's measure): bench_stack.py's, built from our package on the GPU.
+STACK_SHAPE = dict(device="cuda", **{k: FULL[k] for k in ("layers", "hidden", "ffn", "heads", "groups", "vocab")})
 
 
 # --stack-recipes name -> (row name, recipe factory, environment while it runs)
@@ -221,7 +202,7 @@ def environment(values):
 def stack_step(fp8_recipe, batch=4, seq=2048):
     """A fresh LlamaStack and its training step (forward, loss, backward, fused AdamW) under fp8_recipe."""
     torch.manual_seed(0)
-    model = LlamaStack()
+    model = LlamaStack(te, **STACK_SHAPE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     tokens = torch.randint(0, 32000, (batch, seq), device="cuda")
 
