@@ -1,6 +1,7 @@
 """Where a training step's GPU time goes, gaps included (issue 22): one profiled step of a bench_llama.py variant.
 
-Prints, for one step after warm-up:
+Prints, for one step after warm-up (the second of two profiled back to back, so that the host is as far ahead as in a
+training loop, not starting from an idle GPU):
 - kernel time by category (GEMM, attention, casts/transposes, norms, activations, optimizer, loss, other) per phase
   (forward / backward / optimizer, from the profiler's record_function ranges of bench_llama.Runner.step);
 - the GPU's idle time between consecutive kernels on the compute stream (gaps > --gap-us), summed per phase, and the
@@ -56,12 +57,15 @@ def analyse(trace: dict, gap_us: float, top: int) -> dict:
     """Kernel categories per phase, the GPU's idle gaps and the host ops that launched the kernel after each, from
     a Chrome trace (torch.profiler's export_chrome_trace) of one step."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    ranges = {e["name"].split("::")[1]: (e["ts"], e["ts"] + e["dur"]) for e in events
-              if e.get("cat") in ("user_annotation", "cpu_op") and e["name"].startswith("phase::")}
+    marks = sorted((e for e in events if e.get("cat") in ("user_annotation", "cpu_op") and
+                    e["name"].startswith("phase::")), key=lambda e: e["ts"])
+    ranges = {e["name"].split("::")[1]: (e["ts"], e["ts"] + e["dur"]) for e in marks}  # (the last step's)
     launches = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     cpu_ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
-    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+    step_start = ranges.get("forward", (float("-inf"),))[0]  # only the last step: the one the host ran into busy
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and
+                     launches.get(e.get("args", {}).get("correlation"), e["ts"]) >= step_start),
                     key=lambda e: e["ts"])
     by_phase = collections.defaultdict(collections.Counter)
     for e in device:
@@ -124,6 +128,7 @@ def main() -> None:
                                 if "synchroniz" in str(w.message).lower())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
+        runner.step()  # (a step issued from an idle GPU, then the analysed one, issued while that one runs)
         runner.step()
         torch.cuda.synchronize()
     trace_file = args.trace or tempfile.mktemp(suffix=".json")
