@@ -3,7 +3,8 @@
 Prints, for one step after warm-up (the second of two profiled back to back, so that the host is as far ahead as in a
 training loop, not starting from an idle GPU):
 - kernel time by category (GEMM, attention, casts/transposes, norms, activations, optimizer, loss, other) per phase
-  (forward / backward / optimizer, from the profiler's record_function ranges of bench_llama.Runner.step);
+  (forward / backward / optimizer, from the profiler's record_function ranges of bench_llama.Runner.step), and the
+  --top kernels by name per phase (total ms, launches, category);
 - the GPU's idle time between consecutive kernels on the compute stream (gaps > --gap-us), summed per phase, and the
   largest gaps with the host operation that launched the kernel after each (what the GPU waited for);
 - synchronising calls made during a step (torch.cuda.set_sync_debug_mode("warn")) and the caching allocator's
@@ -68,9 +69,17 @@ def analyse(trace: dict, gap_us: float, top: int) -> dict:
                      launches.get(e.get("args", {}).get("correlation"), e["ts"]) >= step_start),
                     key=lambda e: e["ts"])
     by_phase = collections.defaultdict(collections.Counter)
+    by_name = collections.defaultdict(collections.Counter)  # phase -> kernel name -> ms
+    launches_by_name = collections.defaultdict(collections.Counter)
     for e in device:
         launch = launches.get(e.get("args", {}).get("correlation"), e["ts"])
-        by_phase[phase_of(launch, ranges)][category(e["name"]) if e["cat"] == "kernel" else e["cat"]] += e["dur"] / 1e3
+        phase = phase_of(launch, ranges)
+        by_phase[phase][category(e["name"]) if e["cat"] == "kernel" else e["cat"]] += e["dur"] / 1e3
+        name = e["name"][:160]
+        by_name[phase][name] += e["dur"] / 1e3
+        launches_by_name[phase][name] += 1
+    kernels = {phase: [dict(name=n, ms=round(ms, 3), launches=launches_by_name[phase][n], category=category(n))
+                       for n, ms in names.most_common(top)] for phase, names in by_name.items()}
     gaps, gap_ms = [], collections.Counter()
     busy_until = device[0]["ts"] if device else 0.0
     previous = None
@@ -92,7 +101,8 @@ def analyse(trace: dict, gap_us: float, top: int) -> dict:
     span = (busy_until - device[0]["ts"]) / 1e3 if device else 0.0
     return dict(span_ms=round(span, 2), kernel_ms={p: {k: round(v, 2) for k, v in c.most_common()}
                                                    for p, c in by_phase.items()},
-                gap_ms={p: round(v, 2) for p, v in gap_ms.items()}, gap_count=len(gaps), largest_gaps=gaps[:top])
+                gap_ms={p: round(v, 2) for p, v in gap_ms.items()}, gap_count=len(gaps), largest_gaps=gaps[:top],
+                kernels=kernels)
 
 
 def main() -> None:
@@ -154,6 +164,10 @@ def report(result: dict, args: argparse.Namespace) -> None:
     if "syncs_per_step" in result:
         print(f"synchronising calls per step: {result['syncs_per_step'] or 'none'}")
         print(f"allocator per step: {result['allocator_per_step']}")
+    for phase, rows in result.get("kernels", {}).items():
+        print(f"top kernels, {phase}:")
+        for k in rows:
+            print(f"  {k['ms']:8.3f} ms {k['launches']:5d}x {k['category']:14s} {k['name'][:110]}")
     print(f"largest gaps (> {args.gap_us} us):")
     for g in result["largest_gaps"]:
         print(f"  {g['idle_us']:8.1f} us {g['phase']:9s} {g['before'][:40]:40s} -> {g['after'][:40]:40s} "
