@@ -5,8 +5,10 @@ LayerNorm, bias, no mask, no dropout; sbhd input seq 1024 x batch 32, BF16 param
 zero_grad(set_to_none) + forward + backward(dy) + fused AdamW (BF16 moments, as torch keeps them for BF16 parameters).
 
 Variants: `torch-bf16` (the same pre-LN layer in plain PyTorch: nn.LayerNorm, nn.Linear, SDPA, tanh GELU; the BF16
-layer a user already has), and {ours, te} x {bf16, delayed} through the TE-compatible API (`te` only where Transformer
-Engine is installed). Each variant is built, warmed up and measured for memory ALONE (the others freed): peak GiB =
+layer a user already has), {ours, te} x {bf16, delayed} through the TE-compatible API (`te` only where Transformer
+Engine is installed), and `ours-delayed-fc1epilogue`: ours delayed with keep_activation_input_in_fp8=False (GELU in
+FC1's GEMM epilogue, its 16-bit pre-activation kept for the backward; the default keeps it in E4M3 tiles).
+Each variant is built, warmed up and measured for memory ALONE (the others freed): peak GiB =
 torch.cuda.max_memory_allocated during its warm-up steps minus what was allocated before its layer was built
 (parameters + gradients + optimizer state + activations + transients; the input and dy are allocated before). Then all
 variants are rebuilt and timed in interleaved rounds (timing.run_rounds: a new seeded order each round): ms per step =
@@ -52,17 +54,23 @@ class LayerStep:
                                                   self_attn_mask_type="no_mask", params_dtype=x.dtype,
                                                   device=x.device.type)
         self.optimizer = torch.optim.AdamW(self.layer.parameters(), lr=1e-5, fused=cuda)
-        self.x, self.dy = x, dy
+        self.x, self.dy, self.before = x, dy, before
+        self.static_gib = self.peak_gib = float("nan")
+        self.warm_up(warmup)
+
+    def warm_up(self, steps: int) -> None:
+        """`steps` steps; sets static_gib / peak_gib (above what was allocated before the layer was built)."""
+        if steps <= 0:
+            return
+        cuda = self.x.is_cuda
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        for _ in range(warmup):
+        for _ in range(steps):
             self.step()
         if cuda:
             torch.cuda.synchronize()
-            self.static_gib = (torch.cuda.memory_allocated() - before) / 2**30
-            self.peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
-        else:
-            self.static_gib = self.peak_gib = float("nan")
+            self.static_gib = (torch.cuda.memory_allocated() - self.before) / 2**30
+            self.peak_gib = (torch.cuda.max_memory_allocated() - self.before) / 2**30
 
     def step(self) -> None:
         """zero_grad + forward + backward + optimizer step."""
@@ -103,12 +111,19 @@ def variant_names(impls, recipes):
             print(f"skipping {impl}: {err}")
             continue
         names += [f"{impl}-{r}" for r in recipes]
+    if "ours-delayed" in names:
+        names.append("ours-delayed-fc1epilogue")
     return names
 
 
 def build(name, shape, x, dy, warmup):
     impl, recipe_name = name.split("-", 1)
-    return LayerStep(impl, recipe_name, shape, x, dy, warmup)
+    epilogue = recipe_name.endswith("-fc1epilogue")
+    variant = LayerStep(impl, recipe_name.removesuffix("-fc1epilogue"), shape, x, dy, 0)
+    if epilogue:
+        variant.layer.layernorm_mlp.keep_activation_input_in_fp8 = False
+    variant.warm_up(warmup)
+    return variant
 
 
 def main() -> None:
