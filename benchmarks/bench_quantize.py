@@ -21,9 +21,10 @@ from timing import gpu_time_ms, run_rounds
 
 tfp8 = torch.ops.transformer_fp8
 SHAPES = [(8192, 8192), (16384, 4096)]
-TINY_SHAPES = [(64, 128)]  # --tiny
+TINY_SHAPES = [(64, 256)]  # --tiny (SwiGLU: output rows of one 128-wide tile)
 DEV = "cuda"  # (main sets it from --device)
 E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
 ROTATE_BYTES = 256 * 2**20  # > 5x the H100's 50 MB L2
 
 
@@ -74,7 +75,28 @@ def cases(m, n):
          lambda x: tfp8.activation_fwd(x, "gelu", scale, E4M3, amax, scale_inv)),
     ]
     out += [(name, fn, 3, "bf16") for op, name, fn in fused if DEV != "cuda" or has_cuda_kernel(op)]
+    if DEV != "cuda" or has_cuda_kernel("activation_fwd_keep_input"):
+        out += swiglu_cases(m, n, scale, amax, scale_inv)
     return out
+
+
+def swiglu_cases(m, n, scale, amax, scale_inv):
+    """LayerNormMLP's SwiGLU kernels under delayed scaling with the FP8-kept input, the input [m, n] = [gate | up]:
+    the forward (reads 2 B, writes the FP8 output's 0.5 B, the kept copy's 1 B and its scales per input element) and
+    the backward from the kept copy (reads the gradient's 1 B and the kept 1 B, writes d(input) and its transpose, 1 B
+    each). The backward's operands are made once (its lambda ignores the rotated input)."""
+    x = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
+    _, kept, kept_scale_inv = tfp8.activation_fwd_keep_input(x, "swiglu", scale, E4M3, amax, scale_inv)
+    grad = torch.randn(m, n // 2, device=DEV, dtype=torch.bfloat16)
+    tile_scales = 4 / 128
+    return [
+        ("activation_fwd_keep_input(swiglu)",
+         lambda x: tfp8.activation_fwd_keep_input(x, "swiglu", scale, E4M3, amax, scale_inv), 3.5 + tile_scales,
+         "bf16"),
+        ("dact_cast_transpose_kept(swiglu)",
+         lambda _: tfp8.dact_cast_transpose_kept_input(grad, kept, kept_scale_inv, "swiglu", scale, E5M2, amax,
+                                                       scale_inv), 4 + tile_scales, "bf16"),
+    ]
 
 
 def main(argv=None):

@@ -37,7 +37,7 @@ __device__ __forceinline__ void load_input(const T* x, const uint8_t* x8, const 
   }
 }
 
-template <Activation A, DType IN, DType F8, int VEC, bool KEPT>
+template <Activation A, DType IN, DType F8, int VEC, bool KEPT, bool DBIAS>
 __global__ void __launch_bounds__(kThreads)
     dact_cast_transpose_kernel(const StorageT<IN>* __restrict__ dy, const StorageT<IN>* __restrict__ x,
                                uint8_t* __restrict__ q, uint8_t* __restrict__ qT, int64_t rows, int64_t out_cols,
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kThreadsPerRow = kTile / VEC;
   constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
   __shared__ uint8_t tile[kParts][kTile][kTile + 1];
-  __shared__ float column_sums[kRowsPerPass][kTile];
+  __shared__ float column_sums[DBIAS ? kRowsPerPass : 1][kTile];  // (no dbias: neither the sums nor their space)
 
   const int64_t in_cols = kParts * out_cols;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTile, col0 = static_cast<int64_t>(blockIdx.y) * kTile;
@@ -81,13 +81,18 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int p = 0; p < kParts; ++p) {
       act::Vec<uint8_t, VEC> bytes;
+      if constexpr (VEC % 2 == 0) {
+        act::encode_fp8<F8>(d[p], scale, bytes);
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) bytes.v[k] = float_to_fp8<F8>(d[p][k] * scale);
+      }
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         if (k < count) {
           local_amax = act::max_abs(local_amax, d[p][k]);
-          sums[p][k] += d[p][k];
+          if constexpr (DBIAS) sums[p][k] += d[p][k];
         }
-        bytes.v[k] = float_to_fp8<F8>(d[p][k] * scale);
         tile[p][tile_row][tile_col + k] = bytes.v[k];
       }
       uint8_t* dst = q + row * in_cols + p * out_cols + col;
@@ -122,7 +127,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  if (workspace != nullptr) {
+  if constexpr (DBIAS) {
 #pragma unroll
     for (int p = 0; p < kParts; ++p) {
 #pragma unroll
@@ -170,21 +175,26 @@ void launch_dact_cast_transpose(const void* dy, const void* x, DType dtype, uint
         const auto* xp = static_cast<const T*>(x);
         float* ws = dbias != nullptr ? workspace : nullptr;
         const bool vectors = out_cols % kVec == 0 && act::aligned(dy, 16) && act::aligned(q, kVec);
-        if (x8 != nullptr) {  // (a kept input: in_cols is a multiple of kKeepTile)
-          if (vectors && act::aligned(x8, kVec)) {
-            dact_cast_transpose_kernel<A, IN, F8, kVec, true><<<grid, kThreads, 0, stream>>>(
-                dyp, nullptr, q, qT, rows, out_cols, scale, amax, scale_inv, ws, x8, x8_scale_inv);
+        auto launch = [&](auto dbias_tag) {
+          constexpr bool DB = decltype(dbias_tag)::value;
+          if (x8 != nullptr) {  // (a kept input: in_cols is a multiple of kKeepTile)
+            if (vectors && act::aligned(x8, kVec)) {
+              dact_cast_transpose_kernel<A, IN, F8, kVec, true, DB><<<grid, kThreads, 0, stream>>>(
+                  dyp, nullptr, q, qT, rows, out_cols, scale, amax, scale_inv, ws, x8, x8_scale_inv);
+            } else {
+              dact_cast_transpose_kernel<A, IN, F8, 1, true, DB><<<grid, kThreads, 0, stream>>>(
+                  dyp, nullptr, q, qT, rows, out_cols, scale, amax, scale_inv, ws, x8, x8_scale_inv);
+            }
+          } else if (vectors && act::aligned(x, 16)) {
+            dact_cast_transpose_kernel<A, IN, F8, kVec, false, DB><<<grid, kThreads, 0, stream>>>(
+                dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws, nullptr, nullptr);
           } else {
-            dact_cast_transpose_kernel<A, IN, F8, 1, true><<<grid, kThreads, 0, stream>>>(
-                dyp, nullptr, q, qT, rows, out_cols, scale, amax, scale_inv, ws, x8, x8_scale_inv);
+            dact_cast_transpose_kernel<A, IN, F8, 1, false, DB><<<grid, kThreads, 0, stream>>>(
+                dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws, nullptr, nullptr);
           }
-        } else if (vectors && act::aligned(x, 16)) {
-          dact_cast_transpose_kernel<A, IN, F8, kVec, false><<<grid, kThreads, 0, stream>>>(
-              dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws, nullptr, nullptr);
-        } else {
-          dact_cast_transpose_kernel<A, IN, F8, 1, false><<<grid, kThreads, 0, stream>>>(
-              dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws, nullptr, nullptr);
-        }
+        };
+        if (ws != nullptr) launch(std::true_type{});
+        else launch(std::false_type{});
         TFP8_CUDA_CHECK(cudaGetLastError());
         if (dbias != nullptr) {
           const int64_t cols = in_cols_factor * out_cols;

@@ -14,9 +14,12 @@ using act::StorageT;
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
 
-// Offset of the gate element of output element i in a SwiGLU input (i and out_cols as above).
-__device__ __forceinline__ int64_t swiglu_gate_offset(int64_t i, int64_t out_cols) {
-  return i + (i / out_cols) * out_cols;
+// Offset of the gate element of output element i in a SwiGLU input (i and out_cols as above). The row index takes a
+// 32-bit division where the whole output fits (a 64-bit one is a long software sequence), n being uniform.
+__device__ __forceinline__ int64_t swiglu_gate_offset(int64_t i, int64_t out_cols, int64_t n) {
+  const int64_t row = n <= INT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(i) / static_cast<uint32_t>(out_cols))
+                                     : i / out_cols;
+  return i + row * out_cols;
 }
 
 // The kept copy of the input (KEEP): each input row cut into 1 x kKeepTile tiles, each tile saturate(value * 448 /
@@ -37,8 +40,7 @@ __device__ __forceinline__ void keep_tile(const float (&values)[VEC], uint8_t* d
     tile_amax = act::max_abs(tile_amax, __shfl_xor_sync(half_mask, tile_amax, offset));
   const float scale = tile_amax > 0.0f ? kE4M3Max / tile_amax : 1.0f;
   act::Vec<uint8_t, VEC> bytes;
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) bytes.v[k] = float_to_fp8<DType::kE4M3>(values[k] * scale);
+  act::encode_fp8<DType::kE4M3>(values, scale, bytes);
   *reinterpret_cast<act::Vec<uint8_t, VEC>*>(dst) = bytes;
   if (threadIdx.x % 16 == 0) *tile_scale_inv = 1.0f / scale;
 }
@@ -55,11 +57,12 @@ __global__ void __launch_bounds__(kThreads)
   if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
   float local_amax = 0.0f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * VEC;
+#pragma unroll 2
   for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC; i < n; i += stride) {
     const int count = static_cast<int>(min(static_cast<int64_t>(VEC), n - i));
     float out[VEC];
     if constexpr (A == Activation::kSwiglu) {
-      const int64_t gate_at = swiglu_gate_offset(i, out_cols);
+      const int64_t gate_at = swiglu_gate_offset(i, out_cols, n);
       float gate[VEC], up[VEC];
       act::load_floats(x + gate_at, gate, count);
       act::load_floats(x + gate_at + out_cols, up, count);
@@ -93,7 +96,7 @@ __global__ void __launch_bounds__(kThreads)
     float grad[VEC];
     act::load_floats(dy + i, grad, count);
     if constexpr (A == Activation::kSwiglu) {
-      const int64_t gate_at = swiglu_gate_offset(i, out_cols);
+      const int64_t gate_at = swiglu_gate_offset(i, out_cols, n);
       float gate[VEC], up[VEC], dgate[VEC], dup[VEC];
       act::load_floats(x + gate_at, gate, count);
       act::load_floats(x + gate_at + out_cols, up, count);
