@@ -10,10 +10,11 @@ Engine is installed), and `ours-delayed-fc1epilogue`: ours delayed with keep_act
 FC1's GEMM epilogue, its 16-bit pre-activation kept for the backward; the default keeps it in E4M3 tiles).
 Each variant is built, warmed up and measured for memory ALONE (the others freed): peak GiB =
 torch.cuda.max_memory_allocated during its warm-up steps minus what was allocated before its layer was built
-(parameters + gradients + optimizer state + activations + transients; the input and dy are allocated before). Then all
-variants are rebuilt and timed in interleaved rounds (timing.run_rounds: a new seeded order each round): ms per step =
-CUDA events around `--steps` steps back to back / steps. Ratios: each row's peak / torch-bf16's (target: ours FP8
-<= 0.9x).
+(parameters + gradients + optimizer state + activations + transients; the input and dy are allocated before), of the
+first step (delayed scaling calibrates its scales on a high-precision step) and of the later ones; the larger is the
+step's peak. Then all variants are rebuilt and timed in interleaved rounds (timing.run_rounds: a new seeded order
+each round): ms per step = CUDA events around `--steps` steps back to back / steps. Ratios: each row's peak /
+torch-bf16's (target: ours FP8 <= 0.9x).
 
 Run: python benchmarks/bench_layer_step.py [--impls ours,te] [--recipes bf16,delayed] [--rounds 5] [--json out.json]
 `--tiny` (a small layer; `--device cpu` allowed) checks the script.
@@ -55,22 +56,29 @@ class LayerStep:
                                                   device=x.device.type)
         self.optimizer = torch.optim.AdamW(self.layer.parameters(), lr=1e-5, fused=cuda)
         self.x, self.dy, self.before = x, dy, before
-        self.static_gib = self.peak_gib = float("nan")
+        self.static_gib = self.peak_gib = self.first_gib = self.steady_gib = float("nan")
         self.warm_up(warmup)
 
     def warm_up(self, steps: int) -> None:
-        """`steps` steps; sets static_gib / peak_gib (above what was allocated before the layer was built)."""
+        """`steps` steps (at least 2); sets static_gib, first_gib (the peak of the first step: delayed scaling's
+        calibrating step runs the high-precision path), steady_gib (the peak of the later ones) and peak_gib (the
+        larger), all above what was allocated before the layer was built."""
         if steps <= 0:
             return
-        cuda = self.x.is_cuda
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        for _ in range(steps):
-            self.step()
-        if cuda:
-            torch.cuda.synchronize()
+        peaks = []
+        for steps_here in (1, max(1, steps - 1)):
+            if self.x.is_cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            for _ in range(steps_here):
+                self.step()
+            if self.x.is_cuda:
+                torch.cuda.synchronize()
+                peaks.append((torch.cuda.max_memory_allocated() - self.before) / 2**30)
+        if self.x.is_cuda:
             self.static_gib = (torch.cuda.memory_allocated() - self.before) / 2**30
-            self.peak_gib = (torch.cuda.max_memory_allocated() - self.before) / 2**30
+            self.first_gib, self.steady_gib = peaks
+            self.peak_gib = max(peaks)
 
     def step(self) -> None:
         """zero_grad + forward + backward + optimizer step."""
@@ -150,7 +158,8 @@ def main() -> None:
     memory = {}
     for name in names:  # each alone: the others' layers and optimizer states are freed
         variant = build(name, shape, x, dy, args.warmup)
-        memory[name] = dict(peak_gib=round(variant.peak_gib, 3), static_gib=round(variant.static_gib, 3))
+        memory[name] = {k: round(getattr(variant, k), 3) for k in ("peak_gib", "first_gib", "steady_gib",
+                                                                    "static_gib")}
         del variant
         gc.collect()
         if args.device == "cuda":
@@ -160,14 +169,15 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     base = memory["torch-bf16"]["peak_gib"]
     print(f"layer step with AdamW on {device}, {shape}, {args.rounds} interleaved rounds x {args.steps} steps")
-    print("| variant | ms/step median (range) | peak GiB | static GiB | peak / torch-bf16 |")
-    print("|---|---|---|---|---|")
+    print("| variant | ms/step median (range) | peak GiB | first step | later steps | static GiB | peak / torch-bf16 |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
     for name in names:
         ratio = memory[name]["peak_gib"] / base if base == base and base > 0 else float("nan")
         rows.append(dict(variant=name, ms=times[name], **memory[name], peak_ratio=round(ratio, 3)))
-        print(f"| {name} | {fmt_spread(times[name])} | {memory[name]['peak_gib']:.2f} | "
-              f"{memory[name]['static_gib']:.2f} | {ratio:.3f} |")
+        mem = memory[name]
+        print(f"| {name} | {fmt_spread(times[name])} | {mem['peak_gib']:.2f} | {mem['first_gib']:.2f} | "
+              f"{mem['steady_gib']:.2f} | {mem['static_gib']:.2f} | {ratio:.3f} |")
     if "ours-delayed" in memory and base == base:
         met = memory["ours-delayed"]["peak_gib"] <= TARGET_PEAK_RATIO * base
         print(f"target: ours FP8 peak <= {TARGET_PEAK_RATIO} x torch-bf16's: {'met' if met else 'not met'}")
