@@ -165,6 +165,14 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // (g_i cos f_i + g_j sin f_j, g_j cos f_j - g_i sin f_i), the rotation by the negated angle when f_i == f_j.
   m.def("rope_bwd(Tensor grad_out, Tensor freqs, str qkv_format, bool interleaved=False) -> Tensor");
 
+  // --- loss family --- cross-entropy of a chunk of float32 logits [rows, classes] against int64 targets [rows] (a
+  // row whose target is ignore_index counts for nothing): (loss_rows [rows] float32 = logsumexp(row) - row[target], 0
+  // for an ignored row; dlogits [rows, classes] in grad_dtype = softmax(row), minus 1 at the target of a counted row
+  // (subtracted in float32, rounded once); an empty tensor when grad_dtype is None). Targets must lie in
+  // [0, classes) or equal ignore_index (another raises: on CUDA as a device-side error, as torch's gather does).
+  m.def("cross_entropy_chunk(Tensor logits, Tensor targets, int ignore_index, ScalarType? grad_dtype) -> "
+        "(Tensor, Tensor)");
+
   // --- attention family --- scaled-dot-product attention (CUDA: cuDNN's graph API; CPU: float32 math reference).
   // q [b, hq, sq, d_qk], k [b, hkv, skv, d_qk], v [b, hkv, skv, d_v]: float16 or bfloat16 (one dtype), last dim
   // contiguous, any other strides (sbhd / bshd tensors, or views of a fused QKV buffer, permuted to [b, h, s, d]);

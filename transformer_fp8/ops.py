@@ -231,6 +231,12 @@ def _(grad_out, freqs, qkv_format, interleaved=False):
     return grad_out.new_empty(grad_out.shape)
 
 
+@_register_fake("transformer_fp8::cross_entropy_chunk")
+def _(logits, targets, ignore_index, grad_dtype):
+    dlogits = logits.new_empty(logits.shape, dtype=grad_dtype) if grad_dtype is not None else logits.new_empty(0)
+    return logits.new_empty(logits.shape[0]), dlogits
+
+
 @_register_fake("transformer_fp8::fused_attn_fwd")
 def _(q, k, v, scale, causal=False, dropout_p=0.0, seqlens_q=None, seqlens_kv=None, rng_state=None):
     b, hq, sq = q.shape[:3]

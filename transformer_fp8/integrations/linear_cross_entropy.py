@@ -9,12 +9,17 @@ dtype, from which the gradients of hidden (dlogits @ weight) and of weight (dlog
 in weight's dtype) are made at once. Only those two gradients wait for the backward, which scales them by grad_output
 (/ the number of counted tokens for "mean"): no logits are kept, none are recomputed.
 
-Memory, for M tokens and V classes: about chunk_size * V * 8 bytes while a chunk is computed, plus gradients the size
-of hidden and of weight until the backward; F.cross_entropy on float32 logits holds about 3 * M * V * 4 bytes.
+Memory, for M tokens and V classes: about chunk_size * V * 6 bytes while a chunk is computed (its float32 logits and
+its dlogits in hidden's dtype), plus gradients the size of hidden and of weight until the backward; F.cross_entropy on
+float32 logits holds about 3 * M * V * 4 bytes.
 """
 import torch
 
+from ..cpu.loss import cross_entropy_math
+from ..ops import tfp8
+
 REDUCTIONS = ("mean", "sum")
+_CUDA_KERNEL = torch._C._dispatch_has_kernel_for_dispatch_key("transformer_fp8::cross_entropy_chunk", "CUDA")
 DEFAULT_CHUNK_SIZE = 1024  # [1024, 32000] float32 logits: 125 MiB
 
 
@@ -27,20 +32,17 @@ def _float32_logits(hidden, weight):
     return torch.mm(hidden.float(), weight.float().t())
 
 
-def _chunk_loss_and_dlogits(hidden, weight, targets, valid, with_dlogits):
-    """hidden [C, H], targets [C], valid [C] bool -> (summed loss of the valid rows, float32 scalar;
-    dlogits [C, V] = softmax - onehot in hidden's dtype, or None). Rows of ignored tokens get no onehot (their
-    dlogits are left for the caller to mask)."""
-    logprobs = torch.log_softmax(_float32_logits(hidden, weight), dim=-1)
-    index = torch.where(valid, targets, 0)[:, None]  # ignored rows read column 0, masked out below
-    target_logprobs = logprobs.gather(1, index).squeeze(1)
-    loss = -torch.where(valid, target_logprobs, 0.0).sum()
-    if not with_dlogits:
-        return loss, None
-    dlogits = torch.exp(logprobs, out=torch.empty(logprobs.shape, dtype=hidden.dtype, device=hidden.device))
-    # the target column from float32: p - 1 rounded once (p rounded first would lose p - 1 when p is near 1)
-    dlogits.scatter_(1, index, (target_logprobs.exp() - valid.float()).to(hidden.dtype)[:, None])
-    return loss, dlogits
+def _chunk_loss_and_dlogits(hidden, weight, targets, ignore_index, with_dlogits):
+    """hidden [C, H], targets [C] -> (summed loss of the counted rows, float32 scalar; dlogits [C, V] = softmax -
+    onehot in hidden's dtype, or None). Rows of ignored tokens get no onehot (their dlogits are left for the caller to
+    mask). The loss and dlogits come from one op over the float32 logits (cross_entropy_chunk: two reads of the
+    logits and one write of dlogits on CUDA)."""
+    logits, grad_dtype = _float32_logits(hidden, weight), hidden.dtype if with_dlogits else None
+    if logits.is_cuda and not _CUDA_KERNEL:  # (an extension built without the loss family)
+        loss_rows, dlogits = cross_entropy_math(logits, targets, ignore_index, grad_dtype)
+    else:
+        loss_rows, dlogits = tfp8.cross_entropy_chunk(logits, targets, ignore_index, grad_dtype)
+    return loss_rows.sum(), (dlogits if with_dlogits else None)
 
 
 def _loss_and_grads(hidden, weight, targets, ignore_index, chunk_size, need_dhidden, need_dweight):
@@ -53,7 +55,8 @@ def _loss_and_grads(hidden, weight, targets, ignore_index, chunk_size, need_dhid
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         h, ok = hidden[rows], valid[rows]
-        chunk_loss, dlogits = _chunk_loss_and_dlogits(h, weight, targets[rows], ok, need_dhidden or need_dweight)
+        chunk_loss, dlogits = _chunk_loss_and_dlogits(h, weight, targets[rows], ignore_index,
+                                                      need_dhidden or need_dweight)
         loss += chunk_loss
         if need_dhidden:
             torch.mm(dlogits, weight, out=dhidden[rows]).mul_(ok[:, None])
