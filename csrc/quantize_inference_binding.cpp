@@ -1,10 +1,13 @@
 // CUDA kernel of inference_cast (contract: csrc/ops.cpp; kernel: csrc/quantize_inference.cu): argument checks, the
-// output's allocation, one launch on the current stream.
+// output's allocation, one launch on the current stream. While the stream is being captured into a CUDA graph, and
+// for an empty input, the op sequence of the contract runs instead (a cooperative launch is not captured everywhere;
+// an empty input launches nothing).
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "common.h"
 #include "library_op.h"
@@ -15,6 +18,9 @@ namespace {
 
 using OptTensor = std::optional<at::Tensor>;
 using ScalingUpdate = void(at::TensorList, at::TensorList, at::TensorList, double, double, c10::string_view);
+using ComputeAmax = void(const at::Tensor&, const at::Tensor&);
+using CastTranspose = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, at::ScalarType, bool,
+                                                         bool, const OptTensor&, const OptTensor&);
 
 void check_state_tensor(const at::Tensor& t, at::IntArrayRef shape, const at::Tensor& x, const char* arg) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == shape && t.is_contiguous(), arg,
@@ -45,22 +51,35 @@ bool check_state(const at::Tensor& x, bool current_scaling, const OptTensor& his
   return true;
 }
 
-// The bookkeeping of an empty input (no launch): what the kernel would leave.
-void empty_input_bookkeeping(const at::Tensor& scale, const at::Tensor& amax, const at::Tensor& scale_inv,
-                             bool current_scaling, bool update, const OptTensor& history, const OptTensor& state_scale,
-                             const OptTensor& state_scale_inv, const OptTensor& backup, double fp8_max, double margin,
-                             c10::string_view amax_compute_algo) {
+// The contract's op sequence (library ops through the dispatcher): x as [-1, last dim] -> q of x's shape.
+at::Tensor op_sequence(const at::Tensor& x, const at::Tensor& scale, at::ScalarType fp8_dtype, const at::Tensor& amax,
+                       const at::Tensor& scale_inv, bool current_scaling, bool update, const OptTensor& history,
+                       const OptTensor& state_scale, const OptTensor& state_scale_inv, const OptTensor& backup,
+                       double fp8_max, double margin, c10::string_view amax_compute_algo) {
   static const auto scaling_update = library_op<ScalingUpdate>("transformer_fp8::delayed_scaling_update");
+  static const auto compute_amax = library_op<ComputeAmax>("transformer_fp8::compute_amax");
+  static const auto cast = library_op<CastTranspose>("transformer_fp8::cast_transpose");
+  const at::Tensor x2 = x.reshape({-1, x.dim() == 0 ? 1 : x.size(-1)});
   if (current_scaling) {
+    compute_amax.call(x2, amax);
     scaling_update.call({amax.view({1, 1})}, {scale.view({1})}, {scale_inv.view({1})}, fp8_max, 0.0, "most_recent");
   }
-  scale_inv.copy_(scale.reciprocal().reshape(scale_inv.sizes()));
-  if (!update) return;
-  backup->select(0, 0).copy_(history->select(0, 0));
-  backup->select(0, 1).copy_(history->select(0, history->size(0) - 1));
-  backup->select(0, 2).copy_(*state_scale);
-  backup->select(0, 3).copy_(*state_scale_inv);
-  scaling_update.call({*history}, {*state_scale}, {*state_scale_inv}, fp8_max, margin, amax_compute_algo);
+  const OptTensor cast_amax = current_scaling ? OptTensor() : OptTensor(amax);
+  const at::Tensor q = std::get<0>(cast.call(x2, scale, fp8_dtype, true, false, cast_amax, scale_inv));
+  if (update) {
+    backup->select(0, 0).copy_(history->select(0, 0));
+    backup->select(0, 1).copy_(history->select(0, history->size(0) - 1));
+    backup->select(0, 2).copy_(*state_scale);
+    backup->select(0, 3).copy_(*state_scale_inv);
+    scaling_update.call({*history}, {*state_scale}, {*state_scale_inv}, fp8_max, margin, amax_compute_algo);
+  }
+  return q.view(x.sizes());
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TFP8_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
 }
 
 at::Tensor inference_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType fp8_dtype,
@@ -78,12 +97,12 @@ at::Tensor inference_cast(const at::Tensor& x, const at::Tensor& scale, at::Scal
               std::to_string(fp8_max));
   const bool update = check_state(x, current_scaling, history, state_scale, state_scale_inv, backup, amax_compute_algo);
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor q = at::empty(x.sizes(), x.options().dtype(fp8_dtype));
-  if (x.numel() == 0) {
-    empty_input_bookkeeping(scale, amax, scale_inv, current_scaling, update, history, state_scale, state_scale_inv,
-                            backup, fp8_max, margin, amax_compute_algo);
-    return q;
+  const cudaStream_t stream = current_stream();
+  if (x.numel() == 0 || capturing(stream)) {
+    return op_sequence(x, scale, fp8_dtype, amax, scale_inv, current_scaling, update, history, state_scale,
+                       state_scale_inv, backup, fp8_max, margin, amax_compute_algo);
   }
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(fp8_dtype));
   InferenceCastArgs args{x.data_ptr(),
                          static_cast<uint8_t*>(q.data_ptr()),
                          x.numel(),
@@ -104,7 +123,7 @@ at::Tensor inference_cast(const at::Tensor& x, const at::Tensor& scale, at::Scal
     args.pow2_margin = static_cast<float>(std::pow(2.0, margin));  // (as delayed_scaling_update rounds it)
     args.use_max = amax_compute_algo == "max";
   }
-  launch_inference_cast(args, current_stream());
+  launch_inference_cast(args, stream);
   return q;
 }
 

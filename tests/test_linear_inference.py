@@ -378,3 +378,38 @@ def test_bad_inputs(bad, error, message):
         module(x)  # (adopts the recipe: the next calls take the inference path)
         with pytest.raises(error, match=message):
             module(bad(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_cuda_graph_replay(recipe_name, counting_c, monkeypatch):
+    # the whole call (autocast included) captured and replayed: each replay as one eager call of the Function's path
+    fp8_recipe = RECIPES[recipe_name]()
+    new, old = fp8_linears("cuda", torch.bfloat16, True)
+    xs = [torch.randn(16, 64, dtype=torch.bfloat16, device="cuda") * s for s in (1.0, 2.0, 0.5, 4.0, 1.5)]
+    static_x = xs[0].clone()
+
+    def call(module):
+        with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+            return module(static_x)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # (the delayed state calibrated; the same calls made on the reference below)
+            call(new)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = call(new)
+    monkeypatch.setattr(linear_module, "INFERENCE_PATH", False)
+    for _ in range(2):  # (the warm-up calls; the capture recorded its launches without running them)
+        call(old)
+    for x in xs[1:]:
+        static_x.copy_(x)
+        graph.replay()
+        ref = call(old)
+        assert torch.equal(static_out, ref)
+        for name, tensor in new.fp8_fwd.state_dict().items():
+            assert torch.equal(tensor, old.fp8_fwd.state_dict()[name]), name
+    assert counting_c.inference_calls >= 2
