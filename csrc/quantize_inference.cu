@@ -94,12 +94,13 @@ __global__ void __launch_bounds__(kThreads)
                        a.use_max);
 }
 
-// The most blocks of `kernel` that fit on the device at once (a cooperative launch's limit), asked once per kernel.
-template <typename Kernel>
-int resident_blocks(Kernel kernel) {
-  static const int blocks = [kernel] {
+// The most blocks of inference_cast_kernel<T, F> that fit on the device at once (a cooperative launch's limit),
+// asked once per kernel.
+template <typename T, DType F>
+int resident_blocks() {
+  static const int blocks = [] {
     int per_sm = 0;
-    TFP8_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+    TFP8_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, inference_cast_kernel<T, F>, kThreads, 0));
     return std::max(1, per_sm) * sm_count();
   }();
   return blocks;
@@ -112,7 +113,7 @@ void launch(const InferenceCastArgs& a, cudaStream_t stream) {
   const int64_t work = n_chunks > 0 ? n_chunks : a.n;
   auto kernel = inference_cast_kernel<T, F>;
   const int64_t wanted = std::max<int64_t>(1, (work + kThreads - 1) / kThreads);
-  const int grid = static_cast<int>(std::min<int64_t>(wanted, resident_blocks(kernel)));
+  const int grid = static_cast<int>(std::min<int64_t>(wanted, resident_blocks<T, F>()));
   if (!a.current && a.history == nullptr) {  // (no barrier: an ordinary launch)
     kernel<<<grid, kThreads, 0, stream>>>(x, a, n_chunks);
   } else {
