@@ -92,8 +92,9 @@ def pieces(m: int, k: int, n: int, device: str) -> Dict[str, Callable[[], object
     calls["inference_cast delayed"] = lambda: tfp8.inference_cast(x, scratch[0], e4, scratch[1], scratch[2], False,
                                                                   448.0)
     state = ScalingState(3, 1024, device)  # (TE's default history length)
+    state_args = state.inline_update_args(recipes["delayed"])[:4]
     calls["inference_cast delayed + update"] = lambda: tfp8.inference_cast(
-        x, state.scales[0], e4, state.amaxes[0], scratch[2], False, 448.0, *state.inline_update_args(), 0.0, "max")
+        x, state.scales[0], e4, state.amaxes[0], scratch[2], False, 448.0, *state_args, 0.0, "max")
     xq = tfp8.inference_cast(x, scratch[0], e4, scratch[1], scratch[2], False, 448.0)
     calls["fp8_gemm"] = lambda: tfp8.fp8_gemm(xq, scratch[2], w._data, w._scale_inv, dtype, lin.bias)
     if device == "cuda":

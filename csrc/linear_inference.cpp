@@ -66,7 +66,10 @@ at::Tensor fp8_linear_inference(const at::Tensor& x, const at::Tensor& w, const 
   // (a 16-bit output takes the bias in the GEMM epilogue, in its dtype; a float32 one gets it added afterwards, as
   // module/_gemm.py's fp8_gemm_bias does)
   const bool epilogue_bias = bias.has_value() && out_dtype != at::kFloat;
-  const OptTensor gemm_bias = epilogue_bias ? OptTensor(bias->to(out_dtype)) : std::nullopt;
+  // (Tensor::to is a dispatcher call even when the dtype already matches: skipped then)
+  const OptTensor gemm_bias = !epilogue_bias                     ? std::nullopt
+                              : bias->scalar_type() == out_dtype ? bias
+                                                                 : OptTensor(bias->to(out_dtype));
   at::Tensor out = std::get<0>(gemm.call(xq, x_scale_inv, w, w_scale_inv, out_dtype, gemm_bias, false, std::nullopt,
                                          std::nullopt, /*use_split_accumulator=*/false, std::nullopt));
   if (bias.has_value() && !epilogue_bias) out.add_(*bias);

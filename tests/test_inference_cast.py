@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.utils import scalar
+from transformer_fp8.recipe import DelayedScaling
 from transformer_fp8.quantization.state import ScalingState
 
 ops = torch.ops.transformer_fp8
@@ -132,7 +133,7 @@ def test_undo_puts_back_the_state(device, history_len, nan_input):
         x[3, 5] = float("nan")
     snapshot = scalar(0.0, device)
     ops.inference_cast(x, state.scales[0], E4M3, state.amaxes[0], snapshot, False, 448.0,
-                       *state.inline_update_args(), 0.0, "max")
+                       *state.inline_update_args(DelayedScaling())[:4], 0.0, "max")
     state.updated_inline = True
     # what the cast alone leaves (the amax accumulated into row 0, NaN included), which the exit's update would see
     expected = before["amax_history"].clone()

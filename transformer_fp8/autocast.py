@@ -113,8 +113,9 @@ class fp8_autocast(contextlib.ContextDecorator):
     def __exit__(self, *exc):
         state = STATE
         state.enabled, state.calibrating, state.recipe, state.group = state.saved.pop()
-        state.depth -= 1
-        if state.depth == 0:
+        depth = state.depth - 1
+        state.depth = depth
+        if depth == 0:
             if state.forward_states:
                 entries, state.forward_states = state.forward_states, []
                 update_scaling_states(entries, forward=True)

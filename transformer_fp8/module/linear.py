@@ -32,6 +32,8 @@ INFERENCE_PATH = True
 # updated_inline) instead of at the autocast's exit. Read at each call; False: queued for the exit's update as the
 # Function's path does (benchmarks/bench_fp8_inference.py times both).
 INLINE_UPDATE = True
+_INPUT = Role.INPUT  # (an enum member's lookup costs a dict lookup's time again: read once)
+_NO_UPDATE = (None, None, None, None, 0.0, True)  # linear_inference's state arguments when it updates nothing
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -225,45 +227,39 @@ class Linear(FP8ModuleBase):
         quantizers = self.quantizers
         if not quantizers.fused_per_tensor:
             return None
-        quantizer = quantizers._quantizers[Role.INPUT]
+        quantizer = quantizers.by_role[_INPUT]
         fwd, slot = quantizer.state, quantizer.slot
-        if not fwd.calibrated and quantizers.updates_by_history:
-            return None
-        self._fp8_call_counts[0] += 1
-        if not self._last_forward_fp8:
-            self._last_forward_fp8 = True
-        bias = None if self.return_bias else bias
-        try:
-            x = inp if inp.is_contiguous() else inp.contiguous()
-            if not quantizers.updates_by_history:  # current scaling: amax, scale and cast in the op's one cast launch
-                return _C.linear_inference(x, weight._data, weight._scale_inv, fwd.scales[slot], quantizer.fp8_dtype,
-                                           fwd.amaxes[slot], fwd.scale_inv_slots[slot], bias, True, quantizer.fp8_max,
-                                           None, None, None, None, 0.0, True)
+        if quantizers.updates_by_history:
             # delayed: the cast with the slot's known scale writes the slot's snapshot (as cast_args gives it), and
             # the state's update runs in the same launch (see ScalingState.updated_inline) unless the state is
             # queued for the exit's update already, or its amaxes are to be all-reduced there first
-            inline = None
+            if not fwd.calibrated:
+                return None
+            current, scale_inv, inline = False, fwd.scale_invs[slot], _NO_UPDATE
             if not fwd.pending:
                 recipe = quantizers.recipe
                 if fwd.updated_inline or not INLINE_UPDATE or (recipe.reduce_amax and
                                                                update.distributed_initialized()):
                     update.register_forward(state.forward_states, fwd, recipe, state.group)
                 else:
-                    inline = recipe
-            if inline is None:
-                return _C.linear_inference(x, weight._data, weight._scale_inv, fwd.scales[slot], quantizer.fp8_dtype,
-                                           fwd.amaxes[slot], fwd.scale_invs[slot], bias, False, quantizer.fp8_max,
-                                           None, None, None, None, 0.0, True)
-            out = _C.linear_inference(x, weight._data, weight._scale_inv, fwd.scales[slot], quantizer.fp8_dtype,
-                                      fwd.amaxes[slot], fwd.scale_invs[slot], bias, False, quantizer.fp8_max,
-                                      *fwd.inline_update_args(), float(inline.margin),
-                                      inline.amax_compute_algo == "max")
-            fwd.updated_inline = True
-            state.inline_updated.append(fwd)
-            return out
+                    inline = fwd.inline_update_args(recipe)
+        else:  # current scaling: amax, scale and cast in the op's one cast launch
+            current, scale_inv, inline = True, fwd.scale_inv_slots[slot], _NO_UPDATE
+        self._fp8_call_counts[0] += 1
+        if not self._last_forward_fp8:
+            self._last_forward_fp8 = True
+        try:
+            out = _C.linear_inference(inp if inp.is_contiguous() else inp.contiguous(), weight._data,
+                                      weight._scale_inv, fwd.scales[slot], quantizer.fp8_dtype, fwd.amaxes[slot],
+                                      scale_inv, None if self.return_bias else bias, current, quantizer.fp8_max,
+                                      *inline)
         except (RuntimeError, TypeError, AttributeError):
             check_input(inp, self.in_features)  # (raises the clear error when the input is the cause)
             raise
+        if inline is not _NO_UPDATE:
+            fwd.updated_inline = True
+            state.inline_updated.append(fwd)
+        return out
 
     def _local_linear(self, inp, bias, is_first_microbatch, residual=None, relay=None):
         """inp [..., local in] @ this rank's weightᵀ (+ bias) (+ residual): FP8 inside fp8_autocast, else high

@@ -35,6 +35,7 @@ class ScalingState:
     calibration_group = None
     updated_inline = False
     update_backup = None
+    _inline_args = None  # (recipe, inline_update_args(recipe))
 
     def __init__(self, n: int, history_len: int, device: torch.device | str):
         """Args:
@@ -51,20 +52,29 @@ class ScalingState:
 
     def _make_views(self):
         self.device = self.scale.device
-        self.update_backup = None
+        self.update_backup = self._inline_args = None
         self.scales = self.scale.split(1)
         self.scale_inv_slots = self.scale_inv.split(1)
         self.amaxes = self.amax_history[0].split(1)
         self.histories = self.amax_history.split(1, dim=1)
         update.renew_scale_inv_snapshots([self])
 
-    def inline_update_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns:
-            (amax_history, scale, scale_inv, update_backup): the state arguments of inference_cast's fused update
-            (update_backup made on first use)."""
+    def inline_update_args(self, recipe: Any) -> tuple:
+        """The state arguments of inference_cast's fused update under `recipe` (a DelayedScaling), made once per
+        recipe (update_backup made with them).
+
+        Returns:
+            (amax_history, scale, scale_inv, update_backup, margin, use_max), use_max: amax_compute_algo == "max".
+        """
+        cached = self._inline_args
+        if cached is not None and cached[0] is recipe:
+            return cached[1]
         if self.update_backup is None:
             self.update_backup = torch.empty(4, self.scale.shape[0], dtype=torch.float32, device=self.device)
-        return self.amax_history, self.scale, self.scale_inv, self.update_backup
+        args = (self.amax_history, self.scale, self.scale_inv, self.update_backup, float(recipe.margin),
+                recipe.amax_compute_algo == "max")
+        self._inline_args = (recipe, args)
+        return args
 
     def undo_inline_update(self) -> None:
         """Put back what the last inline update replaced (update_backup): the history rolled back up (its row 0 and
