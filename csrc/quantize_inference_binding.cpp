@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -76,7 +77,14 @@ at::Tensor op_sequence(const at::Tensor& x, const at::Tensor& scale, at::ScalarT
   return q.view(x.sizes());
 }
 
-bool capturing(cudaStream_t stream) {
+// Whether the op sequence must stand in for the kernel because `stream` is being captured. TFP8_INFERENCE_CAPTURE=
+// kernel captures the kernel itself (a cooperative launch: for trying where the driver captures those).
+bool sequence_for_capture(cudaStream_t stream) {
+  static const bool capture_kernel = [] {
+    const char* value = std::getenv("TFP8_INFERENCE_CAPTURE");
+    return value != nullptr && std::string(value) == "kernel";
+  }();
+  if (capture_kernel) return false;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   TFP8_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
   return status != cudaStreamCaptureStatusNone;
@@ -98,7 +106,7 @@ at::Tensor inference_cast(const at::Tensor& x, const at::Tensor& scale, at::Scal
   const bool update = check_state(x, current_scaling, history, state_scale, state_scale_inv, backup, amax_compute_algo);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream();
-  if (x.numel() == 0 || capturing(stream)) {
+  if (x.numel() == 0 || sequence_for_capture(stream)) {
     return op_sequence(x, scale, fp8_dtype, amax, scale_inv, current_scaling, update, history, state_scale,
                        state_scale_inv, backup, fp8_max, margin, amax_compute_algo);
   }
