@@ -22,6 +22,8 @@ Variants (all under torch.no_grad(), the same shapes, dtype and bias):
                  (timing.graph_time_ms): what the GPU does per call with no host work. A user graphs an inference
                  call with torch.cuda.graph / torch.cuda.make_graphed_callables on the same callable (our
                  make_graphed_callables graphs forward+backward pairs and replays them with grad mode on only).
+                 (Captured, the op's cast runs as its op sequence unless TFP8_INFERENCE_CAPTURE=kernel: see
+                 csrc/quantize_inference_binding.cpp.)
 Measures per variant and point, in interleaved rounds (timing.run_rounds: a new seeded order each round):
   time per call as the user sees it: `--iters` calls back to back between two CUDA events (timing.gpu_time_ms),
   ms per call; host time per call (timing.host_time_us: the calls issued without waiting for the GPU), µs.
