@@ -60,7 +60,7 @@ at::Tensor op_sequence(const at::Tensor& x, const at::Tensor& scale, at::ScalarT
   static const auto scaling_update = library_op<ScalingUpdate>("transformer_fp8::delayed_scaling_update");
   static const auto compute_amax = library_op<ComputeAmax>("transformer_fp8::compute_amax");
   static const auto cast = library_op<CastTranspose>("transformer_fp8::cast_transpose");
-  const at::Tensor x2 = x.reshape({-1, x.dim() == 0 ? 1 : x.size(-1)});
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
   if (current_scaling) {
     compute_amax.call(x2, amax);
     scaling_update.call({amax.view({1, 1})}, {scale.view({1})}, {scale_inv.view({1})}, fp8_max, 0.0, "most_recent");
@@ -97,6 +97,7 @@ at::Tensor inference_cast(const at::Tensor& x, const at::Tensor& scale, at::Scal
   check_cuda(x, "x");
   check_high_precision(x, "x");
   check_contiguous(x, "x");
+  TORCH_CHECK(x.dim() >= 1, "x: expected a tensor with at least one dim, got a 0-dim tensor");
   check_fp8_dtype(fp8_dtype, "fp8_dtype");
   check_scalar_f32(scale, x, "scale");
   check_scalar_f32(amax, x, "amax");

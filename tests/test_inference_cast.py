@@ -180,6 +180,7 @@ def test_opcheck(device, with_state):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("change,message", [
     (lambda a: a.update(x=a["x"].t()), "x: expected a contiguous"),
+    (lambda a: a.update(x=a["x"][0, 0]), "x: expected a .*at least one dim"),
     (lambda a: a.update(x=a["x"].to(torch.int32)), "x: expected"),
     (lambda a: a.update(fp8_dtype=torch.float16), "fp8_dtype"),
     (lambda a: a.update(scale=torch.ones(2, device=a["x"].device)), "scale: expected one element"),

@@ -8,7 +8,9 @@ _ALGOS = ("max", "most_recent")
 
 
 def _check_state(x, current_scaling, history, state_scale, state_scale_inv, backup, amax_compute_algo):
-    """Returns:
+    """Checks the delayed update's arguments (inference_cast's, named as in its schema).
+
+    Returns:
         Whether the delayed update's state is given (all four tensors; none is the other valid choice)."""
     state = (history, state_scale, state_scale_inv, backup)
     given = sum(t is not None for t in state)
@@ -41,8 +43,9 @@ def inference_cast(x, scale, fp8_dtype, amax, scale_inv, current_scaling, fp8_ma
     ops = torch.ops.transformer_fp8
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"x: expected float32, float16 or bfloat16, got {x.dtype}")
-    if not x.is_contiguous():
-        raise ValueError(f"x: expected a contiguous tensor, got strides {x.stride()}")
+    if x.dim() == 0 or not x.is_contiguous():
+        raise ValueError(f"x: expected a contiguous tensor with at least one dim, got shape {tuple(x.shape)} and "
+                         f"strides {x.stride()}")
     check_fp8_dtype(fp8_dtype, "fp8_dtype")
     for t, arg in ((scale, "scale"), (amax, "amax"), (scale_inv, "scale_inv")):
         check_scalar_f32(t, x, arg)
