@@ -4,7 +4,12 @@ torch.no_grad(), ONE `with fp8_autocast(enabled=True, fp8_recipe=...)` per call 
 
 Variants (all under torch.no_grad(), the same shapes, dtype and bias):
   ours-new       te.Linear through its inference path (module.linear.INFERENCE_PATH = True: one call of the op
-                 fp8_linear_inference, csrc/linear_inference.cpp)
+                 fp8_linear_inference, csrc/linear_inference.cpp: two launches, the input's cast with its scaling
+                 bookkeeping (op inference_cast: current scaling's amax and scale, delayed scaling's update of the
+                 module's state) and the GEMM)
+  ours-exit      (delayed only) the same path with module.linear.INLINE_UPDATE = False: the state queued for the
+                 update at the autocast's exit (the fused update launched from Python there), as before the inline
+                 update: its gain, measured in the same run
   ours-old       the same module through the autograd Function's path (INFERENCE_PATH = False, set around each call
                  of the variant): the gain of the new path, measured in the same run
   nn-linear      torch.nn.Linear of the activation dtype, eager
@@ -17,6 +22,8 @@ Variants (all under torch.no_grad(), the same shapes, dtype and bias):
                  (timing.graph_time_ms): what the GPU does per call with no host work. A user graphs an inference
                  call with torch.cuda.graph / torch.cuda.make_graphed_callables on the same callable (our
                  make_graphed_callables graphs forward+backward pairs and replays them with grad mode on only).
+                 (Captured, the op's cast runs as its op sequence unless TFP8_INFERENCE_CAPTURE=kernel: see
+                 csrc/quantize_inference_binding.cpp.)
 Measures per variant and point, in interleaved rounds (timing.run_rounds: a new seeded order each round):
   time per call as the user sees it: `--iters` calls back to back between two CUDA events (timing.gpu_time_ms),
   ms per call; host time per call (timing.host_time_us: the calls issued without waiting for the GPU), µs.
@@ -61,13 +68,14 @@ def te_available() -> bool:
 
 
 @contextlib.contextmanager
-def inference_path(enabled: bool):
-    """module.linear.INFERENCE_PATH set to `enabled` inside, restored after."""
-    saved, linear_module.INFERENCE_PATH = linear_module.INFERENCE_PATH, enabled
+def module_flag(name: str, enabled: bool):
+    """module.linear's flag `name` (INFERENCE_PATH, INLINE_UPDATE) set to `enabled` inside, restored after."""
+    saved = getattr(linear_module, name)
+    setattr(linear_module, name, enabled)
     try:
         yield
     finally:
-        linear_module.INFERENCE_PATH = saved
+        setattr(linear_module, name, saved)
 
 
 def variants_for(m: int, k: int, n: int, dtype: torch.dtype, fp8_recipe, device: str,
@@ -95,7 +103,11 @@ def variants_for(m: int, k: int, n: int, dtype: torch.dtype, fp8_recipe, device:
             return ours(x)
 
     def ours_old_call():
-        with inference_path(False):
+        with module_flag("INFERENCE_PATH", False):
+            return ours_call()
+
+    def ours_exit_call():
+        with module_flag("INLINE_UPDATE", False):
             return ours_call()
 
     if dtype not in compiled:
@@ -108,6 +120,8 @@ def variants_for(m: int, k: int, n: int, dtype: torch.dtype, fp8_recipe, device:
     linear_compiled = compiled[dtype]
     calls = {"ours-new": ours_call, "ours-old": ours_old_call, "nn-linear": lambda: plain(x),
              "nn-compile": lambda: linear_compiled(x, plain.weight, plain.bias)}
+    if isinstance(fp8_recipe, recipe.DelayedScaling):
+        calls["ours-exit"] = ours_exit_call
     if device == "cuda":
         w_data, w_scale_inv = ours.weight._data, ours.weight._scale_inv
         x_scale_inv = (x.abs().amax().float() / 448.0).reshape(())
@@ -199,9 +213,9 @@ def print_table(rows: List[dict]) -> None:
 
 
 def summary(rows: List[dict]) -> Dict[str, object]:
-    """Worst ratios of ours-new and ours-old over the grid, and the points missing the targets."""
+    """Worst ratios of ours-new, ours-exit and ours-old over the grid, and the points missing the targets."""
     out: Dict[str, object] = {}
-    for name in ("ours-new", "ours-old"):
+    for name in ("ours-new", "ours-exit", "ours-old"):
         ratios = [(ratio(r["variants"], name), r) for r in rows]
         ratios = [(x, r) for x, r in ratios if x is not None]
         if not ratios:

@@ -4,7 +4,9 @@
 // Why: a small Linear's inference is host-bound (the L20 grid of issue 22: M 128-512, K, N 1280-20480, where the GPU
 // works 10-40 µs). The training path crosses from Python into the dispatcher once per op and builds an autograd
 // Function around them; here Python makes one call (transformer_fp8._C.linear_inference, a typed pybind entry with
-// no schema parsing) and the op runs the same library ops in C++, so the results are theirs bit for bit.
+// no schema parsing) and the op makes two launches: inference_cast (the cast with its scaling bookkeeping: current
+// scaling's amax and scale, or delayed scaling's update of the module's forward state, which the training path runs
+// at the autocast's exit) and the GEMM. The values are those of the training path's ops bit for bit.
 // Registered as CompositeImplicitAutograd (as csrc/composite.cpp): CUDA kernels, the CPU reference and fake tensors
 // all run the same sequence of the underlying ops.
 #include <ATen/ATen.h>
@@ -21,16 +23,16 @@ namespace tfp8 {
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
-using CastTranspose = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, at::ScalarType, bool,
-                                                         bool, const OptTensor&, const OptTensor&);
 using Gemm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                 const at::Tensor&, at::ScalarType, const OptTensor&, bool,
                                                 const OptTensor&, const OptTensor&, bool, const OptTensor&);
-using ComputeAmax = void(const at::Tensor&, const at::Tensor&);
-using ScalingUpdate = void(at::TensorList, at::TensorList, at::TensorList, double, double, c10::string_view);
+using InferenceCast = at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType, const at::Tensor&,
+                                 const at::Tensor&, bool, double, const OptTensor&, const OptTensor&, const OptTensor&,
+                                 const OptTensor&, double, c10::string_view);
 using LinearInference = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   at::ScalarType, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
-                                   double);
+                                   at::ScalarType, const at::Tensor&, const at::Tensor&, const OptTensor&, bool, double,
+                                   const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, double,
+                                   c10::string_view);
 
 void check_arguments(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv, const OptTensor& bias) {
   TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "x: expected a contiguous tensor with at least one dim, got shape ",
@@ -51,26 +53,23 @@ void check_arguments(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 at::Tensor fp8_linear_inference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv,
                                 const at::Tensor& x_scale, at::ScalarType fp8_dtype, const at::Tensor& x_amax,
                                 const at::Tensor& x_scale_inv, const OptTensor& bias, bool current_scaling,
-                                double fp8_max) {
-  static const auto cast = library_op<CastTranspose>("transformer_fp8::cast_transpose");
+                                double fp8_max, const OptTensor& history, const OptTensor& state_scale,
+                                const OptTensor& state_scale_inv, const OptTensor& backup, double margin,
+                                c10::string_view amax_compute_algo) {
+  static const auto cast = library_op<InferenceCast>("transformer_fp8::inference_cast");
   static const auto gemm = library_op<Gemm>("transformer_fp8::fp8_gemm");
-  static const auto compute_amax = library_op<ComputeAmax>("transformer_fp8::compute_amax");
-  static const auto update = library_op<ScalingUpdate>("transformer_fp8::delayed_scaling_update");
   check_arguments(x, w, w_scale_inv, bias);
   const at::ScalarType out_dtype = x.scalar_type();
   const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
-  OptTensor cast_amax = x_amax;
-  if (current_scaling) {  // the scale from this tensor's amax, as quantization.state.set_current_scale makes it
-    compute_amax.call(x2, x_amax);
-    const at::Tensor history = x_amax.view({1, 1});
-    update.call({history}, {x_scale}, {x_scale_inv}, fp8_max, 0.0, "most_recent");
-    cast_amax = std::nullopt;
-  }
-  const at::Tensor xq = std::get<0>(cast.call(x2, x_scale, fp8_dtype, true, false, cast_amax, x_scale_inv));
+  const at::Tensor xq = cast.call(x2, x_scale, fp8_dtype, x_amax, x_scale_inv, current_scaling, fp8_max, history,
+                                  state_scale, state_scale_inv, backup, margin, amax_compute_algo);
   // (a 16-bit output takes the bias in the GEMM epilogue, in its dtype; a float32 one gets it added afterwards, as
   // module/_gemm.py's fp8_gemm_bias does)
   const bool epilogue_bias = bias.has_value() && out_dtype != at::kFloat;
-  const OptTensor gemm_bias = epilogue_bias ? OptTensor(bias->to(out_dtype)) : std::nullopt;
+  // (Tensor::to is a dispatcher call even when the dtype already matches: skipped then)
+  const OptTensor gemm_bias = !epilogue_bias                     ? std::nullopt
+                              : bias->scalar_type() == out_dtype ? bias
+                                                                 : OptTensor(bias->to(out_dtype));
   at::Tensor out = std::get<0>(gemm.call(xq, x_scale_inv, w, w_scale_inv, out_dtype, gemm_bias, false, std::nullopt,
                                          std::nullopt, /*use_split_accumulator=*/false, std::nullopt));
   if (bias.has_value() && !epilogue_bias) out.add_(*bias);
@@ -84,13 +83,15 @@ at::Tensor fp8_linear_inference(const at::Tensor& x, const at::Tensor& w, const 
 
 at::Tensor linear_inference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv,
                             const at::Tensor& x_scale, at::ScalarType fp8_dtype, const at::Tensor& x_amax,
-                            const at::Tensor& x_scale_inv, const OptTensor& bias, bool current_scaling,
-                            double fp8_max) {
+                            const at::Tensor& x_scale_inv, const OptTensor& bias, bool current_scaling, double fp8_max,
+                            const OptTensor& history, const OptTensor& state_scale, const OptTensor& state_scale_inv,
+                            const OptTensor& backup, double margin, bool use_max) {
   static const auto op = library_op<LinearInference>("transformer_fp8::fp8_linear_inference");
   // (the caller needs no gradient: below autograd, so that neither this call nor the composite's inner ops pass
   // through the autograd layer, as the C++ Linear node's forward does)
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(x, w, w_scale_inv, x_scale, fp8_dtype, x_amax, x_scale_inv, bias, current_scaling, fp8_max);
+  return op.call(x, w, w_scale_inv, x_scale, fp8_dtype, x_amax, x_scale_inv, bias, current_scaling, fp8_max, history,
+                 state_scale, state_scale_inv, backup, margin, use_max ? "max" : "most_recent");
 }
 
 }  // namespace tfp8

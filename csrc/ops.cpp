@@ -101,16 +101,30 @@ TORCH_LIBRARY(transformer_fp8, m) {
         "-> (Tensor, Tensor, Tensor)");
 
   // Inference forward of out = x Wᵀ (+ bias) with an FP8 weight (fp8_model_init): x [..., K] (contiguous, float32 /
-  // float16 / bfloat16) cast to fp8_dtype as cast_transpose does (rowwise only), then fp8_gemm(xq, x_scale_inv, w,
-  // w_scale_inv, x's dtype, bias, use_split_accumulator=False) (a float32 output gets the bias added after the GEMM).
-  // w [N, K] FP8 with one float32 w_scale_inv. Delayed scaling (current_scaling false): the cast uses x_scale,
-  // max-accumulates into x_amax and writes 1 / x_scale into x_scale_inv. Current scaling: compute_amax(x, x_amax)
-  // (x_amax zero on entry), delayed_scaling_update([x_amax as [1, 1]], [x_scale], [x_scale_inv], fp8_max, 0,
-  // "most_recent") (x_scale = fp8_max / amax, x_amax zeroed again), then the cast (no amax) writing x_scale_inv.
-  // Returns out [..., N] in x's dtype (no autograd: nothing is saved).
+  // float16 / bfloat16) cast by inference_cast(x as [-1, K], x_scale, fp8_dtype, x_amax, x_scale_inv,
+  // current_scaling, fp8_max, history, state_scale, state_scale_inv, backup, margin, amax_compute_algo), then
+  // fp8_gemm(xq, x_scale_inv, w, w_scale_inv, x's dtype, bias, use_split_accumulator=False) (a float32 output gets the
+  // bias added after the GEMM). w [N, K] FP8 with one float32 w_scale_inv. Returns out [..., N] in x's dtype (no
+  // autograd: nothing is saved).
   m.def("fp8_linear_inference(Tensor x, Tensor w, Tensor w_scale_inv, Tensor(a!) x_scale, ScalarType fp8_dtype, "
         "Tensor(b!) x_amax, Tensor(c!) x_scale_inv, Tensor? bias=None, bool current_scaling=False, "
-        "float fp8_max=448.0) -> Tensor");
+        "float fp8_max=448.0, Tensor(d!)? history=None, Tensor(e!)? state_scale=None, "
+        "Tensor(f!)? state_scale_inv=None, Tensor(g!)? backup=None, float margin=0.0, "
+        "str amax_compute_algo=\"max\") -> Tensor");
+  // The input cast of an FP8-weight Linear's inference with its scaling bookkeeping, in one launch: x (contiguous,
+  // float32 / float16 / bfloat16) -> q (fp8_dtype, x's shape) = saturate(x * scale). scale, amax, scale_inv: one
+  // float32 element each. Delayed scaling (current_scaling false): as cast_transpose(x, scale, fp8_dtype, True, False,
+  // amax, scale_inv) (amax max-accumulated, scale_inv = 1 / scale); with history, state_scale, state_scale_inv and
+  // backup (all or none; history [H, n], state_scale / state_scale_inv [n], backup [4, n]; scale and amax may be
+  // elements of state_scale and history row 0): afterwards backup = (history[0], history[H - 1], state_scale,
+  // state_scale_inv) as the cast left them, then delayed_scaling_update([history], [state_scale], [state_scale_inv],
+  // fp8_max, margin, amax_compute_algo). Current scaling: compute_amax(x, amax) (amax zero on entry),
+  // delayed_scaling_update([amax as [1, 1]], [scale], [scale_inv], fp8_max, 0, "most_recent"), then the cast
+  // writing scale_inv (no state arguments).
+  m.def("inference_cast(Tensor x, Tensor(a!) scale, ScalarType fp8_dtype, Tensor(b!) amax, Tensor(c!) scale_inv, "
+        "bool current_scaling, float fp8_max, Tensor(d!)? history=None, Tensor(e!)? state_scale=None, "
+        "Tensor(f!)? state_scale_inv=None, Tensor(g!)? backup=None, float margin=0.0, "
+        "str amax_compute_algo=\"max\") -> Tensor");
 
   // --- norm family --- input [M, N]; out in input's dtype, or fp8_dtype (scale required) when given
   m.def("layernorm_fwd(Tensor input, Tensor weight, Tensor? bias, float eps, bool zero_centered_gamma=False, "

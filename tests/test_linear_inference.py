@@ -1,18 +1,21 @@
 """The inference path of a Linear with FP8 weights (fp8_model_init) under no_grad: module.linear.INFERENCE_PATH,
 the op fp8_linear_inference (csrc/linear_inference.cpp).
 
-- The op: bit for bit the sequence of ops it stands for (delayed: one cast with the known scale; current: amax, the
-  scale's update, the cast), the scaling tensors written as those ops write them, opcheck, clear errors.
+- The op: bit for bit the sequence of ops it stands for (delayed: one cast with the known scale, with the state's
+  update when given; current: amax, the scale's update, the cast), the scaling tensors written as those ops write
+  them, opcheck, clear errors.
 - The module: outputs and scaling state bit for bit those of the autograd Function's path (INFERENCE_PATH False)
   under delayed and current scaling, with and without bias, 2-D and 3-D inputs, float16 / bfloat16 / float32; within
   FP8 tolerance of float64; the path is taken exactly where it should be (no_grad, calibrated delayed state) and the
-  Function's path everywhere else; delayed scaling records the input's amax for the next update; bad inputs get
-  clear errors.
+  Function's path everywhere else; delayed scaling records the input's amax for the next update (the op updates the
+  state inline; several calls in one autocast, a training forward among them, and nested autocasts end in the
+  state the exit's one update gives); bad inputs get clear errors.
 """
 import pytest
 import torch
 
 import transformer_fp8 as te
+from tests.test_inference_cast import make_state
 from tests.utils import FP8_RTOL, rel_error, scalar
 from transformer_fp8 import recipe
 from transformer_fp8.module import linear as linear_module
@@ -85,6 +88,29 @@ def test_op_equals_its_op_sequence(device, current, dtype, bias, lead):
     ref64 = x64 @ w64.t() + (args["bias"].double() if bias else 0)
     if current:
         assert rel_error(out, ref64) < FP8_RTOL[E4M3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_op_with_the_delayed_update(device, dtype):
+    # the state's update in the op's cast launch: the op sequence, then delayed_scaling_update of the whole state
+    args = op_args(device, False, dtype=dtype, lead=(2,))
+    state, ref_state = make_state(device, 4), make_state(device, 4)
+    args.update(x_scale=state.scales[0], x_amax=state.amaxes[0])
+    backup = torch.zeros(4, 3, device=device)
+    out = ops.fp8_linear_inference(**args, history=state.amax_history, state_scale=state.scale,
+                                   state_scale_inv=state.scale_inv, backup=backup, margin=1.0,
+                                   amax_compute_algo="most_recent")
+    ref_args = clone_args(args)
+    ref_args.update(x_scale=ref_state.scales[0], x_amax=ref_state.amaxes[0])
+    ref = stepwise(ref_args)
+    h = ref_state.amax_history
+    ref_backup = torch.stack([h[0], h[-1], ref_state.scale, ref_state.scale_inv])
+    ops.delayed_scaling_update([h], [ref_state.scale], [ref_state.scale_inv], 448.0, 1.0, "most_recent")
+    assert torch.equal(out, ref) and torch.equal(backup, ref_backup)
+    assert torch.equal(args["x_scale_inv"], ref_args["x_scale_inv"])
+    for name in ("amax_history", "scale", "scale_inv"):
+        assert torch.equal(getattr(state, name), getattr(ref_state, name)), name
 
 
 @pytest.mark.parametrize("current", [False, True])
@@ -196,12 +222,83 @@ def test_delayed_scaling_records_the_input_amax(device, counting_c):
             x = torch.randn(16, 64, dtype=torch.bfloat16, device=device) * scale
             with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
                 module(x)
-                assert module.fp8_fwd.amax_history[0, 0].item() == x.abs().max().float().item()
+            # the update (the exit's, or the op's own inline one) rolled the input's amax into the history
+            assert module.fp8_fwd.amax_history[1, 0].item() == x.abs().max().float().item()
+            assert module.fp8_fwd.amax_history[0].abs().sum().item() == 0
+            assert not module.fp8_fwd.updated_inline and not te.autocast.STATE.inline_updated
     assert counting_c.inference_calls == 2
-    # the exit's update rolled it into the history and made the next scale from it
+    # and made the next scale from it
     amax = x.abs().max().float().item()
-    assert module.fp8_fwd.amax_history[1, 0].item() == amax
     assert module.fp8_fwd.scale[0].item() == pytest.approx(448.0 / amax, rel=1e-6)
+
+
+def calls_in_one_autocast(module, xs, fp8_recipe, inference_path, monkeypatch, grad_at=None):
+    """Several calls of module inside ONE fp8_autocast (the first step outside it, to calibrate the delayed state),
+    with INFERENCE_PATH set; call number grad_at runs with grad (a training forward and its backward, after the
+    autocast). Returns the outputs and the weight's gradient (None without a training call)."""
+    monkeypatch.setattr(linear_module, "INFERENCE_PATH", inference_path)
+    with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+        module(xs[0])
+    outs, trained = [], None
+    with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+        for i, x in enumerate(xs[1:]):
+            if i == grad_at:
+                trained = module(x)
+                outs.append(trained.detach())
+            else:
+                with torch.no_grad():
+                    outs.append(module(x))
+    grad = None
+    if trained is not None:
+        trained.float().square().sum().backward()
+        grad = module.weight.grad
+    return outs, grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_at", [None, 0, 1, 2])
+@pytest.mark.parametrize("history_len,algo", [(1, "max"), (4, "max"), (3, "most_recent")])
+def test_several_calls_in_one_autocast(device, grad_at, history_len, algo, counting_c, monkeypatch):
+    # The inline update of the first inference call is undone when the state is registered again in the same
+    # autocast (a second inference call, or a training forward): outputs, gradients and state as the Function's path.
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=history_len, amax_compute_algo=algo)
+    new, old = fp8_linears(device, torch.bfloat16, True)
+    if grad_at is not None:
+        new.weight.requires_grad_(True), old.weight.requires_grad_(True)
+    xs = [torch.randn(16, 64, dtype=torch.bfloat16, device=device) * s for s in (1.0, 3.0, 0.25, 6.0)]
+    outs_new, grad_new = calls_in_one_autocast(new, xs, fp8_recipe, True, monkeypatch, grad_at)
+    outs_old, grad_old = calls_in_one_autocast(old, xs, fp8_recipe, False, monkeypatch, grad_at)
+    assert counting_c.inference_calls == (3 if grad_at is None else 2)
+    for ours, theirs in zip(outs_new, outs_old):
+        assert torch.equal(ours, theirs)
+    if grad_at is not None:
+        assert torch.equal(grad_new, grad_old)
+    for direction in ("fp8_fwd", "fp8_bwd"):
+        state_new, state_old = getattr(new, direction).state_dict(), getattr(old, direction).state_dict()
+        for name in state_new:
+            assert torch.equal(state_new[name], state_old[name]), (direction, name)
+    assert not new.fp8_fwd.updated_inline and not te.autocast.STATE.inline_updated
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nested_autocasts_update_once(device, counting_c, monkeypatch):
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
+    new, old = fp8_linears(device, torch.bfloat16, True)
+    xs = [torch.randn(16, 64, dtype=torch.bfloat16, device=device) * s for s in (1.0, 2.0, 0.5)]
+    for module, path in ((new, True), (old, False)):
+        monkeypatch.setattr(linear_module, "INFERENCE_PATH", path)
+        with torch.no_grad():
+            with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+                module(xs[0])
+            with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+                with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+                    module(xs[1])
+                assert module.fp8_fwd.updated_inline == path  # (the flag lasts until the outermost exit)
+                with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+                    module(xs[2])
+    assert counting_c.inference_calls == 2
+    for name, tensor in new.fp8_fwd.state_dict().items():
+        assert torch.equal(tensor, old.fp8_fwd.state_dict()[name]), name
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -281,3 +378,38 @@ def test_bad_inputs(bad, error, message):
         module(x)  # (adopts the recipe: the next calls take the inference path)
         with pytest.raises(error, match=message):
             module(bad(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_cuda_graph_replay(recipe_name, counting_c, monkeypatch):
+    # the whole call (autocast included) captured and replayed: each replay as one eager call of the Function's path
+    fp8_recipe = RECIPES[recipe_name]()
+    new, old = fp8_linears("cuda", torch.bfloat16, True)
+    xs = [torch.randn(16, 64, dtype=torch.bfloat16, device="cuda") * s for s in (1.0, 2.0, 0.5, 4.0, 1.5)]
+    static_x = xs[0].clone()
+
+    def call(module):
+        with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+            return module(static_x)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # (the delayed state calibrated; the same calls made on the reference below)
+            call(new)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = call(new)
+    monkeypatch.setattr(linear_module, "INFERENCE_PATH", False)
+    for _ in range(2):  # (the warm-up calls; the capture recorded its launches without running them)
+        call(old)
+    for x in xs[1:]:
+        static_x.copy_(x)
+        graph.replay()
+        ref = call(old)
+        assert torch.equal(static_out, ref)
+        for name, tensor in new.fp8_fwd.state_dict().items():
+            assert torch.equal(tensor, old.fp8_fwd.state_dict()[name]), name
+    assert counting_c.inference_calls >= 2

@@ -3,7 +3,9 @@
 Inside `fp8_autocast` our modules run their GEMMs in FP8. Delayed scaling: each module registers its forward scaling
 state once per (outermost) autocast into the thread's queue (STATE.forward_states); at the outermost exit the newest
 amaxes are all-reduced (MAX) over `fp8_group` (one collective) and ONE `delayed_scaling_update` launch per recipe
-updates every registered state. Gradient states are registered by the modules' backward; the first one queues an
+updates every registered state. (An FP8-weight Linear's inference call updates its state inside its own launch
+instead, undone if the state is registered later in the same autocast: see quantization/state.py; the exit then only
+clears the states' flags.) Gradient states are registered by the modules' backward; the first one queues an
 autograd-engine callback that does the same after the backward. The update and the backward queues live in
 quantization/update.py (their names are re-exported here). Nothing here synchronises with the device.
 
@@ -56,6 +58,7 @@ class _FP8ThreadState(threading.local):
         self.preserve_init_val = False  # (see fp8_model_init)
         self.model_init_options = {}  # Float8Tensor.from_hp's layout arguments for fp8_model_init's weights
         self.forward_states = []  # (ScalingState, recipe, group) used in this thread's current outermost autocast
+        self.inline_updated = []  # ScalingStates that inference calls updated inline in it (see ScalingState)
         self.checkpoint = None  # the checkpoint region (checkpoint.py) whose forward or recompute runs in this thread
 
 
@@ -110,10 +113,16 @@ class fp8_autocast(contextlib.ContextDecorator):
     def __exit__(self, *exc):
         state = STATE
         state.enabled, state.calibrating, state.recipe, state.group = state.saved.pop()
-        state.depth -= 1
-        if state.depth == 0 and state.forward_states:
-            entries, state.forward_states = state.forward_states, []
-            update_scaling_states(entries, forward=True)
+        depth = state.depth - 1
+        state.depth = depth
+        if depth == 0:
+            if state.forward_states:
+                entries, state.forward_states = state.forward_states, []
+                update_scaling_states(entries, forward=True)
+            if state.inline_updated:  # (their updates ran in the inference calls' own launches)
+                for scaling_state in state.inline_updated:
+                    scaling_state.updated_inline = False
+                state.inline_updated = []
         return False
 
 

@@ -216,6 +216,12 @@ def _(grad_out, kept_input, kept_scale_inv, activation, scale, fp8_dtype, amax=N
     return grad_out.new_empty((m, f), dtype=fp8_dtype), qt, dbias
 
 
+@_register_fake("transformer_fp8::inference_cast")
+def _(x, scale, fp8_dtype, amax, scale_inv, current_scaling, fp8_max, history=None, state_scale=None,
+      state_scale_inv=None, backup=None, margin=0.0, amax_compute_algo="max"):
+    return x.new_empty(x.shape, dtype=fp8_dtype)
+
+
 @_register_fake("transformer_fp8::delayed_scaling_update")
 def _(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo):
     return None

@@ -28,6 +28,12 @@ _C.set_backward_registrar(autocast.register_backward)
 # ops in the same order, so the outputs and the scaling state are the Function's bit for bit. Read at each call;
 # False: always the Function (benchmarks/bench_fp8_inference.py times both).
 INFERENCE_PATH = True
+# Delayed scaling on that path: the forward state's update runs inside the op's cast launch (see ScalingState.
+# updated_inline) instead of at the autocast's exit. Read at each call; False: queued for the exit's update as the
+# Function's path does (benchmarks/bench_fp8_inference.py times both).
+INLINE_UPDATE = True
+_INPUT = Role.INPUT  # (an enum member's lookup costs a dict lookup's time again: read once)
+_NO_UPDATE = (None, None, None, None, 0.0, True)  # linear_inference's state arguments when it updates nothing
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -194,10 +200,11 @@ class Linear(FP8ModuleBase):
     def _inference_forward(self, inp: torch.Tensor) -> torch.Tensor | None:
         """Inside fp8_autocast, an FP8 (per-tensor) weight, no TP, no gradient needed: out = inp Wᵀ (+ bias unless
         return_bias) through fp8_linear_inference, with the training path's bookkeeping (the call counted, the
-        forward state queued for the update at the autocast's exit under delayed scaling; current scaling writes its
-        slot's scale as its cast does; the recipe adopted as _fp8_begin does). Returns None where the Function's
-        path must run: delayed scaling before its first update (the first call calibrates in Python), a checkpoint
-        region, torch.compile, fp8_disabled, a block-scaled weight, a gradient needed.
+        forward state updated as at the autocast's exit, but inside the op's cast launch (see ScalingState.
+        updated_inline), under delayed scaling; current scaling writes its slot's scale as its cast does; the recipe
+        adopted as _fp8_begin does). Returns None where the Function's path must run: delayed scaling before its
+        first update (the first call calibrates in Python), a checkpoint region, torch.compile, fp8_disabled, a
+        block-scaled weight, a gradient needed.
 
         Args:
             inp: the input [..., in_features].
@@ -220,27 +227,39 @@ class Linear(FP8ModuleBase):
         quantizers = self.quantizers
         if not quantizers.fused_per_tensor:
             return None
-        quantizer = quantizers._quantizers[Role.INPUT]
+        quantizer = quantizers.by_role[_INPUT]
         fwd, slot = quantizer.state, quantizer.slot
-        current = not quantizers.updates_by_history
-        if not current:  # delayed: the slot's known scale; the state queued once per autocast, as begin_forward does
+        if quantizers.updates_by_history:
+            # delayed: the cast with the slot's known scale writes the slot's snapshot (as cast_args gives it), and
+            # the state's update runs in the same launch (see ScalingState.updated_inline) unless the state is
+            # queued for the exit's update already, or its amaxes are to be all-reduced there first
             if not fwd.calibrated:
                 return None
+            current, scale_inv, inline = False, fwd.scale_invs[slot], _NO_UPDATE
             if not fwd.pending:
-                update.register_forward(state.forward_states, fwd, quantizers.recipe, state.group)
+                recipe = quantizers.recipe
+                if fwd.updated_inline or not INLINE_UPDATE or (recipe.reduce_amax and
+                                                               update.distributed_initialized()):
+                    update.register_forward(state.forward_states, fwd, recipe, state.group)
+                else:
+                    inline = fwd.inline_update_args(recipe)
+        else:  # current scaling: amax, scale and cast in the op's one cast launch
+            current, scale_inv, inline = True, fwd.scale_inv_slots[slot], _NO_UPDATE
         self._fp8_call_counts[0] += 1
         if not self._last_forward_fp8:
             self._last_forward_fp8 = True
         try:
-            # (current scaling: the update writes the slot's scale_inv, the cast 1/scale again; delayed: the cast
-            # writes the slot's snapshot, as cast_args gives it)
-            return _C.linear_inference(inp if inp.is_contiguous() else inp.contiguous(), weight._data,
-                                       weight._scale_inv, fwd.scales[slot], quantizer.fp8_dtype, fwd.amaxes[slot],
-                                       fwd.scale_inv_slots[slot] if current else fwd.scale_invs[slot],
-                                       None if self.return_bias else bias, current, quantizer.fp8_max)
+            out = _C.linear_inference(inp if inp.is_contiguous() else inp.contiguous(), weight._data,
+                                      weight._scale_inv, fwd.scales[slot], quantizer.fp8_dtype, fwd.amaxes[slot],
+                                      scale_inv, None if self.return_bias else bias, current, quantizer.fp8_max,
+                                      *inline)
         except (RuntimeError, TypeError, AttributeError):
             check_input(inp, self.in_features)  # (raises the clear error when the input is the cause)
             raise
+        if inline is not _NO_UPDATE:
+            fwd.updated_inline = True
+            state.inline_updated.append(fwd)
+        return out
 
     def _local_linear(self, inp, bias, is_first_microbatch, residual=None, relay=None):
         """inp [..., local in] @ this rank's weightᵀ (+ bias) (+ residual): FP8 inside fp8_autocast, else high

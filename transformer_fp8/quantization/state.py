@@ -25,9 +25,17 @@ class ScalingState:
     would flush to zero in E4M3. calibration_group: (group,) to MAX-reduce those amaxes over, as the update does
     (the autocast's fp8_group when the recipe reduces amaxes; (None,) = the default group), or None.
     pending: queued for the next fused update.
+    updated_inline: an FP8-weight Linear's inference call (module/linear.py) ran this state's update inside its own
+    launch (the op inference_cast) instead of queueing it for the autocast's exit; update_backup [4, n] holds what the
+    update replaced (history rows 0 and H - 1, scale, scale_inv) until the thread's outermost autocast exits. A
+    registration for the exit's update in the same autocast (a second call of the module, or a training forward)
+    first undoes it (undo_inline_update), so the state ends as one update at the exit would leave it.
     """
 
     calibration_group = None
+    updated_inline = False
+    update_backup = None
+    _inline_args = None  # (recipe, inline_update_args(recipe))
 
     def __init__(self, n: int, history_len: int, device: torch.device | str):
         """Args:
@@ -44,11 +52,41 @@ class ScalingState:
 
     def _make_views(self):
         self.device = self.scale.device
+        self.update_backup = self._inline_args = None
         self.scales = self.scale.split(1)
         self.scale_inv_slots = self.scale_inv.split(1)
         self.amaxes = self.amax_history[0].split(1)
         self.histories = self.amax_history.split(1, dim=1)
         update.renew_scale_inv_snapshots([self])
+
+    def inline_update_args(self, recipe: Any) -> tuple:
+        """The state arguments of inference_cast's fused update under `recipe` (a DelayedScaling), made once per
+        recipe (update_backup made with them).
+
+        Returns:
+            (amax_history, scale, scale_inv, update_backup, margin, use_max), use_max: amax_compute_algo == "max".
+        """
+        cached = self._inline_args
+        if cached is not None and cached[0] is recipe:
+            return cached[1]
+        if self.update_backup is None:
+            self.update_backup = torch.empty(4, self.scale.shape[0], dtype=torch.float32, device=self.device)
+        args = (self.amax_history, self.scale, self.scale_inv, self.update_backup, float(recipe.margin),
+                recipe.amax_compute_algo == "max")
+        self._inline_args = (recipe, args)
+        return args
+
+    def undo_inline_update(self) -> None:
+        """Put back what the last inline update replaced (update_backup): the history rolled back up (its row 0 and
+        last row from the backup), scale and scale_inv. Enqueued device copies, no synchronisation."""
+        history, backup = self.amax_history, self.update_backup
+        if history.shape[0] > 1:
+            history[1:-1].copy_(history[2:].clone())
+            history[-1].copy_(backup[1])
+        history[0].copy_(backup[0])
+        self.scale.copy_(backup[2])
+        self.scale_inv.copy_(backup[3])
+        self.updated_inline = False
 
     @property
     def history_len(self) -> int:

@@ -30,6 +30,8 @@ def register_forward(queue: list, scaling_state: "ScalingState", recipe: Delayed
         recipe: the DelayedScaling recipe it was cast with.
         group: the process group its amaxes are reduced over (None: the default group).
     """
+    if scaling_state.updated_inline:  # (an inference call in this autocast updated it already: see ScalingState)
+        scaling_state.undo_inline_update()
     scaling_state.pending = True
     queue.append((scaling_state, recipe, group))
 
