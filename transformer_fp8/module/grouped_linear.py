@@ -14,6 +14,12 @@ contracts over each group's rows, which the kernel needs in multiples of 16: gro
 as they are, any other sizes (and every device tensor, whose sizes the host never reads, unless the caller passes
 splits_aligned=True: moe_permute(..., align_size=16) makes such groups) through a padded copy of the FP8 input and
 gradient (zeros between the groups; one gather each).
+
+Under recipe.Float8BlockScaling (module/_grouped_linear_block.py): 1x128 tiles for the input and the gradient, 128x128
+blocks for the weights (out_features a multiple of 128), the block-scaled grouped GEMMs (grouped_block_gemm.py) in
+every direction; the weight gradient's groups are padded to start at multiples of 128 rows unless the host list's
+sizes already are. fp8_model_init(recipe=Float8BlockScaling()) gives block-scaled Float8Tensor weights, which run only
+under that recipe.
 """
 import dataclasses
 from collections.abc import Sequence
@@ -249,7 +255,8 @@ def _stacked_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 class GroupedLinear(FP8ModuleBase):
     """num_gemms linears y_i = x_i W_iᵀ + b_i over the row groups x_i of one input. FP8 roles: INPUT (the whole input),
-    WEIGHT (all the weights: one scale), GRAD_OUTPUT (E4M3 under every format, see the module docstring).
+    WEIGHT (all the weights: one scale; block scaling: a scale per 128x128 block), GRAD_OUTPUT (E4M3 under every
+    format, see the module docstring).
 
     Args:
         num_gemms: number of groups (experts), >= 1.
