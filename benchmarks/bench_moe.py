@@ -187,6 +187,8 @@ def block_scaled_fns(groups: int, m: int, k: int, n: int) -> dict:
 
     return {
         "block fprop fp8 grouped (ours)": lambda: tfp8.grouped_block_fp8_gemm_sm90(a, sa, b, sb, offs),
+        "block fprop fp8 grouped (ours, cooperative)": lambda: tfp8.grouped_block_fp8_gemm_sm90(a, sa, b, sb, offs, 1),
+        "block fprop fp8 grouped (ours, pingpong)": lambda: tfp8.grouped_block_fp8_gemm_sm90(a, sa, b, sb, offs, 2),
         "block fprop bf16 fallback (dequantize + torch._grouped_mm)": fallback,
         "block fprop fp8 dense (cuBLASLt, equal FLOPs)": lambda: tfp8.block_fp8_gemm(a, sa, 1, dense_w, dense_sw, 2,
                                                                                      torch.bfloat16),

@@ -276,9 +276,10 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("grouped_block_fp8_gemm_wgrad(Tensor a_t, Tensor a_scale_inv, Tensor b_t, Tensor b_scale_inv, Tensor offs, "
         "ScalarType out_dtype) -> Tensor");
   // Our CUTLASS sm90 ptr-array blockwise-scaled kernels (csrc/grouped_block_*.cu) behind the two ops above: the same
-  // products with a bfloat16 output; compute capability 9.0 only.
-  m.def("grouped_block_fp8_gemm_sm90(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor offs) "
-        "-> Tensor");
+  // products with a bfloat16 output; compute capability 9.0 only. tile (forward / dgrad): 0 auto, 1 cooperative
+  // 128x128, 2 pingpong 128x128 (csrc/grouped_block_gemm.h).
+  m.def("grouped_block_fp8_gemm_sm90(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor offs, "
+        "int tile=0) -> Tensor");
   m.def("grouped_block_fp8_gemm_wgrad_sm90(Tensor a_t, Tensor a_scale_inv, Tensor b_t, Tensor b_scale_inv, "
         "Tensor offs) -> Tensor");
 }

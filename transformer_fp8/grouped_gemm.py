@@ -31,6 +31,9 @@ BACKEND = "auto"
 # each call.
 CUTLASS_TILE = 0
 _FAST_ONLY_TILES = (4,)
+# The block-scaled forward / dgrad kernel's tiles (grouped_block_gemm.py): 0 auto, 1 cooperative, 2 pingpong
+# (csrc/grouped_block_gemm.h). Read at each call.
+BLOCK_TILE = 0
 
 
 def _tile(fast_accumulation: bool) -> int:
