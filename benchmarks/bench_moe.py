@@ -3,8 +3,7 @@
 1. Grouped GEMM TFLOP/s, forward form (out [M, N] = x_g W_gᵀ per group) and weight-gradient form (dW_g = dy_gᵀ x_g),
    uneven group sizes (drawn once, seeded; the wgrad's rounded to multiples of 16, which its kernel needs):
    - fp8 grouped (op): tfp8.grouped_fp8_gemm / grouped_fp8_gemm_wgrad on grouped_gemm.BACKEND's kernel (auto: ours);
-   - fp8 grouped (ours, large / small / alt / wide tiles): our CUTLASS kernel's ops (grouped_fp8_gemm_sm90,
-     _wgrad_sm90) directly;
+   - fp8 grouped (ours, large / small tiles): our CUTLASS kernel's ops (grouped_fp8_gemm_sm90, _wgrad_sm90) directly;
    - fp8 grouped (torch kernel): torch._scaled_grouped_mm (rowwise scales, per-tensor ones expanded);
    - bf16 grouped: torch._grouped_mm on the same shapes;
    - fp8 loop: one tfp8.fp8_gemm (our cuBLASLt dense GEMM) per group, sizes known on the host;
@@ -98,7 +97,6 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict
         "fprop fp8 grouped (ours, large tiles)": ours(1),
         "fprop fp8 grouped (ours, small tiles)": ours(2),
         "fprop fp8 grouped (ours, alt tiles)": ours(3),
-        "fprop fp8 grouped (ours, wide tiles)": ours(4),
         "fprop-shape split accumulator (torch kernel)": lambda: torch._scaled_grouped_mm(
             x, w.transpose(-2, -1), scale_x, scale_w, offs=offs, out_dtype=torch.bfloat16),
         "fprop-shape split accumulator (ours, large tiles)": ours(1, fast=False),
@@ -111,7 +109,6 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict
         "wgrad fp8 grouped (ours, split, alt tiles)": ours(3, fast=False, wgrad=True),
         "wgrad fp8 grouped (ours, fast accumulation, large tiles)": ours(1, fast=True, wgrad=True),
         "wgrad fp8 grouped (ours, fast accumulation, small tiles)": ours(2, fast=True, wgrad=True),
-        "wgrad fp8 grouped (ours, fast accumulation, wide tiles)": ours(4, fast=True, wgrad=True),
         "fprop bf16 grouped": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=offs),
         "fprop fp8 loop of dense": loop,
         "fprop fp8 dense (equal FLOPs)": lambda: tfp8.fp8_gemm(x, one, dense_w, one, torch.bfloat16,
@@ -154,9 +151,6 @@ def where_the_time_goes(groups: int, m: int, k: int, n: int, x: torch.Tensor, w:
         "fprop ours small tiles, one group of all rows": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w[:1], one, whole,
                                                                                             True, 2),
         "fprop ours large tiles, equal groups": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, equal, True, 1),
-        "fprop ours wide tiles, equal groups": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, equal, True, 4),
-        "fprop ours wide tiles, one group of all rows": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w[:1], one, whole,
-                                                                                           True, 4),
     }
 
 
@@ -187,8 +181,6 @@ def block_scaled_fns(groups: int, m: int, k: int, n: int) -> dict:
 
     return {
         "block fprop fp8 grouped (ours)": lambda: tfp8.grouped_block_fp8_gemm_sm90(a, sa, b, sb, offs),
-        "block fprop fp8 grouped (ours, cooperative)": lambda: tfp8.grouped_block_fp8_gemm_sm90(a, sa, b, sb, offs, 1),
-        "block fprop fp8 grouped (ours, pingpong)": lambda: tfp8.grouped_block_fp8_gemm_sm90(a, sa, b, sb, offs, 2),
         "block fprop bf16 fallback (dequantize + torch._grouped_mm)": fallback,
         "block fprop fp8 dense (cuBLASLt, equal FLOPs)": lambda: tfp8.block_fp8_gemm(a, sa, 1, dense_w, dense_sw, 2,
                                                                                      torch.bfloat16),

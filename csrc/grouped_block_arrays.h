@@ -30,8 +30,7 @@ struct BlockConfigEntry {
                      cudaStream_t stream);
 };
 
-BlockConfigEntry block_rows_config();           // fprop / dgrad: 1x128 A tiles x 128x128 B blocks, cooperative
-BlockConfigEntry block_rows_pingpong_config();  // the same, pingpong
-BlockConfigEntry block_contraction_config();    // wgrad: 1x128 A tiles x 1x128 B tiles
+BlockConfigEntry block_rows_config();         // fprop / dgrad: 1x128 A tiles x 128x128 B blocks
+BlockConfigEntry block_contraction_config();  // wgrad: 1x128 A tiles x 1x128 B tiles
 
 }  // namespace tfp8::grouped

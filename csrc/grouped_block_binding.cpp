@@ -65,8 +65,7 @@ at::Tensor run(const GroupedBlockGemmArgs& args, at::Tensor out, const at::Tenso
 }
 
 at::Tensor grouped_block_fp8_gemm_sm90(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
-                                       const at::Tensor& b_scale_inv, const at::Tensor& offs, int64_t tile) {
-  TORCH_CHECK(tile >= 0 && tile <= 2, "tile: expected 0 (auto), 1 (cooperative) or 2 (pingpong), got ", num(tile));
+                                       const at::Tensor& b_scale_inv, const at::Tensor& offs) {
   check_e4m3(a, a, "a");
   check_e4m3(b, a, "b");
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous(), "a: expected a contiguous 2-D tensor [M, K], got shape ",
@@ -97,7 +96,6 @@ at::Tensor grouped_block_fp8_gemm_sm90(const at::Tensor& a, const at::Tensor& a_
   args.a_scale = a_scale_inv.data_ptr<float>(), args.a_scale_ld = a_scale_inv.stride(0);
   args.b_scale = b_scale_inv.data_ptr<float>();
   for (int i = 0; i < 3; ++i) args.b_scale_strides[i] = b_scale_inv.stride(i);
-  args.tile = static_cast<int>(tile);
   at::Tensor out = at::empty({m, n}, a.options().dtype(at::kBFloat16));
   args.out = out.data_ptr();
   return run(args, out, a);

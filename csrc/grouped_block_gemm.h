@@ -33,8 +33,6 @@ struct GroupedBlockGemmArgs {
   const float* b_scale = nullptr;
   int64_t a_scale_ld = 0;
   int64_t b_scale_strides[3] = {0, 0, 0};
-  // kRows: 0 auto, 1 cooperative 128x128x128 (clusters 1x2), 2 pingpong 128x128x128 (clusters 1x2)
-  int tile = 0;
 };
 
 // Bytes of device workspace launch_grouped_block_fp8_gemm needs (host only, no device access).

@@ -141,8 +141,7 @@ __global__ void write_block_group_arrays(GroupedBlockGemmArgs args, BlockGroupAr
 }
 
 BlockConfigEntry pick_config(const GroupedBlockGemmArgs& args) {
-  if (args.kind == GroupedKind::kContraction) return grouped::block_contraction_config();
-  return args.tile == 2 ? grouped::block_rows_pingpong_config() : grouped::block_rows_config();
+  return args.kind == GroupedKind::kRows ? grouped::block_rows_config() : grouped::block_contraction_config();
 }
 
 int grid_for(int64_t items) {

@@ -39,6 +39,5 @@ GroupedConfigEntry split_large_config();
 GroupedConfigEntry split_small_config();
 GroupedConfigEntry fast_alt_config();
 GroupedConfigEntry split_alt_config();
-GroupedConfigEntry fast_wide_config();
 
 }  // namespace tfp8::grouped

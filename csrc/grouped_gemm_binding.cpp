@@ -49,10 +49,8 @@ void check_hopper(const at::Tensor& t) {
               num(prop->major), ".", num(prop->minor));
 }
 
-GroupedTile to_tile(int64_t tile, bool fast_accumulation) {
-  TORCH_CHECK(tile >= 0 && tile <= 4, "tile: expected 0 (auto), 1 (large), 2 (small), 3 (alt) or 4 (wide), got ",
-              num(tile));
-  TORCH_CHECK(tile != 4 || fast_accumulation, "tile: 4 (wide) is built with fast accumulation only");
+GroupedTile to_tile(int64_t tile) {
+  TORCH_CHECK(tile >= 0 && tile <= 3, "tile: expected 0 (auto), 1 (large), 2 (small) or 3 (alt), got ", num(tile));
   return static_cast<GroupedTile>(tile);
 }
 
@@ -94,7 +92,7 @@ at::Tensor grouped_fp8_gemm_sm90(const at::Tensor& a, const at::Tensor& a_scale_
   args.a_scale_inv = a_scale_inv.data_ptr<float>(), args.b_scale_inv = b_scale_inv.data_ptr<float>();
   args.b_scale_per_group = b_scale_inv.numel() > 1;
   args.fast_accumulation = fast_accumulation;
-  args.tile = to_tile(tile, fast_accumulation);
+  args.tile = to_tile(tile);
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kBFloat16));
   args.out = out.data_ptr();
   return run(args, out, a);
@@ -123,7 +121,7 @@ at::Tensor grouped_fp8_gemm_wgrad_sm90(const at::Tensor& a_t, const at::Tensor& 
   args.rows = a_t.size(1), args.n = a_t.size(0), args.k = b_t.size(0);
   args.a_scale_inv = a_scale_inv.data_ptr<float>(), args.b_scale_inv = b_scale_inv.data_ptr<float>();
   args.fast_accumulation = fast_accumulation;
-  args.tile = to_tile(tile, fast_accumulation);
+  args.tile = to_tile(tile);
   at::Tensor out = at::empty({offs.numel(), a_t.size(0), b_t.size(0)}, a_t.options().dtype(at::kBFloat16));
   args.out = out.data_ptr();
   return run(args, out, a_t);

@@ -134,7 +134,6 @@ GroupedConfigEntry pick_config(const GroupedFp8GemmArgs& args) {
     case GroupedTile::kSmall:
       return args.fast_accumulation ? grouped::fast_small_config() : grouped::split_small_config();
     case GroupedTile::kAlt: return args.fast_accumulation ? grouped::fast_alt_config() : grouped::split_alt_config();
-    case GroupedTile::kWide: return grouped::fast_wide_config();  // (the binding refuses it with the split one)
     default: return args.fast_accumulation ? grouped::fast_large_config() : grouped::split_large_config();
   }
 }

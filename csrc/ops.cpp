@@ -252,9 +252,8 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // transformer_fp8.grouped_gemm.BACKEND says "torch". The same products with a bfloat16 output: out [M, N] as
   // grouped_fp8_gemm (b_scale_inv [1] or [G]), and out [G, N, K] as grouped_fp8_gemm_wgrad (zeros for an empty group;
   // every group but the last must start at a multiple of 16 columns). fast_accumulation: Hopper's FP8 accumulation
-  // (False: float32 promotion of the partial sums every 128 elements of K). tile: 0 auto, 1 large, 2 small, 3 alt,
-  // 4 wide (fast accumulation only) (the CTA tile configurations of csrc/grouped_gemm.h). N, K (and the wgrad's M)
-  // multiples of 16; compute capability 9.0 only.
+  // (False: float32 promotion of the partial sums every 128 elements of K). tile: 0 auto, 1 large, 2 small, 3 alt
+  // (the CTA tile configurations of csrc/grouped_gemm.h). N, K (and the wgrad's M) multiples of 16; compute capability 9.0 only.
   m.def("grouped_fp8_gemm_sm90(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor offs, "
         "bool fast_accumulation=False, int tile=0) -> Tensor");
   m.def("grouped_fp8_gemm_wgrad_sm90(Tensor a_t, Tensor a_scale_inv, Tensor b_t, Tensor b_scale_inv, Tensor offs, "
@@ -263,8 +262,7 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // operands, each group's product summed in float32 and rounded to bfloat16, then converted to out_dtype.
   // out [M, N], rows of group g = a[rows] (1x128 tiles along K, a_scale_inv [cdiv(K, 128), >= M] with a contiguous
   // last dim: block_cast's layout) . b[g]ᵀ (b [G, N, K] with a contiguous last dim, 128x128 blocks, b_scale_inv
-  // [G, cdiv(N, 128), cdiv(K, 128)] of any strides: the transposed view of the forward's scales serves the dgrad's
-  // Wᵀ).
+  // [G, cdiv(N, 128), cdiv(K, 128)] of any strides: the transposed view of the forward's scales serves the dgrad's Wᵀ).
   // offs as grouped_fp8_gemm's; K and N multiples of 16.
   m.def("grouped_block_fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor offs, "
         "ScalarType out_dtype) -> Tensor");
@@ -276,10 +274,9 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("grouped_block_fp8_gemm_wgrad(Tensor a_t, Tensor a_scale_inv, Tensor b_t, Tensor b_scale_inv, Tensor offs, "
         "ScalarType out_dtype) -> Tensor");
   // Our CUTLASS sm90 ptr-array blockwise-scaled kernels (csrc/grouped_block_*.cu) behind the two ops above: the same
-  // products with a bfloat16 output; compute capability 9.0 only. tile (forward / dgrad): 0 auto, 1 cooperative
-  // 128x128, 2 pingpong 128x128 (csrc/grouped_block_gemm.h).
-  m.def("grouped_block_fp8_gemm_sm90(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor offs, "
-        "int tile=0) -> Tensor");
+  // products with a bfloat16 output; compute capability 9.0 only.
+  m.def("grouped_block_fp8_gemm_sm90(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor offs) "
+        "-> Tensor");
   m.def("grouped_block_fp8_gemm_wgrad_sm90(Tensor a_t, Tensor a_scale_inv, Tensor b_t, Tensor b_scale_inv, "
         "Tensor offs) -> Tensor");
 }

@@ -15,7 +15,6 @@ The wgrad contracts over the grouped rows with 1x128 tiles along them: every non
 """
 import torch
 
-from . import grouped_gemm
 from .cpu.block import BLOCK
 from .cpu.moe_grouped_block_gemm import check_grouped_block_gemm, check_grouped_block_wgrad
 from .grouped_gemm import ALIGN, use_cutlass
@@ -32,7 +31,7 @@ def _(a_t, a_scale_inv, b_t, b_scale_inv, offs, out_dtype):
 
 
 @torch.library.register_fake("transformer_fp8::grouped_block_fp8_gemm_sm90")
-def _(a, a_scale_inv, b, b_scale_inv, offs, tile=0):
+def _(a, a_scale_inv, b, b_scale_inv, offs):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
 
 
@@ -75,8 +74,7 @@ def _grouped_block_fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch
     if a.shape[0] == 0:
         return a.new_empty((0, b.shape[1]), dtype=out_dtype)
     if _block_cutlass_runs(a.device):
-        out = torch.ops.transformer_fp8.grouped_block_fp8_gemm_sm90(a, a_scale_inv, b, b_scale_inv, offs,
-                                                                    grouped_gemm.BLOCK_TILE)
+        out = torch.ops.transformer_fp8.grouped_block_fp8_gemm_sm90(a, a_scale_inv, b, b_scale_inv, offs)
     else:
         out = torch._grouped_mm(_tile_values(a, a_scale_inv), _block_values(b, b_scale_inv).transpose(-2, -1),
                                 offs=offs)

@@ -26,19 +26,9 @@ ALIGN = 16  # rows per group the wgrad kernel needs (16 bytes of FP8)
 # Which kernel runs the grouped GEMMs on CUDA: "auto", "cutlass" (ours; an error where it is not built or the GPU is
 # not a compute capability 9.0 one) or "torch" (torch._scaled_grouped_mm). Read at each call.
 BACKEND = "auto"
-# Our kernel's CTA tiles: 0 picks by kind, accumulation and the groups' average size; 1 large, 2 small, 3 alt, 4 wide
-# (fast accumulation only: GEMMs with the split accumulator take 0's choice instead) (csrc/grouped_gemm.h). Read at
-# each call.
+# Our kernel's CTA tiles: 0 picks by kind, accumulation and the groups' average size; 1 large, 2 small, 3 alt
+# (csrc/grouped_gemm.h). Read at each call.
 CUTLASS_TILE = 0
-_FAST_ONLY_TILES = (4,)
-# The block-scaled forward / dgrad kernel's tiles (grouped_block_gemm.py): 0 auto, 1 cooperative, 2 pingpong
-# (csrc/grouped_block_gemm.h). Read at each call.
-BLOCK_TILE = 0
-
-
-def _tile(fast_accumulation: bool) -> int:
-    """CUTLASS_TILE for a GEMM of this accumulation (0 where that configuration is not built with it)."""
-    return 0 if CUTLASS_TILE in _FAST_ONLY_TILES and not fast_accumulation else CUTLASS_TILE
 _BACKENDS = ("auto", "cutlass", "torch")
 
 
@@ -87,8 +77,7 @@ def _grouped_fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
         return a.new_empty((0, n), dtype=out_dtype)
     if use_cutlass(a.device):
         out = torch.ops.transformer_fp8.grouped_fp8_gemm_sm90(a, a_scale_inv, b, b_scale_inv, offs,
-                                                              not use_split_accumulator,
-                                                              _tile(not use_split_accumulator))
+                                                              not use_split_accumulator, CUTLASS_TILE)
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
     scale_a = a_scale_inv.expand(m).contiguous()
     scale_b = b_scale_inv.reshape(-1, 1).expand(g, n).contiguous()
@@ -128,8 +117,7 @@ def _grouped_fp8_gemm_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: t
         out = torch._grouped_mm(a, b_t.to(torch.bfloat16).t(), offs=offs)
     elif cutlass:
         out = torch.ops.transformer_fp8.grouped_fp8_gemm_wgrad_sm90(a_t, a_scale_inv, b_t, b_scale_inv, offs,
-                                                                    WGRAD_FAST_ACCUMULATION,
-                                                                    _tile(WGRAD_FAST_ACCUMULATION))
+                                                                    WGRAD_FAST_ACCUMULATION, CUTLASS_TILE)
     else:
         out = torch._scaled_grouped_mm(a_t, b_t.t(), a_scale_inv.expand(g * n).contiguous(),
                                        b_scale_inv.expand(g * k).contiguous(), offs=offs, out_dtype=torch.bfloat16,

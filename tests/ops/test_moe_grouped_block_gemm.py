@@ -122,8 +122,6 @@ def test_sm90_ops_cpu_reference_matches_block_ops():
     a, sa, b, sb, offs, _ = fprop_case([16, 0, 48], 128, 128, "cpu")
     torch.testing.assert_close(ops.grouped_block_fp8_gemm_sm90(a, sa, b, sb, offs),
                                ops.grouped_block_fp8_gemm(a, sa, b, sb, offs, torch.bfloat16))
-    with pytest.raises(ValueError, match="tile: expected 0"):
-        ops.grouped_block_fp8_gemm_sm90(a, sa, b, sb, offs, 3)
     a_t, sa, b_t, sb, offs, _ = wgrad_case([128, 0, 32], 32, 16, "cpu")
     torch.testing.assert_close(ops.grouped_block_fp8_gemm_wgrad_sm90(a_t, sa, b_t, sb, offs),
                                ops.grouped_block_fp8_gemm_wgrad(a_t, sa, b_t, sb, offs, torch.bfloat16))
@@ -135,7 +133,7 @@ def opcheck_cases(device):
     cases = [("grouped_block_fp8_gemm", (a, sa, b, sb, offs, torch.float32)),
              ("grouped_block_fp8_gemm_wgrad", (a_t, sat, b_t, sbt, offs_t, torch.bfloat16))]
     if device == "cpu" or cutlass_built():
-        cases += [("grouped_block_fp8_gemm_sm90", (a, sa, b, sb, offs, 2)),
+        cases += [("grouped_block_fp8_gemm_sm90", (a, sa, b, sb, offs)),
                   ("grouped_block_fp8_gemm_wgrad_sm90", (a_t, sat[:, :32].contiguous(), b_t,
                                                          sbt[:, :16].contiguous(), offs_t))]
     return cases
@@ -189,13 +187,12 @@ def set_backend(monkeypatch, backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ("torch", "cutlass", "cutlass pingpong"))
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("splits", FPROP_SPLITS)
 @pytest.mark.parametrize("transposed_b", (False, True))
 @pytest.mark.parametrize("shape", ((256, 160), (48, 384)), ids=("n256_k160", "n48_k384"))
 def test_cuda_grouped_block_gemm(backend, splits, transposed_b, shape, monkeypatch):
-    set_backend(monkeypatch, backend.split()[0])
-    monkeypatch.setattr(grouped_gemm, "BLOCK_TILE", 2 if backend.endswith("pingpong") else 0)
+    set_backend(monkeypatch, backend)
     test_grouped_block_gemm_matches_formula(splits, transposed_b, shape, device="cuda")
 
 
@@ -208,9 +205,8 @@ def test_cuda_grouped_block_wgrad(backend, splits, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", (0, 1, 2))
 @pytest.mark.parametrize("groups, rows, n, k", ((8, 4096, 512, 384), (64, 8192, 256, 512)))
-def test_cuda_sm90_large_uneven_groups(tile, groups, rows, n, k):
+def test_cuda_sm90_large_uneven_groups(groups, rows, n, k):
     if not cutlass_built():
         pytest.skip("the extension was built without the CUTLASS headers (no grouped family)")
     torch.manual_seed(groups)
@@ -219,7 +215,7 @@ def test_cuda_sm90_large_uneven_groups(tile, groups, rows, n, k):
     splits[1] = 0  # (an empty group)
     splits[-1] += rows - sum(splits)
     a, sa, b, sb, offs, ref = fprop_case(splits, n, k, "cuda")
-    assert_close_rel(ops.grouped_block_fp8_gemm_sm90(a, sa, b, sb, offs, tile).cpu(), ref, TOL)
+    assert_close_rel(ops.grouped_block_fp8_gemm_sm90(a, sa, b, sb, offs).cpu(), ref, TOL)
     aligned = [-(-m // 128) * 128 for m in splits]
     a_t, sat, b_t, sbt, offs_t, ref_t = wgrad_case(aligned, n, k, "cuda")
     assert_close_rel(ops.grouped_block_fp8_gemm_wgrad_sm90(a_t, sat, b_t, sbt, offs_t).cpu(), ref_t, TOL)

@@ -138,9 +138,7 @@ def grouped_block_fp8_gemm_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offs, out_d
 
 
 @register("grouped_block_fp8_gemm_sm90")
-def grouped_block_fp8_gemm_sm90(a, a_scale_inv, b, b_scale_inv, offs, tile=0):
-    if tile not in (0, 1, 2):
-        raise ValueError(f"tile: expected 0 (auto), 1 (cooperative) or 2 (pingpong), got {tile}")
+def grouped_block_fp8_gemm_sm90(a, a_scale_inv, b, b_scale_inv, offs):
     return torch.ops.transformer_fp8.grouped_block_fp8_gemm(a, a_scale_inv, b, b_scale_inv, offs, torch.bfloat16)
 
 

@@ -103,22 +103,20 @@ def grouped_fp8_gemm_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offs, out_dtype):
     return out.to(torch.bfloat16).to(out_dtype)
 
 
-def _check_tile(tile, fast_accumulation):
-    if tile not in (0, 1, 2, 3, 4):
-        raise ValueError(f"tile: expected 0 (auto), 1 (large), 2 (small), 3 (alt) or 4 (wide), got {tile}")
-    if tile == 4 and not fast_accumulation:
-        raise ValueError("tile: 4 (wide) is built with fast accumulation only")
+def _check_tile(tile):
+    if tile not in (0, 1, 2, 3):
+        raise ValueError(f"tile: expected 0 (auto), 1 (large), 2 (small) or 3 (alt), got {tile}")
 
 
 @register("grouped_fp8_gemm_sm90")
 def grouped_fp8_gemm_sm90(a, a_scale_inv, b, b_scale_inv, offs, fast_accumulation=False, tile=0):
-    _check_tile(tile, fast_accumulation)  # (the accumulation and the tiles are the CUDA kernel's: float32 sums here)
+    _check_tile(tile)  # (the accumulation and the tiles are the CUDA kernel's: float32 sums here)
     return torch.ops.transformer_fp8.grouped_fp8_gemm(a, a_scale_inv, b, b_scale_inv, offs, torch.bfloat16)
 
 
 @register("grouped_fp8_gemm_wgrad_sm90")
 def grouped_fp8_gemm_wgrad_sm90(a_t, a_scale_inv, b_t, b_scale_inv, offs, fast_accumulation=False, tile=0):
-    _check_tile(tile, fast_accumulation)
+    _check_tile(tile)
     return torch.ops.transformer_fp8.grouped_fp8_gemm_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offs, torch.bfloat16)
 
 
