@@ -7,12 +7,16 @@
    - fp8 grouped (torch kernel): torch._scaled_grouped_mm (rowwise scales, per-tensor ones expanded);
    - bf16 grouped: torch._grouped_mm on the same shapes;
    - fp8 loop: one tfp8.fp8_gemm (our cuBLASLt dense GEMM) per group, sizes known on the host;
-   - fp8 dense: one tfp8.fp8_gemm of the same FLOPs (M x K x N): the target is grouped >= 85% of it.
+   - fp8 dense: one tfp8.fp8_gemm of the same FLOPs (M x K x N): the target is grouped >= 85% of it;
+   - where the time goes (where_the_time_goes): our kernel with equal groups, with one shared weight, as one group;
+   - block scaling (recipe.Float8BlockScaling): the block-scaled grouped kernels (ours, and the BF16 fallback)
+     against cuBLASLt's block-scaled dense GEMM of the same FLOPs.
 2. MoE layer fwd + bwd (transformer_fp8.moe.MoELayer: router, moe_permute, GroupedLinear fc1 / SwiGLU / fc2,
    moe_unpermute): hidden 4096, 8 experts of ffn 14336, top-2, 8192 tokens, BF16 parameters: FP8 (delayed and current
    scaling; group sizes on the device (the grouped kernel, no host sync) or read on the host once per layer (the
    dense per-expert loop)) against the same layer outside fp8_autocast (its high-precision path: one F.linear per
-   expert) and a BF16 composition on torch._grouped_mm (no host sync). Target: FP8 >= 1.4x BF16. Rows that undo one
+   expert) and a BF16 composition on torch._grouped_mm (no host sync), and under block scaling (device splits).
+   Target: FP8 >= 1.4x BF16. Rows that undo one
    of MoELayer's FP8 choices measure what it brings: the permutation without 16-row padding (padded wgrad copies),
    the SwiGLU as its own op (not fused into fc1's backward cast).
 Times: GPU time per call (timing.gpu_time_ms), variants interleaved in rounds (timing.run_rounds): medians.
@@ -31,7 +35,7 @@ import transformer_fp8 as te
 from transformer_fp8 import grouped_gemm
 from transformer_fp8.grouped_gemm import group_offsets
 from transformer_fp8.ops import tfp8
-from transformer_fp8.recipe import DelayedScaling, Float8CurrentScaling
+from transformer_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 E4M3 = torch.float8_e4m3fn
 # (experts, rows M, K, N): Mixtral-8x7B's fc1 (gate | up) and a 64-expert layer of small experts
@@ -123,10 +127,68 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict
         "wgrad bf16 grouped": lambda: torch._grouped_mm(dy_tb, x_tb.t(), offs=offs16),
         "wgrad fp8 dense (equal FLOPs)": lambda: tfp8.fp8_gemm(dy_t, one, x_t, one, torch.bfloat16),
     }
+    fns.update(where_the_time_goes(groups, m, k, n, x, w, one))
+    fns.update(block_scaled_fns(groups, m, k, n))
     # (wgrad dense: [N, M] x [K, M]ᵀ -> [N, K], contracting over all M rows: the same FLOPs as the grouped wgrad)
     measures = {name: (lambda fn=fn: flops / gpu_time_ms(fn, warmup=3, iters=iters) / 1e9) for name, fn in fns.items()}
     return measures, {"groups": groups, "M": m, "K": k, "N": n, "splits": splits, "wgrad_splits": splits16,
                       "wgrad_3d_rows_per_group": rows_max}
+
+
+def where_the_time_goes(groups: int, m: int, k: int, n: int, x: torch.Tensor, w: torch.Tensor,
+                        one: torch.Tensor) -> dict:
+    """Forward variants of our kernel (pingpong 128x128, fast accumulation) that remove one cost at a time, to split
+    the gap to the dense GEMM: equal groups of m / groups rows (no uneven tiles: whole 128-row tiles when m / groups
+    is a multiple of 128), the same equal groups on one shared weight (b's group stride 0: the weights are read from
+    memory once, then from L2), and one group of all m rows (the grouped kernel's own speed on a dense problem)."""
+    equal = group_offsets(torch.full((groups,), m // groups, device="cuda"))
+    shared = w[:1].expand(groups, n, k)  # (stride 0 over the groups)
+    whole = group_offsets(torch.tensor([m], device="cuda"))
+    return {
+        "fprop ours small tiles, equal groups": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, equal, True, 2),
+        "fprop ours small tiles, equal groups, one shared weight": lambda: tfp8.grouped_fp8_gemm_sm90(
+            x, one, shared, one, equal, True, 2),
+        "fprop ours small tiles, one group of all rows": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w[:1], one, whole,
+                                                                                            True, 2),
+        "fprop ours large tiles, equal groups": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, equal, True, 1),
+    }
+
+
+def block_scaled_fns(groups: int, m: int, k: int, n: int) -> dict:
+    """recipe.Float8BlockScaling's GEMMs on the same shapes: the block-scaled grouped kernels (ours: 1x128 x 128x128
+    forward, 1x128 x 1x128 wgrad on groups padded to 128 rows; the BF16 fallback: dequantize + torch._grouped_mm)
+    and cuBLASLt's block-scaled dense GEMM of the same FLOPs."""
+    splits = uneven_splits(groups, m)
+    splits128 = uneven_splits(groups, m, 128)
+    offs, offs128 = (group_offsets(torch.tensor(s, device="cuda")) for s in (splits, splits128))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    a, sa, _, _ = tfp8.block_cast(x, E4M3, 1, True, False, 0.0, False)
+    wq, sw, _, _ = tfp8.block_cast(torch.randn(groups * n, k, device="cuda", dtype=torch.bfloat16), E4M3, 2, True,
+                                   False, 0.0, False)
+    kb = -(-k // 128)
+    b, sb = wq.view(groups, n, k), sw.view(groups, n // 128, -1)[:, :, :kb]
+    _, _, dy_t, s_dy = tfp8.block_cast(torch.randn(m, n, device="cuda", dtype=torch.bfloat16), E4M3, 1, False, True,
+                                       0.0, False)
+    _, _, x_t, s_x = tfp8.block_cast(x, E4M3, 1, False, True, 0.0, False)
+    dense_w, dense_sw = wq[:n], sw[:n // 128]
+
+    def fallback():
+        grouped_gemm.BACKEND = "torch"
+        try:
+            return tfp8.grouped_block_fp8_gemm(a, sa, b, sb, offs, torch.bfloat16)
+        finally:
+            grouped_gemm.BACKEND = "auto"
+
+    return {
+        "block fprop fp8 grouped (ours)": lambda: tfp8.grouped_block_fp8_gemm_sm90(a, sa, b, sb, offs),
+        "block fprop bf16 fallback (dequantize + torch._grouped_mm)": fallback,
+        "block fprop fp8 dense (cuBLASLt, equal FLOPs)": lambda: tfp8.block_fp8_gemm(a, sa, 1, dense_w, dense_sw, 2,
+                                                                                     torch.bfloat16),
+        "block wgrad fp8 grouped (ours, groups of multiples of 128)": lambda: tfp8.grouped_block_fp8_gemm_wgrad_sm90(
+            dy_t, s_dy, x_t, s_x, offs128),
+        "block wgrad fp8 dense (cuBLASLt, equal FLOPs)": lambda: tfp8.block_fp8_gemm(dy_t, s_dy, 1, x_t, s_x, 1,
+                                                                                     torch.bfloat16),
+    }
 
 
 def wgrad_precision(groups: int, m: int, k: int, n: int, block: int = 256) -> dict:
@@ -242,6 +304,7 @@ LAYER_VARIANTS = {  # name: (recipe, variant of make_layer_step)
     "fp8 delayed (device splits: grouped kernel, no sync)": (DelayedScaling, "layer"),
     "fp8 delayed (device splits, torch's grouped kernel)": (DelayedScaling, "torch kernel"),
     "fp8 current (device splits)": (Float8CurrentScaling, "layer"),
+    "fp8 block scaling (device splits: block-scaled grouped kernels, no sync)": (Float8BlockScaling, "layer"),
     "fp8 delayed (device splits, unaligned permute: padded wgrad copies)": (DelayedScaling, "unaligned"),
     "fp8 delayed (device splits, SwiGLU as its own op)": (DelayedScaling, "unfused swiglu"),
     "fp8 delayed (device splits, wgrad FP8 fast accumulation)": (DelayedScaling, "fast wgrad"),
@@ -315,10 +378,14 @@ def main():
         for name, s in stats.items():
             print(f"| {name} | {s.get('median', s.get('error'))} |")
         dense = stats["fprop fp8 dense (equal FLOPs)"].get("median")
-        for name in [k for k in stats if k.startswith("fprop fp8 grouped")]:
+        for name in [k for k in stats if k.startswith("fprop fp8 grouped") or k.startswith("fprop ours")]:
             grouped = stats[name].get("median")
             if dense and grouped:
                 print(f"{name} / dense: {grouped / dense:.2f}")
+        block_dense = stats["block fprop fp8 dense (cuBLASLt, equal FLOPs)"].get("median")
+        block_grouped = stats["block fprop fp8 grouped (ours)"].get("median")
+        if block_dense and block_grouped:
+            print(f"block fprop fp8 grouped (ours) / block dense: {block_grouped / block_dense:.2f}")
         if grouped_gemm.use_cutlass(torch.device("cuda")):
             info["wgrad_precision"] = wgrad_precision(*shape)
             print("| wgrad kernel | relative error (norm) | largest error / largest value |\n|---|---|---|")

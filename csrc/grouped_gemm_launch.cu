@@ -8,6 +8,8 @@
 
 #include "grouped_gemm.h"
 #include "grouped_gemm_arrays.h"
+#include "grouped_rows.cuh"
+#include "grouped_shared.h"
 
 namespace tfp8 {
 namespace {
@@ -45,20 +47,11 @@ size_t layout_arrays(int groups, char* base, GroupArrays* arrays) {
   return offset;
 }
 
-// Group g's rows [start, end) of the grouped dimension, clamped to [0, rows] (an end past rows is the contract's
-// "unspecified" case: clamping keeps every access in bounds).
-__device__ void group_range(const int32_t* offs, int g, int64_t rows, int64_t* start, int64_t* end) {
-  const int64_t hi = min(static_cast<int64_t>(offs[g]), rows);
-  const int64_t lo = g == 0 ? 0 : min(static_cast<int64_t>(offs[g - 1]), rows);
-  *start = max(lo, int64_t{0});
-  *end = max(hi, *start);
-}
-
 __global__ void write_group_arrays(GroupedFp8GemmArgs args, GroupArrays arrays) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= args.groups) return;
   int64_t start, end;
-  group_range(args.offs, g, args.rows, &start, &end);
+  grouped::group_rows(args.offs, g, args.rows, &start, &end);
   const int count = static_cast<int>(end - start);
   const auto* a = static_cast<const uint8_t*>(args.a);
   const auto* b = static_cast<const uint8_t*>(args.b);
@@ -80,16 +73,32 @@ __global__ void write_group_arrays(GroupedFp8GemmArgs args, GroupArrays arrays) 
   }
 }
 
+}  // namespace
+
+namespace grouped {
+
+namespace {
+
 // out[g] = 0 for every empty group g (blockIdx.y = g; 16-byte stores: n * k bfloat16 is a multiple of 16 bytes).
 __global__ void zero_empty_groups(const int32_t* offs, int64_t rows, int64_t vectors_per_group, uint4* out) {
   int64_t start, end;
-  group_range(offs, blockIdx.y, rows, &start, &end);
+  group_rows(offs, blockIdx.y, rows, &start, &end);
   if (end > start) return;
   uint4* group = out + blockIdx.y * vectors_per_group;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors_per_group;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     group[i] = make_uint4(0, 0, 0, 0);
   }
+}
+
+}  // namespace
+
+const char* launch_zero_empty_groups(const int32_t* offs, int64_t rows, int groups, int64_t n, int64_t k, void* out,
+                                     cudaStream_t stream) {
+  const int64_t vectors = n * k * static_cast<int64_t>(sizeof(__nv_bfloat16)) / 16;
+  const int blocks = static_cast<int>(std::min<int64_t>((vectors + 255) / 256, 64));
+  zero_empty_groups<<<dim3(blocks, groups), 256, 0, stream>>>(offs, rows, vectors, static_cast<uint4*>(out));
+  return cudaGetLastError() == cudaSuccess ? nullptr : "the grouped GEMM's zero-fill kernel failed to launch";
 }
 
 Device current_device() {
@@ -103,6 +112,12 @@ Device current_device() {
   device.sm_count = device.id < 64 ? sm_counts[device.id] : 0;
   return device;
 }
+
+}  // namespace grouped
+
+namespace {
+
+using grouped::current_device;
 
 // kAuto's choice, from two H200 runs of benchmarks/bench_moe.py (RESULTS_grouped.md): with fast accumulation the
 // pingpong 128x128 tiles were the fastest forward at 8 and at 64 experts, the cooperative 128x256 ones the fastest
@@ -137,11 +152,9 @@ const char* launch_grouped_fp8_gemm(const GroupedFp8GemmArgs& args, void* worksp
   write_group_arrays<<<setup_blocks, kSetupThreads, 0, stream>>>(args, arrays);
   if (cudaGetLastError() != cudaSuccess) return "the grouped GEMM's setup kernel failed to launch";
   if (args.kind == GroupedKind::kContraction) {
-    const int64_t vectors = args.n * args.k * static_cast<int64_t>(sizeof(__nv_bfloat16)) / 16;
-    const int blocks = static_cast<int>(std::min<int64_t>((vectors + 255) / 256, 64));
-    zero_empty_groups<<<dim3(blocks, args.groups), 256, 0, stream>>>(args.offs, args.rows, vectors,
-                                                                     static_cast<uint4*>(args.out));
-    if (cudaGetLastError() != cudaSuccess) return "the grouped GEMM's zero-fill kernel failed to launch";
+    const char* error = grouped::launch_zero_empty_groups(args.offs, args.rows, args.groups, args.n, args.k, args.out,
+                                                          stream);
+    if (error) return error;
   }
   return pick_config(args).run(args.groups, arrays, base + arrays_bytes, current_device(), stream);
 }

@@ -280,6 +280,27 @@ TORCH_LIBRARY(transformer_fp8, m) {
         "bool fast_accumulation=False, int tile=0) -> Tensor");
   m.def("grouped_fp8_gemm_wgrad_sm90(Tensor a_t, Tensor a_scale_inv, Tensor b_t, Tensor b_scale_inv, Tensor offs, "
         "bool fast_accumulation=False, int tile=0) -> Tensor");
+  // Block-scaled grouped GEMMs (recipe Float8BlockScaling; layouts: transformer_fp8/quantization/block.py), E4M3
+  // operands, each group's product summed in float32 and rounded to bfloat16, then converted to out_dtype.
+  // out [M, N], rows of group g = a[rows] (1x128 tiles along K, a_scale_inv [cdiv(K, 128), >= M] with a contiguous
+  // last dim: block_cast's layout) . b[g]ᵀ (b [G, N, K] with a contiguous last dim, 128x128 blocks, b_scale_inv
+  // [G, cdiv(N, 128), cdiv(K, 128)] of any strides: the transposed view of the forward's scales serves the dgrad's Wᵀ).
+  // offs as grouped_fp8_gemm's; K and N multiples of 16.
+  m.def("grouped_block_fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor offs, "
+        "ScalarType out_dtype) -> Tensor");
+  // The block-scaled weight gradient: a_t [N, M], b_t [K, M] (contiguous, the transposed copies of dy and x with their
+  // own 1x128 tiles along M: scales [cdiv(M, 128), >= N] and [cdiv(M, 128), >= K]) -> out [G, N, K], out[g] = a_t's
+  // group-g columns . b_t's (zeros for an empty group). Every non-empty group starts at a multiple of 128 rows, so that
+  // no tile straddles two groups (GroupedLinear pads its groups; CPU: ValueError; CUDA: a device trap). M, N, K
+  // multiples of 16.
+  m.def("grouped_block_fp8_gemm_wgrad(Tensor a_t, Tensor a_scale_inv, Tensor b_t, Tensor b_scale_inv, Tensor offs, "
+        "ScalarType out_dtype) -> Tensor");
+  // Our CUTLASS sm90 ptr-array blockwise-scaled kernels (csrc/grouped_block_*.cu) behind the two ops above: the same
+  // products with a bfloat16 output; compute capability 9.0 only.
+  m.def("grouped_block_fp8_gemm_sm90(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor offs) "
+        "-> Tensor");
+  m.def("grouped_block_fp8_gemm_wgrad_sm90(Tensor a_t, Tensor a_scale_inv, Tensor b_t, Tensor b_scale_inv, "
+        "Tensor offs) -> Tensor");
 }
 
 // (The Python module transformer_fp8._C, whose import loads this library, is defined in csrc/python_module.cpp.)

@@ -326,7 +326,32 @@ def test_wrong_hidden_size_is_refused():
         make_layer()(torch.randn(3, HIDDEN + 1))
 
 
+def block_layer(dtype=torch.float32, device="cpu"):
+    """A layer whose GroupedLinears take block scaling (out_features multiples of 128: fc1 2 x 64, fc2 128)."""
+    layer = MoELayer(128, 64, 4, 2, params_dtype=dtype, device=device)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.normal_(0, 1.0 if name.startswith("router") else 128 ** -0.5)
+    return layer
+
+
+def test_block_scaling_on_cpu_reference_kernels():
+    layer = block_layer()
+    with te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()):
+        check_against_reference(layer, torch.randn(4, 16, 128), tol=2 * FP8_RTOL[torch.float8_e4m3fn],
+                                grad_tol=2 * FP8_RTOL[torch.float8_e5m2])
+    assert all(m._fp8_call_counts == [1, 0] for m in (layer.experts.linear_fc1, layer.experts.linear_fc2))
+
+
 # --- GPU -----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_block_scaling_bf16_against_float64():
+    layer = block_layer(torch.bfloat16, "cuda")
+    with te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()):
+        check_against_reference(layer, torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16),
+                                tol=2 * FP8_RTOL[torch.float8_e4m3fn], grad_tol=2 * FP8_RTOL[torch.float8_e5m2])
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_recipe", [recipe.DelayedScaling(), recipe.Float8CurrentScaling()],

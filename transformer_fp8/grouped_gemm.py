@@ -146,24 +146,28 @@ def padded_rows_bound(rows: int, groups: int, align: int = ALIGN) -> int:
     return -(-(rows + (align - 1) * groups) // align) * align
 
 
-def padded_groups(m_splits: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layout where every group starts at a multiple of ALIGN rows, made on the device (no sync).
+def padded_groups(m_splits: torch.Tensor, rows: int, align: int = ALIGN) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layout where every group starts at a multiple of `align` rows, made on the device (no sync).
 
     Args:
         m_splits: rows per group, an integer tensor [G] (summing to `rows`).
         rows: the number of rows of the unpadded tensor.
+        align: the rows each group is rounded up to, a multiple of ALIGN (ALIGN: the per-tensor wgrad kernel's
+            16-byte alignment; 128: the block-scaled wgrad's tiles).
 
     Returns:
-        (source_rows int32 [padded_rows_bound(rows, G)]: the unpadded row each padded row copies, -1 for padding
+        (source_rows int32 [padded_rows_bound(rows, G, align)]: the unpadded row each padded row copies, -1 for padding
         (moe_permute_rows with slots_per_token=1 makes the padded tensor, zeros in the padding),
         offs int32 [G]: the padded groups' cumulative ends, the last one extended to the padded size (the trailing
         padding joins the last group: zeros add nothing to its wgrad)).
     """
+    if align <= 0 or align % ALIGN:
+        raise ValueError(f"align: expected a positive multiple of {ALIGN}, got {align}")
     groups = m_splits.numel()
-    total = padded_rows_bound(rows, groups)
+    total = padded_rows_bound(rows, groups, align)
     sizes = m_splits.to(torch.int32)
     starts = torch.cumsum(sizes, 0, dtype=torch.int32) - sizes
-    padded = (sizes + (ALIGN - 1)) // ALIGN * ALIGN
+    padded = (sizes + (align - 1)) // align * align
     padded_ends = torch.cumsum(padded, 0, dtype=torch.int32)
     padded_starts = padded_ends - padded
     position = torch.arange(total, dtype=torch.int32, device=m_splits.device)
@@ -173,3 +177,6 @@ def padded_groups(m_splits: torch.Tensor, rows: int) -> tuple[torch.Tensor, torc
     # (the last end set to `total` by a device op: an indexed assignment of a host number would copy it over, a sync)
     offs = torch.cat((padded_ends[:-1], padded_ends.new_full((1,), total)))
     return source, offs
+
+
+from . import grouped_block_gemm  # noqa: E402,F401  (the block-scaled grouped ops' CUDA and fake kernels)

@@ -118,3 +118,6 @@ def grouped_fp8_gemm_sm90(a, a_scale_inv, b, b_scale_inv, offs, fast_accumulatio
 def grouped_fp8_gemm_wgrad_sm90(a_t, a_scale_inv, b_t, b_scale_inv, offs, fast_accumulation=False, tile=0):
     _check_tile(tile)
     return torch.ops.transformer_fp8.grouped_fp8_gemm_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offs, torch.bfloat16)
+
+
+from . import moe_grouped_block_gemm  # noqa: E402,F401  (the block-scaled grouped ops register their CPU kernels)

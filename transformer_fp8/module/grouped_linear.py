@@ -14,6 +14,12 @@ contracts over each group's rows, which the kernel needs in multiples of 16: gro
 as they are, any other sizes (and every device tensor, whose sizes the host never reads, unless the caller passes
 splits_aligned=True: moe_permute(..., align_size=16) makes such groups) through a padded copy of the FP8 input and
 gradient (zeros between the groups; one gather each).
+
+Under recipe.Float8BlockScaling (module/_grouped_linear_block.py): 1x128 tiles for the input and the gradient, 128x128
+blocks for the weights (out_features a multiple of 128), the block-scaled grouped GEMMs (grouped_block_gemm.py) in
+every direction; the weight gradient's groups are padded to start at multiples of 128 rows unless the host list's
+sizes already are. fp8_model_init(recipe=Float8BlockScaling()) gives block-scaled Float8Tensor weights, which run only
+under that recipe.
 """
 import dataclasses
 from collections.abc import Sequence
@@ -28,6 +34,7 @@ from ..ops import activation_high_precision, activation_out_features, tfp8
 from ..quantization import FP8Operand, Role
 from ..recipe import Format
 from ._gemm import high_precision_linear
+from ._grouped_linear_block import GroupedLinearBlockFP8, cast_block_weights, check_block_recipe, is_block
 from .base import FP8ModuleBase, check_choice, check_positive, main_grad_of
 
 # activations a GroupedLinear can apply to its output (output_activation: our fused kernels; swiglu halves the dim)
@@ -248,7 +255,8 @@ def _stacked_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 class GroupedLinear(FP8ModuleBase):
     """num_gemms linears y_i = x_i W_iᵀ + b_i over the row groups x_i of one input. FP8 roles: INPUT (the whole input),
-    WEIGHT (all the weights: one scale), GRAD_OUTPUT (E4M3 under every format, see the module docstring).
+    WEIGHT (all the weights: one scale; block scaling: a scale per 128x128 block), GRAD_OUTPUT (E4M3 under every
+    format, see the module docstring).
 
     Args:
         num_gemms: number of groups (experts), >= 1.
@@ -369,6 +377,11 @@ class GroupedLinear(FP8ModuleBase):
             raise ValueError(f"GroupedLinear: FP8 needs in_features and out_features multiples of {ALIGN} (the "
                              f"grouped FP8 kernel's alignment), got {self.in_features} and {self.out_features}")
         self._count_call(fp8=True)
+        if is_block(state.recipe):
+            check_block_recipe(state.recipe, self.out_features)
+            self._fp8_begin(state)
+            return GroupedLinearBlockFP8.apply(x, splits, host_splits, self, torch.is_grad_enabled(), activation,
+                                               is_first_microbatch, *self.weights, *biases)
         self._fp8_begin(state)
         return _GroupedLinearFP8.apply(x, splits, host_splits, aligned, self, torch.is_grad_enabled(), activation,
                                        is_first_microbatch, *self.weights, *biases)
@@ -420,6 +433,10 @@ class GroupedLinear(FP8ModuleBase):
         """The FP8 weights of _fp8_weights, cast now."""
         g, n, k = self.num_gemms, self.out_features, self.in_features
         if all(isinstance(w, Float8Tensor) for w in weights):
+            if any(w.layout != "tensor" for w in weights):
+                raise TypeError("GroupedLinear: block-scaled FP8 weights (fp8_model_init with Float8BlockScaling) "
+                                "need fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()), got "
+                                f"{type(self._fp8_recipe).__name__}")
             data = torch.stack([w._data for w in weights])
             scale_inv = torch.cat([w._scale_inv.reshape(1) for w in weights])
             return data, scale_inv, torch.stack([w.transpose_data() for w in weights]) if need_t else None
@@ -430,6 +447,25 @@ class GroupedLinear(FP8ModuleBase):
         op = self.quantizers[Role.WEIGHT].cast(stacked.view(g * n, k), rowwise=True, transpose=need_t)
         w_t = op.data_t.view(k, g, n).permute(1, 0, 2) if need_t else None
         return op.data.view(g, n, k), op.scale_inv, w_t
+
+    def _fp8_block_weights(self, weights, need_t, is_first_microbatch=None):
+        """The weights in 128x128 FP8 blocks for the block-scaled grouped GEMMs (_grouped_linear_block.BlockWeights),
+        cast once over all the experts; is_first_microbatch as _fp8_weights (its own cache entry)."""
+        cached = self._weight_cache.get("block_weights") if is_first_microbatch is False else None
+        if cached is not None:
+            return cached
+        keep = is_first_microbatch is not None
+        stacked = None
+        if any(isinstance(w, Float8Tensor) for w in weights):
+            if not all(isinstance(w, Float8Tensor) for w in weights):
+                raise TypeError("GroupedLinear: weights mix Float8Tensor and high-precision tensors")
+        else:
+            stacked = _stacked_view(weights)
+            stacked = torch.stack(weights) if stacked is None else stacked
+        operands = cast_block_weights(self, weights, stacked, need_t or keep)
+        if keep:
+            self._weight_cache["block_weights"] = operands
+        return operands
 
     # --- high precision ---
     def _high_precision_forward(self, x, m_splits, splits, biases):
