@@ -91,7 +91,10 @@ def _storage_of(t: torch.Tensor):
         names, _ = t.__tensor_flatten__()
         parts = [_storage_of(getattr(t, n)) for n in names if isinstance(getattr(t, n), torch.Tensor)]
         return tuple(p[0] for p in parts), sum(p[1] for p in parts)
-    storage = t.untyped_storage()
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # (a tensor subclass without storage: its own elements)
+        return ("object", id(t)), t.numel() * t.element_size()
     return (t.device, storage.data_ptr()), storage.nbytes()
 
 

@@ -112,7 +112,10 @@ def test_same_outputs_and_gradients_as_the_composition(device, dtype, kind, norm
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_transformer_layer_bf16_step_matches_the_composition(device):
-    """A whole TransformerLayer (RMSNorm, SwiGLU, GQA, no bias, residuals) in BF16: lean saves change no bit."""
+    """A whole TransformerLayer (RMSNorm, SwiGLU, GQA, no bias, residuals) in BF16: lean saves change no bit. (On
+    CUDA the fused attention's backward may accumulate dq in a varying order: the gradients it feeds, the QKV
+    projection's and the input's, are compared within BF16 rounding there; the output and the MLP's gradients,
+    computed before it, bit for bit.)"""
     layer = te.TransformerLayer(HIDDEN, FFN, 4, num_gqa_groups=2, hidden_dropout=0.0, attention_dropout=0.0,
                                 bias=False, activation="swiglu", normalization="RMSNorm", params_dtype=torch.bfloat16,
                                 device=device)
@@ -128,9 +131,12 @@ def test_transformer_layer_bf16_step_matches_the_composition(device):
         xg = x.clone().requires_grad_()
         out = layer(xg)
         out.backward(dy)
-        results.append([out.detach(), xg.grad] + [p.grad for p in layer.parameters()])
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+        results.append({"output": out.detach(), "input": xg.grad, **{n: p.grad for n, p in layer.named_parameters()}})
+    for name, lean in results[0].items():
+        if device == "cpu" or name == "output" or name.startswith("layernorm_mlp."):
+            assert torch.equal(lean, results[1][name]), name
+        else:
+            assert rel_error(lean, results[1][name]) < 1e-2, name
 
 
 @pytest.mark.parametrize("setting", ["return_layernorm_output", "fuse_wgrad_accumulation", "no_grad", "off"])
