@@ -17,7 +17,14 @@ constexpr float kGeluC = 0.044715f;
 constexpr float kGeluC3 = static_cast<float>(3.0 * 0.044715);  // 3 * kGeluC, rounded once as in the reference
 
 __device__ __forceinline__ float gelu_tanh(float x) { return tanhf(kGeluK * (x + kGeluC * x * x * x)); }
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// kFast: exp and the reciprocal by the hardware's approximations (a few float32 ulps), for results rounded to 16 bits
+// anyway: the high-precision kernels' BF16 / FP16 path (activation_rows.cu), where the IEEE versions cost more than
+// the memory traffic.
+template <bool kFast = false>
+__device__ __forceinline__ float sigmoid(float x) {
+  if constexpr (kFast) return __fdividef(1.0f, 1.0f + __expf(-x));
+  else return 1.0f / (1.0f + expf(-x));
+}
 
 // y = act(x) of the one-input activations (GELU, ReLU; NaN stays NaN).
 template <Activation A>
@@ -38,10 +45,14 @@ __device__ __forceinline__ float backward(float dy, float x) {
   }
 }
 
-__device__ __forceinline__ float swiglu_forward(float gate, float up) { return gate * sigmoid(gate) * up; }
+template <bool kFast = false>
+__device__ __forceinline__ float swiglu_forward(float gate, float up) {
+  return gate * sigmoid<kFast>(gate) * up;
+}
 
+template <bool kFast = false>
 __device__ __forceinline__ void swiglu_backward(float dy, float gate, float up, float& dgate, float& dup) {
-  const float sig = sigmoid(gate);
+  const float sig = sigmoid<kFast>(gate);
   dgate = dy * up * sig * (1.0f + gate * (1.0f - sig));
   dup = dy * gate * sig;
 }

@@ -4,6 +4,7 @@
 // GELU / ReLU index input and output alike. SwiGLU output element i = row * F + c reads gate at row * 2F + c and up at
 // row * 2F + F + c (F = out_cols), i.e. at i + row * F and i + row * F + F; its backward writes dgate and dup there.
 #include <algorithm>
+#include <cstdlib>
 
 #include "activation_common.cuh"
 
@@ -120,6 +121,13 @@ bool rows_hold_whole_vectors(Activation act, int64_t out_cols, int vec) {
   return act != Activation::kSwiglu || out_cols % vec == 0;
 }
 
+// TFP8_ACTIVATION_FLAT set (read once): the high-precision calls keep these flat kernels instead of
+// activation_rows.cu's (a before/after switch for benchmarks).
+bool rows_kernels_enabled() {
+  static const bool enabled = std::getenv("TFP8_ACTIVATION_FLAT") == nullptr;
+  return enabled;
+}
+
 int64_t grid_size(int64_t n, int vec) {
   const int64_t needed = (n + static_cast<int64_t>(kThreads) * vec - 1) / (static_cast<int64_t>(kThreads) * vec);
   return std::max<int64_t>(1, std::min<int64_t>(needed, static_cast<int64_t>(act::sm_count()) * kBlocksPerSm));
@@ -129,6 +137,11 @@ int64_t grid_size(int64_t n, int vec) {
 
 void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dtype, int64_t out_elems, int64_t out_cols,
                            Activation act, const float* scale, float* amax, float* scale_inv, cudaStream_t stream) {
+  if (out_dtype == in_dtype && amax == nullptr && scale_inv == nullptr && out_cols >= kRowsKernelMinCols &&
+      rows_kernels_enabled()) {
+    launch_activation_rows_fwd(x, y, in_dtype, out_elems / out_cols, out_cols, act, stream);
+    return;
+  }
   act::with_activation(act, [&](auto a) {
     act::with_high_precision(in_dtype, [&](auto in) {
       constexpr Activation A = decltype(a)::value;
@@ -188,6 +201,10 @@ void launch_activation_fwd_keep_input(const void* x, DType in_dtype, uint8_t* y,
 void launch_activation_bwd(const void* dy, const void* x, void* dx, DType dtype, int64_t out_elems, int64_t out_cols,
                            Activation act, cudaStream_t stream) {
   if (out_elems == 0) return;
+  if (out_cols >= kRowsKernelMinCols && rows_kernels_enabled()) {
+    launch_activation_rows_bwd(dy, x, dx, dtype, out_elems / out_cols, out_cols, act, stream);
+    return;
+  }
   act::with_activation(act, [&](auto a) {
     act::with_high_precision(dtype, [&](auto d) {
       constexpr Activation A = decltype(a)::value;

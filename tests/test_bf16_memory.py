@@ -5,6 +5,9 @@ import pytest
 import torch
 
 import transformer_fp8 as te
+from tests.ops.test_activation import CUDA_VS_CPU_RTOL, HP_RTOL, random_pair, ref_backward, ref_forward
+from tests.utils import assert_close_rel
+from transformer_fp8 import ops
 from tests.module.helpers import DEVICES, params64, randomize_vectors, reference_forward
 from tests.utils import rel_error
 
@@ -158,3 +161,21 @@ def test_cases_that_keep_the_composition(setting):
     saved, _ = _saved_bytes(module, x)
     size = 2
     assert saved == 2 * M * HIDDEN * size + M * 4 + M * 2 * FFN * size + M * FFN * size
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(33, 2048), (3, 5, 4096), (1, 1024), (7, 2056)])
+def test_cuda_rows_kernels_match_the_cpu_reference(activation, dtype, shape):
+    """activation_fwd / activation_bwd with rows of >= 1024 outputs take the [rows, cols] kernels of
+    csrc/activation_rows.cu (16-byte vectors where the width allows, two rows per thread: odd row counts leave one
+    alone): against the CPU reference kernels and float64 math, as the flat kernels' tests."""
+    width = shape[-1] * (2 if activation == "swiglu" else 1)
+    dy, x = random_pair((*shape[:-1], width), activation, dtype, "cuda")
+    y = ops.activation_fwd(x, activation)
+    assert rel_error(y.cpu(), ops.activation_fwd(x.cpu(), activation)) <= CUDA_VS_CPU_RTOL[dtype]
+    assert_close_rel(y.cpu(), ref_forward(x.cpu(), activation), HP_RTOL[dtype])
+    dx = ops.activation_bwd(dy, x, activation)
+    assert rel_error(dx.cpu(), ops.activation_bwd(dy.cpu(), x.cpu(), activation)) <= CUDA_VS_CPU_RTOL[dtype]
+    assert_close_rel(dx.cpu(), ref_backward(dy.cpu(), x.cpu(), activation), 4 * HP_RTOL[dtype])
