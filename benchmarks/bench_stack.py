@@ -27,9 +27,9 @@ import torch
 
 from timing import fmt_spread, run_rounds
 
-RECIPES = ("bf16", "delayed", "current", "block", "bf16-keep")
-# "bf16-keep" (ours only): BF16 with the modules' recompute_in_backward off, i.e. norm(x) and act(fc1_out) kept for
-# the backward as autograd's composition (and TE's BF16 modules) keep them
+RECIPES = ("bf16", "delayed", "current", "block", "bf16-recompute")
+# "bf16-recompute" (ours only): BF16 with the modules' recompute_in_backward on: norm(x) and act(fc1_out) recomputed
+# in the backward instead of kept (module/_high_precision.py); "bf16": the modules' defaults (kept, as TE's)
 FULL = dict(layers=16, hidden=2048, ffn=8192, heads=32, groups=8, vocab=32000, batch=4, seq=2048)
 TINY = dict(layers=2, hidden=256, ffn=512, heads=4, groups=2, vocab=512, batch=2, seq=64)
 
@@ -50,7 +50,7 @@ def load_impl(impl: str):
 
 def make_recipe(recipe_module, name: str):
     """The recipe object for `name` (None: BF16, fp8_autocast disabled) from either package's recipe module."""
-    if name in ("bf16", "bf16-keep"):
+    if name in ("bf16", "bf16-recompute"):
         return None
     if name == "delayed":
         return recipe_module.DelayedScaling(fp8_format=recipe_module.Format.HYBRID, amax_history_len=16)
@@ -213,12 +213,12 @@ class Variant:
         torch.manual_seed(seed)
         dims = {k: shape[k] for k in ("layers", "hidden", "ffn", "heads", "groups", "vocab")}
         self.model = LlamaStack(te, device=device, **dims)
-        if recipe_name == "bf16-keep":
+        if recipe_name == "bf16-recompute":
             modules = [m for m in self.model.modules() if hasattr(m, "recompute_in_backward")]
             if impl != "ours" or not modules:
-                raise ValueError("bf16-keep: a variant of ours only (modules with recompute_in_backward)")
+                raise ValueError("bf16-recompute: a variant of ours only (modules with recompute_in_backward)")
             for m in modules:
-                m.recompute_in_backward = False
+                m.recompute_in_backward = True
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=cuda)
         self.tokens = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
         if cuda:

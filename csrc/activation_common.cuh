@@ -18,7 +18,7 @@ constexpr float kGeluC3 = static_cast<float>(3.0 * 0.044715);  // 3 * kGeluC, ro
 
 __device__ __forceinline__ float gelu_tanh(float x) { return tanhf(kGeluK * (x + kGeluC * x * x * x)); }
 // kFast: exp and the reciprocal by the hardware's approximations (a few float32 ulps), for results rounded to 16 bits
-// anyway: the high-precision kernels' BF16 / FP16 path (activation_rows.cu), where the IEEE versions cost more than
+// anyway: the high-precision forward's BF16 / FP16 path (activation_rows.cu), where the IEEE versions cost more than
 // the memory traffic.
 template <bool kFast = false>
 __device__ __forceinline__ float sigmoid(float x) {
@@ -50,9 +50,8 @@ __device__ __forceinline__ float swiglu_forward(float gate, float up) {
   return gate * sigmoid<kFast>(gate) * up;
 }
 
-template <bool kFast = false>
 __device__ __forceinline__ void swiglu_backward(float dy, float gate, float up, float& dgate, float& dup) {
-  const float sig = sigmoid<kFast>(gate);
+  const float sig = sigmoid(gate);
   dgate = dy * up * sig * (1.0f + gate * (1.0f - sig));
   dup = dy * gate * sig;
 }

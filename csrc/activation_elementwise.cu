@@ -121,7 +121,7 @@ bool rows_hold_whole_vectors(Activation act, int64_t out_cols, int vec) {
   return act != Activation::kSwiglu || out_cols % vec == 0;
 }
 
-// TFP8_ACTIVATION_FLAT set (read once): the high-precision calls keep these flat kernels instead of
+// TFP8_ACTIVATION_FLAT set (read once): the high-precision forward keeps the flat kernel instead of
 // activation_rows.cu's (a before/after switch for benchmarks).
 bool rows_kernels_enabled() {
   static const bool enabled = std::getenv("TFP8_ACTIVATION_FLAT") == nullptr;
@@ -201,10 +201,6 @@ void launch_activation_fwd_keep_input(const void* x, DType in_dtype, uint8_t* y,
 void launch_activation_bwd(const void* dy, const void* x, void* dx, DType dtype, int64_t out_elems, int64_t out_cols,
                            Activation act, cudaStream_t stream) {
   if (out_elems == 0) return;
-  if (out_cols >= kRowsKernelMinCols && rows_kernels_enabled()) {
-    launch_activation_rows_bwd(dy, x, dx, dtype, out_elems / out_cols, out_cols, act, stream);
-    return;
-  }
   act::with_activation(act, [&](auto a) {
     act::with_high_precision(dtype, [&](auto d) {
       constexpr Activation A = decltype(a)::value;

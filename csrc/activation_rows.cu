@@ -1,11 +1,14 @@
-// activation_fwd with a high-precision output and activation_bwd, as [rows, cols] kernels: a 2-D grid (x over a row's
-// VEC-element vectors, y over rows), kRowsPerThread rows per thread with every load issued before the math, so that
-// each thread keeps several 16-byte loads in flight, and no 64-bit division to find a SwiGLU element's row (the flat
-// grid-stride kernels of activation_elementwise.cu divide the flat index by the row width per vector). The math and
+// activation_fwd with a high-precision output as a [rows, cols] kernel: a 2-D grid (x over a row's VEC-element
+// vectors, y over rows), kRowsPerThread rows per thread with every load issued before the math, and no 64-bit
+// division to find a SwiGLU element's row (the flat grid-stride kernel of activation_elementwise.cu divides the flat
+// index by the row width per vector). Faster than the flat kernel for SwiGLU's forward at the Llama-shaped stack's
+// MLP shape, as fast for GELU (benchmarks/bench_activation.py, RESULTS). The same structure for the backward (three
+// loads per row, 76 registers) ran slower than the flat backward kernel, which activation_bwd keeps. The math and
 // its order are activation_common.cuh's, except SwiGLU's sigmoid for 16-bit dtypes, which takes the hardware's exp
 // and reciprocal approximations (kFast): a few float32 ulps, under the 16-bit rounding but not always, so a rare
 // element differs from the flat kernels' by one 16-bit ulp.
 #include <algorithm>
+#include <initializer_list>
 
 #include "activation_common.cuh"
 
@@ -59,47 +62,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <Activation A, DType D, int VEC>
-__global__ void __launch_bounds__(kThreads)
-    activation_rows_bwd_kernel(const StorageT<D>* __restrict__ dy, const StorageT<D>* __restrict__ x,
-                               StorageT<D>* __restrict__ dx, int64_t rows, int64_t cols) {
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC;
-  if (c >= cols) return;
-  const int count = static_cast<int>(min(static_cast<int64_t>(VEC), cols - c));
-  const int64_t in_cols = kInputWidth<A> * cols;
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowsPerThread; r0 < rows;
-       r0 += static_cast<int64_t>(gridDim.y) * kRowsPerThread) {
-    float grad[kRowsPerThread][VEC], a[kRowsPerThread][VEC], b[kRowsPerThread][VEC];
-#pragma unroll
-    for (int k = 0; k < kRowsPerThread; ++k) {
-      if (r0 + k < rows) {
-        act::load_floats(dy + (r0 + k) * cols + c, grad[k], count);
-        const StorageT<D>* row = x + (r0 + k) * in_cols + c;
-        act::load_floats(row, a[k], count);
-        if constexpr (A == Activation::kSwiglu) act::load_floats(row + cols, b[k], count);
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kRowsPerThread; ++k) {
-      if (r0 + k < rows) {
-        StorageT<D>* out_row = dx + (r0 + k) * in_cols + c;
-        if constexpr (A == Activation::kSwiglu) {
-          float dgate[VEC], dup[VEC];
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) act::swiglu_backward<kFast<D>>(grad[k][v], a[k][v], b[k][v], dgate[v], dup[v]);
-          act::store_floats<D>(out_row, dgate, 1.0f, count);
-          act::store_floats<D>(out_row + cols, dup, 1.0f, count);
-        } else {
-          float out[VEC];
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) out[v] = act::backward<A>(grad[k][v], a[k][v]);
-          act::store_floats<D>(out_row, out, 1.0f, count);
-        }
-      }
-    }
-  }
-}
-
 // Elements per vector: one 16-byte access of T.
 template <typename T>
 constexpr int kVec = 16 / sizeof(T);
@@ -136,29 +98,6 @@ void launch_activation_rows_fwd(const void* x, void* y, DType dtype, int64_t row
             <<<rows_grid(rows, cols, kVec<T>), kThreads, 0, stream>>>(xp, yp, rows, cols);
       } else {
         activation_rows_fwd_kernel<A, D, 1><<<rows_grid(rows, cols, 1), kThreads, 0, stream>>>(xp, yp, rows, cols);
-      }
-    });
-  });
-  TFP8_CUDA_CHECK(cudaGetLastError());
-}
-
-void launch_activation_rows_bwd(const void* dy, const void* x, void* dx, DType dtype, int64_t rows, int64_t cols,
-                                Activation act, cudaStream_t stream) {
-  if (rows == 0 || cols == 0) return;
-  act::with_activation(act, [&](auto a) {
-    act::with_high_precision(dtype, [&](auto d) {
-      constexpr Activation A = decltype(a)::value;
-      constexpr DType D = decltype(d)::value;
-      using T = StorageT<D>;
-      const auto* dyp = static_cast<const T*>(dy);
-      const auto* xp = static_cast<const T*>(x);
-      auto* dxp = static_cast<T*>(dx);
-      if (rows_aligned(cols, kVec<T>, {dy, x, dx})) {
-        activation_rows_bwd_kernel<A, D, kVec<T>>
-            <<<rows_grid(rows, cols, kVec<T>), kThreads, 0, stream>>>(dyp, xp, dxp, rows, cols);
-      } else {
-        activation_rows_bwd_kernel<A, D, 1>
-            <<<rows_grid(rows, cols, 1), kThreads, 0, stream>>>(dyp, xp, dxp, rows, cols);
       }
     });
   });

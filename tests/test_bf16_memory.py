@@ -5,9 +5,8 @@ import pytest
 import torch
 
 import transformer_fp8 as te
-from tests.ops.test_activation import CUDA_VS_CPU_RTOL, HP_RTOL, random_pair, ref_backward, ref_forward
+from tests.ops.test_activation import CUDA_VS_CPU_RTOL, HP_RTOL, ops, random_pair, ref_backward, ref_forward
 from tests.utils import assert_close_rel
-from transformer_fp8 import ops
 from tests.module.helpers import DEVICES, params64, randomize_vectors, reference_forward
 from tests.utils import rel_error
 
@@ -41,6 +40,7 @@ def _make(kind, device, dtype, normalization="RMSNorm", activation="swiglu", bia
         module = te.LayerNormLinear(HIDDEN, FFN, normalization=normalization, bias=bias, params_dtype=dtype,
                                     device=device, **kw)
     randomize_vectors(module)
+    module.recompute_in_backward = True  # (opt-in; the default keeps autograd's composition)
     return module
 
 

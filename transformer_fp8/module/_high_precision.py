@@ -10,9 +10,10 @@ recomputes the tensors it can rebuild with one cheap elementwise pass instead of
 Autograd's composition of the same ops (_NormFunction / fused_activation, then F.linear) keeps norm(x) and act(h)
 as well, as Transformer Engine's BF16 modules do: one [tokens, hidden] tensor per norm and one [tokens, ffn] per MLP
 more. The GEMMs and kernels are the composition's, so outputs and gradients are the same.
-Taken by the modules where nothing else needs the dropped tensor: no tensor parallelism, no wgrad fusion into
-main_grad, no calibration (it reads them), no returned norm output, not under torch.compile (which traces the
-composition), dtypes our norm / activation kernels take.
+Opt-in (the modules' recompute_in_backward, default False: the recomputes cost kernel time that TE's BF16
+modules, which keep both tensors, do not spend). Taken by the modules where nothing else needs the dropped tensor:
+no tensor parallelism, no wgrad fusion into main_grad, no calibration (it reads them), no returned norm output, not
+under torch.compile (which traces the composition), dtypes our norm / activation kernels take.
 """
 import torch
 import torch.nn.functional as F
@@ -95,7 +96,7 @@ class _ActivationLinear(torch.autograd.Function):
 
 def applies(module: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether `module` (LayerNormLinear or LayerNormMLP, on its high-precision path) takes the lean-save Functions
-    for input x: its `recompute_in_backward` is set, gradients are recorded, and none of what the module docstring
+    for input x: its `recompute_in_backward` is True, gradients are recorded, and none of what the module docstring
     excludes applies.
 
     Args:

@@ -94,9 +94,10 @@ class LayerNormLinear(FP8ModuleBase):
     else in high precision), the output covering the whole dim 0. The norm's weight gradients are all-reduced over
     the TP group. return_layernorm_output is not supported with tensor parallelism.
 
-    recompute_in_backward (attribute, default True): outside fp8_autocast the backward recomputes norm(x) for the
-    weight gradient instead of keeping it from the forward (one [tokens, in] tensor less per layer; the same
-    gradients), where _high_precision.applies says it can; False keeps it (autograd's composition)."""
+    recompute_in_backward (attribute, default False): True makes the high-precision path (outside fp8_autocast)
+    recompute norm(x) in the backward for the weight gradient instead of keeping it from the forward (one
+    [tokens, in] tensor less per layer, one more norm kernel; the same gradients), where _high_precision.applies
+    says it can; False keeps it (autograd's composition, as Transformer Engine's BF16 modules)."""
 
     forward_roles, backward_roles = GEMM_ROLES
 
@@ -121,7 +122,7 @@ class LayerNormLinear(FP8ModuleBase):
         self.bias = self._vector_param(local_out, 0.0) if bias else None
         if tp is not None:
             self.register_load_state_dict_pre_hook(tp.load_full_checkpoint_hook({"weight": (0, 1), "bias": (0, 1)}))
-        self.recompute_in_backward = True  # high precision: norm(x) recomputed, not saved (see _high_precision.py)
+        self.recompute_in_backward = False  # True: high precision recomputes norm(x) (see _high_precision.py)
 
     def forward(self, inp, is_first_microbatch=None, residual_grad_relay=None):
         check_input(inp, self.in_features)

@@ -248,10 +248,11 @@ class LayerNormMLP(FP8ModuleBase):
     in the activation's own pass) instead of in 16 bits: about half the activation memory of the MLP, the
     activation gradient computed from the E4M3 values (as DeepSeek-V3 keeps its SwiGLU inputs). False keeps 16 bits.
     Small-shape automatic path: as Linear's, with M*K*N summed over both GEMMs (M*hidden*(fc1 width + ffn)).
-    recompute_in_backward (attribute, default True): outside fp8_autocast the backward recomputes norm(x) and
-    act(fc1_out) for the weight gradients instead of keeping them from the forward (a [tokens, hidden] and a
-    [tokens, ffn] tensor less per layer; the same gradients), where _high_precision.applies says it can; False keeps
-    them (autograd's composition, as Transformer Engine's BF16 LayerNormMLP).
+    recompute_in_backward (attribute, default False): True makes the high-precision path (outside fp8_autocast)
+    recompute norm(x) and act(fc1_out) in the backward for the weight gradients instead of keeping them from the
+    forward (a [tokens, hidden] and a [tokens, ffn] tensor less per layer, one more norm and activation kernel; the
+    same gradients), where _high_precision.applies says it can; False keeps them (autograd's composition, as
+    Transformer Engine's BF16 LayerNormMLP). The trade on the Llama-shaped stack: see benchmarks/RESULTS.md.
 
     Tensor parallelism (set_parallel_mode=True and a tp_group of size tp > 1): FC1 column-parallel (fc1_weight
     [F1/tp, hidden], fc1_bias [F1/tp]; for swiglu this rank's gate rows then its up rows), FC2 row-parallel
@@ -286,7 +287,7 @@ class LayerNormMLP(FP8ModuleBase):
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output, self.return_bias = bool(return_layernorm_output), bool(return_bias)
         self.keep_activation_input_in_fp8 = bool(keep_activation_input_in_fp8)
-        self.recompute_in_backward = True  # high precision: norm(x), act(fc1) recomputed (see _high_precision.py)
+        self.recompute_in_backward = False  # True: high precision recomputes norm(x), act(fc1) (_high_precision.py)
         init_norm_params(self, hidden_size, normalization, self.zero_centered_gamma, "layer_norm_")
         self.fc1_weight = self._weight_param((fc1_out, hidden_size), init_method, tp, 0, blocks)
         self.fc1_bias = self._vector_param(blocks * local_ffn, 0.0) if bias else None
