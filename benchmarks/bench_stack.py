@@ -17,15 +17,19 @@ Run: python benchmarks/bench_stack.py [--impls ours,te] [--recipes bf16,delayed,
 [--json out.json]. `--tiny` (2 small layers, CPU allowed with --device cpu) is a smoke test of the script.
 """
 import argparse
+import collections
 import importlib
 import json
+import re
 import sys
 
 import torch
 
 from timing import fmt_spread, run_rounds
 
-RECIPES = ("bf16", "delayed", "current", "block")
+RECIPES = ("bf16", "delayed", "current", "block", "bf16-recompute")
+# "bf16-recompute" (ours only): BF16 with the modules' recompute_in_backward on: norm(x) and act(fc1_out) recomputed
+# in the backward instead of kept (module/_high_precision.py); "bf16": the modules' defaults (kept, as TE's)
 FULL = dict(layers=16, hidden=2048, ffn=8192, heads=32, groups=8, vocab=32000, batch=4, seq=2048)
 TINY = dict(layers=2, hidden=256, ffn=512, heads=4, groups=2, vocab=512, batch=2, seq=64)
 
@@ -46,7 +50,7 @@ def load_impl(impl: str):
 
 def make_recipe(recipe_module, name: str):
     """The recipe object for `name` (None: BF16, fp8_autocast disabled) from either package's recipe module."""
-    if name == "bf16":
+    if name in ("bf16", "bf16-recompute"):
         return None
     if name == "delayed":
         return recipe_module.DelayedScaling(fp8_format=recipe_module.Format.HYBRID, amax_history_len=16)
@@ -81,6 +85,120 @@ class LlamaStack(torch.nn.Module):
                                                  tokens.t()[1:].reshape(-1))
 
 
+def _storage_of(t: torch.Tensor):
+    """(storage key, bytes) of the memory t keeps alive; FP8 tensor subclasses: their inner tensors' storages."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        parts = [_storage_of(getattr(t, n)) for n in names if isinstance(getattr(t, n), torch.Tensor)]
+        return tuple(p[0] for p in parts), sum(p[1] for p in parts)
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # (a tensor subclass without storage: its own elements)
+        return ("object", id(t)), t.numel() * t.element_size()
+    return (t.device, storage.data_ptr()), storage.nbytes()
+
+
+def saved_for_backward(model: torch.nn.Module, step_forward) -> dict:
+    """What one forward of `model` (run by step_forward(), which returns the loss) saves for the backward through
+    autograd (saved_tensors_hooks: save_for_backward of autograd Functions and C++ nodes, not tensors a Function keeps
+    on its ctx otherwise), by the innermost module running when it was saved, layer indices folded ("layers.*").
+    Tensors sharing a storage count once (the storage's whole size: a view keeps its base alive), under the module
+    that saved it first; parameters are left out.
+
+    Args:
+        model: the model whose modules the saves are attributed to.
+        step_forward: runs the forward and returns the loss.
+    Returns:
+        {module name: {"MiB": total, "tensors": [[shape, dtype, MiB], ...]}} per forward (over all layers), plus
+        "(total)" (MiB) and, on CUDA, "(allocated after forward)" (MiB allocated after the forward above what was
+        allocated before it).
+    """
+    params = {_storage_of(p)[0] for p in model.parameters()}
+    names = {m: re.sub(r"\.\d+(\.|$)", r".*\1", n) or "(stack)" for n, m in model.named_modules()}
+    running, seen, report = [], set(), {}
+
+    def enter(module, *_):
+        running.append(names[module])
+
+    def leave(module, *_):
+        running.pop()
+
+    def pack(t):
+        key, nbytes = _storage_of(t)
+        if key not in seen and key not in params:
+            seen.add(key)
+            entry = report.setdefault(running[-1] if running else "(outside modules)", {"MiB": 0.0, "tensors": []})
+            entry["MiB"] += nbytes / 2**20
+            entry["tensors"].append([list(t.shape), str(t.dtype).replace("torch.", ""), round(nbytes / 2**20, 3)])
+        return t
+
+    hooks = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    hooks += [m.register_forward_hook(leave) for m in model.modules()]
+    cuda = next(model.parameters()).is_cuda
+    before = torch.cuda.memory_allocated() if cuda else 0
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = step_forward()
+        if cuda:
+            torch.cuda.synchronize()
+            report["(allocated after forward)"] = (torch.cuda.memory_allocated() - before) / 2**20
+        loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    report["(total)"] = sum(v["MiB"] for v in report.values() if isinstance(v, dict))
+    return report
+
+
+def print_saved(key: str, report: dict) -> None:
+    """One variant's saved_for_backward report as a table (per module: MiB, and the tensors merged by shape)."""
+    print(f"\nSaved for backward per forward, {key}: total {report['(total)']:.1f} MiB" +
+          (f"; allocated after the forward {report['(allocated after forward)']:.1f} MiB"
+           if "(allocated after forward)" in report else ""))
+    print("| module | MiB | tensors (shape dtype x count) |\n|---|---|---|")
+    for name, entry in report.items():
+        if not isinstance(entry, dict):
+            continue
+        kinds = {}
+        for shape, dtype, _ in entry["tensors"]:
+            kinds[f"{shape} {dtype}"] = kinds.get(f"{shape} {dtype}", 0) + 1
+        print(f"| {name} | {entry['MiB']:.1f} | {', '.join(f'{k} x{n}' for k, n in kinds.items())} |")
+
+
+def kernel_split(variant, steps: int = 2) -> dict:
+    """GPU kernel time per step of `variant` by category (profile_gaps.category: gemm, attention, norm, activation,
+    cast/transpose, optimizer, loss, other) over `steps` profiled steps after its warm-up, with "kernels" (their sum)
+    and "step" (the steps' wall time between CUDA events): ms per step. CUDA only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from profile_gaps import category
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(steps):
+            variant.loss = variant.step().detach()
+        end.record()
+        end.synchronize()
+    split = collections.Counter()
+    for avg in prof.key_averages():
+        if avg.device_type == torch.autograd.DeviceType.CUDA and avg.self_device_time_total > 0:
+            split[category(avg.key)] += avg.self_device_time_total / 1e3 / steps
+    result = {k: round(v, 3) for k, v in sorted(split.items())}
+    result["kernels"] = round(sum(split.values()), 3)
+    result["step"] = round(start.elapsed_time(end) / steps, 3)
+    return result
+
+
+def print_kernel_splits(splits: dict) -> None:
+    """The kernel_split of every variant as one table (ms per step)."""
+    columns = sorted({k for split in splits.values() for k in split} - {"kernels", "step"}) + ["kernels", "step"]
+    print("\nKernel time per step by category, ms (torch.profiler, one profiled pair of steps per variant)")
+    print("| variant | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
+    for key, split in splits.items():
+        print(f"| {key} | " + " | ".join(f"{split.get(c, 0.0):.2f}" for c in columns) + " |")
+
+
 class Variant:
     """One (impl, recipe): its model, optimizer and step, built and warmed up; `round(steps)` -> tokens/s."""
 
@@ -95,6 +213,12 @@ class Variant:
         torch.manual_seed(seed)
         dims = {k: shape[k] for k in ("layers", "hidden", "ffn", "heads", "groups", "vocab")}
         self.model = LlamaStack(te, device=device, **dims)
+        if recipe_name == "bf16-recompute":
+            modules = [m for m in self.model.modules() if hasattr(m, "recompute_in_backward")]
+            if impl != "ours" or not modules:
+                raise ValueError("bf16-recompute: a variant of ours only (modules with recompute_in_backward)")
+            for m in modules:
+                m.recompute_in_backward = True
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=cuda)
         self.tokens = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
         if cuda:
@@ -108,10 +232,14 @@ class Variant:
         else:
             self.static_gib = self.peak_gib = float("nan")
 
+    def forward(self) -> torch.Tensor:
+        """The step's forward under the variant's fp8_autocast; returns the loss."""
+        with self.te.fp8_autocast(enabled=self.recipe is not None, fp8_recipe=self.recipe):
+            return self.model(self.tokens)
+
     def step(self) -> torch.Tensor:
         """One training step; returns the loss (not synchronised)."""
-        with self.te.fp8_autocast(enabled=self.recipe is not None, fp8_recipe=self.recipe):
-            loss = self.model(self.tokens)
+        loss = self.forward()
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -146,10 +274,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="2 small layers: a smoke test")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--saved", action="store_true",
+                        help="also report what one forward saves for the backward, by module (saved_for_backward)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile two steps of every variant: kernel time by category (CUDA only)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_stack.py: no CUDA device (use --tiny --device cpu for a smoke test)")
+    if args.profile and args.device != "cuda":
+        sys.exit("bench_stack.py: --profile needs --device cuda")
     shape = TINY if args.tiny else FULL
     recipes = [r for r in args.recipes.split(",") if r]
     for name in recipes:
@@ -171,6 +305,15 @@ def main() -> None:
                 variants[key] = Variant(impl, name, shape, args.device, args.warmup, args.seed)
             except Exception as err:  # noqa: BLE001  (a recipe one package refuses is reported, the rest go on)
                 skipped[key] = f"{type(err).__name__}: {err}"[:300]
+    saved = {}
+    if args.saved:  # (after the warm-up: scaling state calibrated, FP8 weight caches built)
+        for key, v in variants.items():
+            saved[key] = saved_for_backward(v.model, v.forward)
+            v.optimizer.zero_grad(set_to_none=True)
+            print_saved(key, saved[key])
+    splits = {key: kernel_split(v) for key, v in variants.items()} if args.profile else {}
+    if splits:
+        print_kernel_splits(splits)
     measures = {key: (lambda v=v: v.round(args.steps)) for key, v in variants.items()}
     timed = run_rounds(measures, args.rounds, seed=args.seed)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -189,7 +332,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "shape": shape, "rounds": args.rounds, "steps": args.steps,
-                       "torch": torch.__version__, "rows": rows, "skipped": skipped}, f, indent=1)
+                       "torch": torch.__version__, "rows": rows, "skipped": skipped, "saved": saved,
+                       "kernel_split_ms": splits}, f, indent=1)
 
 
 if __name__ == "__main__":

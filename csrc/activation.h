@@ -35,6 +35,13 @@ void launch_activation_fwd_keep_input(const void* x, DType in_dtype, uint8_t* y,
 void launch_activation_bwd(const void* dy, const void* x, void* dx, DType dtype, int64_t out_elems, int64_t out_cols,
                            Activation act, cudaStream_t stream);
 
+// The high-precision activation_fwd (y of dtype) as a [rows, cols] kernel (activation_rows.cu; cols = out_cols), which
+// launch_activation_fwd takes for rows of at least kRowsKernelMinCols elements: the same math (16-bit SwiGLU with the
+// hardware's exp and reciprocal: see activation_rows.cu).
+constexpr int64_t kRowsKernelMinCols = 1024;
+void launch_activation_rows_fwd(const void* x, void* y, DType dtype, int64_t rows, int64_t cols, Activation act,
+                                cudaStream_t stream);
+
 // Rows of d(input) one dact_cast_transpose tile covers: the dbias workspace holds one float32 row per tile row.
 constexpr int kDactTile = 128;
 inline int64_t dact_dbias_workspace_rows(int64_t rows) { return (rows + kDactTile - 1) / kDactTile; }

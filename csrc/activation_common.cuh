@@ -17,10 +17,14 @@ constexpr float kGeluC = 0.044715f;
 constexpr float kGeluC3 = static_cast<float>(3.0 * 0.044715);  // 3 * kGeluC, rounded once as in the reference
 
 __device__ __forceinline__ float gelu_tanh(float x) { return tanhf(kGeluK * (x + kGeluC * x * x * x)); }
-// From the hardware exponential and reciprocal (__expf, __fdividef): a few float32 ulps from expf and IEEE division,
-// far below a BF16 or FP8 step. With the accurate ones the SwiGLU kernels were bound by their arithmetic (about 35
-// instructions per sigmoid), not by memory. Limits: -inf -> 0 (1 / inf), +inf -> 1, NaN stays NaN.
-__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+// kFast: exp and the reciprocal by the hardware's approximations (__expf, __fdividef: a few float32 ulps), for results
+// rounded to 16 bits or FP8 anyway (every kernel on a 16-bit input); with the IEEE versions (about 35 instructions per
+// sigmoid) the SwiGLU kernels were bound by their arithmetic, not by memory. -inf -> 0, +inf -> 1, NaN stays NaN.
+template <bool kFast = false>
+__device__ __forceinline__ float sigmoid(float x) {
+  if constexpr (kFast) return __fdividef(1.0f, 1.0f + __expf(-x));
+  else return 1.0f / (1.0f + expf(-x));
+}
 
 // y = act(x) of the one-input activations (GELU, ReLU; NaN stays NaN).
 template <Activation A>
@@ -41,7 +45,10 @@ __device__ __forceinline__ float backward(float dy, float x) {
   }
 }
 
-__device__ __forceinline__ float swiglu_forward(float gate, float up) { return gate * sigmoid(gate) * up; }
+template <bool kFast = false>
+__device__ __forceinline__ float swiglu_forward(float gate, float up) {
+  return gate * sigmoid<kFast>(gate) * up;
+}
 
 __device__ __forceinline__ void swiglu_backward(float dy, float gate, float up, float& dgate, float& dup) {
   const float sig = sigmoid(gate);

@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads)
       load_input<KEPT>(x, x8, x8_scale_inv, row * in_cols + col, gate, count);
       load_input<KEPT>(x, x8, x8_scale_inv, row * in_cols + out_cols + col, up, count);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) act::swiglu_backward(grad[k], gate[k], up[k], d[0][k], d[kParts - 1][k]);
+      for (int k = 0; k < VEC; ++k) act::swiglu_backward<true>(grad[k], gate[k], up[k], d[0][k], d[kParts - 1][k]);
     } else {
       float in[VEC];
       load_input<KEPT>(x, x8, x8_scale_inv, row * in_cols + col, in, count);

@@ -4,6 +4,7 @@
 // GELU / ReLU index input and output alike. SwiGLU output element i = row * F + c reads gate at row * 2F + c and up at
 // row * 2F + F + c (F = out_cols), i.e. at i + row * F and i + row * F + F; its backward writes dgate and dup there.
 #include <algorithm>
+#include <cstdlib>
 
 #include "activation_common.cuh"
 
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(kThreads)
       act::load_floats(x + gate_at, gate, count);
       act::load_floats(x + gate_at + out_cols, up, count);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) out[k] = act::swiglu_forward(gate[k], up[k]);
+      for (int k = 0; k < VEC; ++k) out[k] = act::swiglu_forward<IN != DType::kFloat32>(gate[k], up[k]);
       if constexpr (KEEP) {
         keep_tile(gate, x8 + gate_at, x8_scale_inv + gate_at / kKeepTile);
         keep_tile(up, x8 + gate_at + out_cols, x8_scale_inv + (gate_at + out_cols) / kKeepTile);
@@ -101,7 +102,8 @@ __global__ void __launch_bounds__(kThreads)
       act::load_floats(x + gate_at, gate, count);
       act::load_floats(x + gate_at + out_cols, up, count);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) act::swiglu_backward(grad[k], gate[k], up[k], dgate[k], dup[k]);
+      for (int k = 0; k < VEC; ++k)
+        act::swiglu_backward<D != DType::kFloat32>(grad[k], gate[k], up[k], dgate[k], dup[k]);
       act::store_floats<D>(dx + gate_at, dgate, 1.0f, count);
       act::store_floats<D>(dx + gate_at + out_cols, dup, 1.0f, count);
     } else {
@@ -123,6 +125,13 @@ bool rows_hold_whole_vectors(Activation act, int64_t out_cols, int vec) {
   return act != Activation::kSwiglu || out_cols % vec == 0;
 }
 
+// TFP8_ACTIVATION_FLAT set (read once): the high-precision forward keeps the flat kernel instead of
+// activation_rows.cu's (a before/after switch for benchmarks).
+bool rows_kernels_enabled() {
+  static const bool enabled = std::getenv("TFP8_ACTIVATION_FLAT") == nullptr;
+  return enabled;
+}
+
 int64_t grid_size(int64_t n, int vec) {
   const int64_t needed = (n + static_cast<int64_t>(kThreads) * vec - 1) / (static_cast<int64_t>(kThreads) * vec);
   return std::max<int64_t>(1, std::min<int64_t>(needed, static_cast<int64_t>(act::sm_count()) * kBlocksPerSm));
@@ -132,6 +141,11 @@ int64_t grid_size(int64_t n, int vec) {
 
 void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dtype, int64_t out_elems, int64_t out_cols,
                            Activation act, const float* scale, float* amax, float* scale_inv, cudaStream_t stream) {
+  if (out_dtype == in_dtype && amax == nullptr && scale_inv == nullptr && out_cols >= kRowsKernelMinCols &&
+      rows_kernels_enabled()) {
+    launch_activation_rows_fwd(x, y, in_dtype, out_elems / out_cols, out_cols, act, stream);
+    return;
+  }
   act::with_activation(act, [&](auto a) {
     act::with_high_precision(in_dtype, [&](auto in) {
       constexpr Activation A = decltype(a)::value;

@@ -12,6 +12,7 @@ from ..quantization import GEMM_ROLES, Role
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_norm, gathered_shape, gathers_input,
                                output_grads)
 from ._gemm import fp8_gemm_bias, high_precision_linear
+from ._high_precision import applies as lean_saves_apply, norm_linear
 from .base import (FP8ModuleBase, check_choice, check_input, check_positive, fp8_weight, fp8_weight_transpose,
                    main_grad_of, pack_outputs)
 from .norm import NORMALIZATIONS, NormSpec, _NormFunction, init_norm_params, norm_backward, norm_to_fp8
@@ -91,7 +92,12 @@ class LayerNormLinear(FP8ModuleBase):
     [..., out/tp]). The input is copied to every rank, or with sequence_parallel it is this rank's dim-0 block: the
     norm runs on the block and its output is all-gathered along dim 0 before the GEMM (in FP8 inside fp8_autocast,
     else in high precision), the output covering the whole dim 0. The norm's weight gradients are all-reduced over
-    the TP group. return_layernorm_output is not supported with tensor parallelism."""
+    the TP group. return_layernorm_output is not supported with tensor parallelism.
+
+    recompute_in_backward (attribute, default False): True makes the high-precision path (outside fp8_autocast)
+    recompute norm(x) in the backward for the weight gradient instead of keeping it from the forward (one
+    [tokens, in] tensor less per layer, one more norm kernel; the same gradients), where _high_precision.applies
+    says it can; False keeps it (autograd's composition, as Transformer Engine's BF16 modules)."""
 
     forward_roles, backward_roles = GEMM_ROLES
 
@@ -116,6 +122,7 @@ class LayerNormLinear(FP8ModuleBase):
         self.bias = self._vector_param(local_out, 0.0) if bias else None
         if tp is not None:
             self.register_load_state_dict_pre_hook(tp.load_full_checkpoint_hook({"weight": (0, 1), "bias": (0, 1)}))
+        self.recompute_in_backward = False  # True: high precision recomputes norm(x) (see _high_precision.py)
 
     def forward(self, inp, is_first_microbatch=None, residual_grad_relay=None):
         check_input(inp, self.in_features)
@@ -141,6 +148,9 @@ class LayerNormLinear(FP8ModuleBase):
         else:
             if self._last_forward_fp8:
                 self._check_recompute_precision()
+            if not state.calibrating and lean_saves_apply(self, inp):  # (saves no copy of norm(x))
+                out = norm_linear(inp, ln_weight, ln_bias, self.weight, bias, NormSpec.of(self))
+                return pack_outputs(self, out, self.bias, None)
             inp = tp.column_input(inp) if tp is not None and not gathers else inp
             ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps,
                                          self.zero_centered_gamma)

@@ -18,6 +18,7 @@ from ..ops import tfp8
 from ..cpu.activation import KEEP_TILE, dequantize_kept_input
 from ..quantization import MLP_ROLES, FP8Operand, QuantizerSet, Role, gemm_gelu_to_fp8
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear
+from ._high_precision import activation_linear, applies as lean_saves_apply, norm_linear
 from ._row_parallel import epilogue_terms, sum_partials
 from ._column_parallel import (check_sequence_block, dgrad_collective, gather_norm, gathered_shape, gathers_input,
                                start_dgrad_sum)
@@ -255,6 +256,11 @@ class LayerNormMLP(FP8ModuleBase):
     activation gradient computed from the E4M3 values (as DeepSeek-V3 keeps its SwiGLU inputs); for GELU this takes
     precedence over GELU in FC1's GEMM epilogue (whose aux output is 16-bit). False keeps 16 bits.
     Small-shape automatic path: as Linear's, with M*K*N summed over both GEMMs (M*hidden*(fc1 width + ffn)).
+    recompute_in_backward (attribute, default False): True makes the high-precision path (outside fp8_autocast)
+    recompute norm(x) and act(fc1_out) in the backward for the weight gradients instead of keeping them from the
+    forward (a [tokens, hidden] and a [tokens, ffn] tensor less per layer, one more norm and activation kernel; the
+    same gradients), where _high_precision.applies says it can; False keeps them (autograd's composition, as
+    Transformer Engine's BF16 LayerNormMLP). The trade on the Llama-shaped stack: see benchmarks/RESULTS.md.
 
     Tensor parallelism (set_parallel_mode=True and a tp_group of size tp > 1): FC1 column-parallel (fc1_weight
     [F1/tp, hidden], fc1_bias [F1/tp]; for swiglu this rank's gate rows then its up rows), FC2 row-parallel
@@ -289,6 +295,7 @@ class LayerNormMLP(FP8ModuleBase):
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output, self.return_bias = bool(return_layernorm_output), bool(return_bias)
         self.keep_activation_input_in_fp8 = bool(keep_activation_input_in_fp8)
+        self.recompute_in_backward = False  # True: high precision recomputes norm(x), act(fc1) (_high_precision.py)
         init_norm_params(self, hidden_size, normalization, self.zero_centered_gamma, "layer_norm_")
         self.fc1_weight = self._weight_param((fc1_out, hidden_size), init_method, tp, 0, blocks)
         self.fc1_bias = self._vector_param(blocks * local_ffn, 0.0) if bias else None
@@ -335,6 +342,10 @@ class LayerNormMLP(FP8ModuleBase):
             return (tp.row_output(out) if gathers else out), ln_out
         if self._last_forward_fp8:
             self._check_recompute_precision()
+        if not state.calibrating and lean_saves_apply(self, inp):  # (saves no copy of norm(x) or act(fc1_out))
+            fc1_out = norm_linear(inp, ln_weight, ln_bias, self.fc1_weight, self.fc1_bias, NormSpec.of(self))
+            out = activation_linear(fc1_out, self.activation, self.fc2_weight, fc2_bias)
+            return (out if residual is None else out + residual), None
         inp = tp.column_input(inp) if tp is not None and not gathers else inp
         ln_out = _NormFunction.apply(inp, ln_weight, ln_bias, self.normalization, self.eps, self.zero_centered_gamma)
         fc1_in = gather_from_sequence_parallel_region(ln_out, self.tp.group) if gathers else ln_out
