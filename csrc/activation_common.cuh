@@ -50,8 +50,9 @@ __device__ __forceinline__ float swiglu_forward(float gate, float up) {
   return gate * sigmoid<kFast>(gate) * up;
 }
 
+template <bool kFast = false>
 __device__ __forceinline__ void swiglu_backward(float dy, float gate, float up, float& dgate, float& dup) {
-  const float sig = sigmoid(gate);
+  const float sig = sigmoid<kFast>(gate);
   dgate = dy * up * sig * (1.0f + gate * (1.0f - sig));
   dup = dy * gate * sig;
 }
