@@ -130,6 +130,9 @@ def convert_to_fp8(model, args):
     """The FP8 run's conversion (--fp8-layers); with --fuse-wgrad the GEMM weights get FP32 `main_grad`s."""
     if args.fp8_layers == "transformer":
         convert_llama(model, params_dtype=PARAMS_DTYPE, fuse_wgrad_accumulation=args.fuse_wgrad)
+        for m in model.modules():
+            if isinstance(m, te.LayerNormMLP):
+                m.keep_activation_input_in_fp8 = args.keep_fc1_fp8 == "on"
     else:
         convert_linear_layers(model, params_dtype=PARAMS_DTYPE, fuse_wgrad_accumulation=args.fuse_wgrad)
     if args.fuse_wgrad:
@@ -541,6 +544,9 @@ def parse_args(argv):
                    help="FP8 scaling of the fp8 run: delayed (DelayedScaling, HYBRID), current "
                         "(Float8CurrentScaling) or block (Float8BlockScaling: 1x128 tiles, 128x128 weight blocks); "
                         "the sample after training runs with per-tensor FP8 weights under delayed scaling")
+    p.add_argument("--keep-fc1-fp8", choices=("on", "off"), default="on",
+                   help="FP8 run, --fp8-layers transformer: LayerNormMLP's keep_activation_input_in_fp8 (on: FC1's "
+                        "output kept for the backward in E4M3 1x128 tiles; off: in 16 bits)")
     p.add_argument("--fp8-layers", choices=("transformer", "linear"), default="transformer",
                    help="FP8 run: replace each LlamaDecoderLayer by our TransformerLayer (default), or only swap the "
                         "nn.Linear layers for our Linear")
