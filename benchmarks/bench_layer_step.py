@@ -6,8 +6,7 @@ zero_grad(set_to_none) + forward + backward(dy) + fused AdamW (BF16 moments, as 
 
 Variants: `torch-bf16` (the same pre-LN layer in plain PyTorch: nn.LayerNorm, nn.Linear, SDPA, tanh GELU; the BF16
 layer a user already has), {ours, te} x {bf16, delayed} through the TE-compatible API (`te` only where Transformer
-Engine is installed), and `ours-delayed-fc1epilogue`: ours delayed with keep_activation_input_in_fp8=False (GELU in
-FC1's GEMM epilogue, its 16-bit pre-activation kept for the backward; the default keeps it in E4M3 tiles).
+Engine is installed).
 Each variant is built, warmed up and measured for memory ALONE (the others freed): peak GiB =
 torch.cuda.max_memory_allocated during its warm-up steps minus what was allocated before its layer was built
 (parameters + gradients + optimizer state + activations + transients; the input and dy are allocated before), of the
@@ -119,19 +118,12 @@ def variant_names(impls, recipes):
             print(f"skipping {impl}: {err}")
             continue
         names += [f"{impl}-{r}" for r in recipes]
-    if "ours-delayed" in names:
-        names.append("ours-delayed-fc1epilogue")
     return names
 
 
 def build(name, shape, x, dy, warmup):
     impl, recipe_name = name.split("-", 1)
-    epilogue = recipe_name.endswith("-fc1epilogue")
-    variant = LayerStep(impl, recipe_name.removesuffix("-fc1epilogue"), shape, x, dy, 0)
-    if epilogue:
-        variant.layer.layernorm_mlp.keep_activation_input_in_fp8 = False
-    variant.warm_up(warmup)
-    return variant
+    return LayerStep(impl, recipe_name, shape, x, dy, warmup)
 
 
 def main() -> None:

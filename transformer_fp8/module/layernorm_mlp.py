@@ -56,13 +56,8 @@ def _activation_to_fp8(quantizer, activation, fc1_out, need_transpose, keep_inpu
 
 def _can_keep(activation, fc1_out):
     """Whether activation_fwd_keep_input takes fc1_out: 16-bit, the activation's output width a multiple of 128."""
-    return _can_keep_width(activation, fc1_out.dtype, fc1_out.shape[-1])
-
-
-def _can_keep_width(activation, dtype, fc1_width):
-    """_can_keep for an FC1 output of `dtype` and `fc1_width` columns, before it exists."""
-    width = fc1_width // 2 if activation == "swiglu" else fc1_width
-    return dtype in (torch.bfloat16, torch.float16) and width % KEEP_TILE == 0
+    width = fc1_out.shape[-1] // 2 if activation == "swiglu" else fc1_out.shape[-1]
+    return fc1_out.dtype in (torch.bfloat16, torch.float16) and width % KEEP_TILE == 0
 
 
 def _gelu_in_fc1_epilogue(quantizer, activation, dtype, fc1_bias):
@@ -147,9 +142,7 @@ class _FP8LayerNormMLP(torch.autograd.Function):
         w1_op = fp8_weight(cache, "fc1_weight", fc1_weight, quantizers[Role.FC1_WEIGHT], need_dgrad,
                            is_first_microbatch)
         kept = None
-        # (keeping FC1's output in E4M3 takes precedence over GELU in FC1's epilogue, whose aux output is 16-bit)
-        keeps_fc1 = training and setup.keep_fc1_fp8 and _can_keep_width(setup.activation, dtype, fc1_weight.shape[0])
-        if not keeps_fc1 and _gelu_in_fc1_epilogue(act_quantizer, setup.activation, dtype, fc1_bias):
+        if _gelu_in_fc1_epilogue(act_quantizer, setup.activation, dtype, fc1_bias):
             act_op, fc1_out = gemm_gelu_to_fp8(ln_op, w1_op, fc1_bias, act_quantizer)
             act_op = act_op.with_transpose() if need_fc2_wgrad else act_op
         else:
@@ -253,8 +246,7 @@ class LayerNormMLP(FP8ModuleBase):
     casts to FP8 itself (a known FC2_INPUT scale: delayed scaling) and the activation's width is a multiple of 128,
     the FC1 output the activation backward needs is kept as E4M3 in 1x128 tiles with a float32 scale each (written
     in the activation's own pass) instead of in 16 bits: about half the activation memory of the MLP, the
-    activation gradient computed from the E4M3 values (as DeepSeek-V3 keeps its SwiGLU inputs); for GELU this takes
-    precedence over GELU in FC1's GEMM epilogue (whose aux output is 16-bit). False keeps 16 bits.
+    activation gradient computed from the E4M3 values (as DeepSeek-V3 keeps its SwiGLU inputs). False keeps 16 bits.
     Small-shape automatic path: as Linear's, with M*K*N summed over both GEMMs (M*hidden*(fc1 width + ffn)).
     recompute_in_backward (attribute, default False): True makes the high-precision path (outside fp8_autocast)
     recompute norm(x) and act(fc1_out) in the backward for the weight gradients instead of keeping them from the
