@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "grouped_binding_checks.h"
 #include "grouped_block_gemm.h"
 
 namespace tfp8 {
@@ -39,21 +40,6 @@ void check_tile_scales(const at::Tensor& t, const at::Tensor& ref, int64_t tiles
               dims(t.strides()));
 }
 
-void check_offs(const at::Tensor& offs, const at::Tensor& ref) {
-  check_same_device(offs, ref, "offs");
-  TORCH_CHECK(offs.scalar_type() == at::kInt && offs.dim() == 1 && offs.numel() > 0 && offs.is_contiguous(),
-              "offs: expected a contiguous non-empty 1-D int32 tensor (the groups' cumulative ends), got ",
-              offs.scalar_type(), " of shape ", dims(offs.sizes()));
-  TORCH_CHECK(offs.numel() <= 65535, "offs: at most 65535 groups supported, got ", num(offs.numel()));
-}
-
-void check_hopper(const at::Tensor& t) {
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(t.device().index());
-  TORCH_CHECK(prop->major == 9 && prop->minor == 0,
-              "block-scaled grouped FP8 GEMM (CUTLASS sm_90a): needs a compute capability 9.0 GPU (H100/H200), got ",
-              num(prop->major), ".", num(prop->minor));
-}
-
 at::Tensor run(const GroupedBlockGemmArgs& args, at::Tensor out, const at::Tensor& like) {
   if (args.rows == 0 || args.n == 0 || args.k == 0) return out.zero_();
   c10::cuda::CUDAGuard guard(like.device());
@@ -73,7 +59,7 @@ at::Tensor grouped_block_fp8_gemm_sm90(const at::Tensor& a, const at::Tensor& a_
   TORCH_CHECK(b.dim() == 3 && b.size(2) == a.size(1) && b.stride(2) == 1, "b: expected [G, N, ", num(a.size(1)),
               "] with a contiguous last dim, got shape ", dims(b.sizes()), ", strides ", dims(b.strides()));
   const int64_t m = a.size(0), k = a.size(1), groups = b.size(0), n = b.size(1);
-  check_offs(offs, a);
+  grouped::check_offs(offs, a);
   TORCH_CHECK(offs.numel() == groups, "offs: expected ", num(groups), " elements (b's groups), got ",
               num(offs.numel()));
   check_tile_scales(a_scale_inv, a, cdiv(k, kBlock), m, "a_scale_inv");
@@ -86,7 +72,7 @@ at::Tensor grouped_block_fp8_gemm_sm90(const at::Tensor& a, const at::Tensor& a_
   check_multiple(k, "K");
   check_multiple(b.stride(0), "b.stride(0)");
   check_multiple(b.stride(1), "b.stride(1)");
-  check_hopper(a);
+  grouped::check_hopper(a, "block-scaled grouped FP8 GEMM");
   GroupedBlockGemmArgs args;
   args.kind = GroupedKind::kRows;
   args.a = a.data_ptr(), args.b = b.data_ptr(), args.offs = offs.data_ptr<int32_t>();
@@ -111,7 +97,7 @@ at::Tensor grouped_block_fp8_gemm_wgrad_sm90(const at::Tensor& a_t, const at::Te
   TORCH_CHECK(b_t.dim() == 2 && b_t.is_contiguous() && b_t.size(1) == a_t.size(1), "b_t: expected a contiguous [K, ",
               num(a_t.size(1)), "] (a_t's columns), got shape ", dims(b_t.sizes()), ", strides ", dims(b_t.strides()));
   const int64_t n = a_t.size(0), m = a_t.size(1), k = b_t.size(0);
-  check_offs(offs, a_t);
+  grouped::check_offs(offs, a_t);
   check_multiple(n, "N");
   check_multiple(k, "K");
   check_multiple(m, "M");
@@ -121,7 +107,7 @@ at::Tensor grouped_block_fp8_gemm_wgrad_sm90(const at::Tensor& a_t, const at::Te
   TORCH_CHECK(a_scale_inv.stride(0) == n && b_scale_inv.stride(0) == k,
               "a_scale_inv, b_scale_inv: expected rows of exactly N and K scales (strides ", num(n), " and ", num(k),
               "), got strides ", num(a_scale_inv.stride(0)), " and ", num(b_scale_inv.stride(0)));
-  check_hopper(a_t);
+  grouped::check_hopper(a_t, "block-scaled grouped FP8 GEMM");
   GroupedBlockGemmArgs args;
   args.kind = GroupedKind::kContraction;
   args.a = a_t.data_ptr(), args.b = b_t.data_ptr(), args.offs = offs.data_ptr<int32_t>();

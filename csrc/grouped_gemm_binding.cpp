@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "grouped_binding_checks.h"
 #include "grouped_gemm.h"
 
 namespace tfp8 {
@@ -34,21 +35,6 @@ void check_scale(const at::Tensor& t, const at::Tensor& ref, int64_t groups, con
               " elements, got shape ", dims(t.sizes()));
 }
 
-void check_offs(const at::Tensor& offs, const at::Tensor& ref) {
-  check_same_device(offs, ref, "offs");
-  TORCH_CHECK(offs.scalar_type() == at::kInt && offs.dim() == 1 && offs.numel() > 0 && offs.is_contiguous(),
-              "offs: expected a contiguous non-empty 1-D int32 tensor (the groups' cumulative ends), got ",
-              offs.scalar_type(), " of shape ", dims(offs.sizes()));
-  TORCH_CHECK(offs.numel() <= 65535, "offs: at most 65535 groups supported, got ", num(offs.numel()));
-}
-
-void check_hopper(const at::Tensor& t) {
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(t.device().index());
-  TORCH_CHECK(prop->major == 9 && prop->minor == 0,
-              "grouped FP8 GEMM (CUTLASS sm_90a): needs a compute capability 9.0 GPU (H100/H200), got ",
-              num(prop->major), ".", num(prop->minor));
-}
-
 GroupedTile to_tile(int64_t tile) {
   TORCH_CHECK(tile >= 0 && tile <= 3, "tile: expected 0 (auto), 1 (large), 2 (small) or 3 (alt), got ", num(tile));
   return static_cast<GroupedTile>(tile);
@@ -73,7 +59,7 @@ at::Tensor grouped_fp8_gemm_sm90(const at::Tensor& a, const at::Tensor& a_scale_
               dims(a.sizes()), ", strides ", dims(a.strides()));
   TORCH_CHECK(b.dim() == 3 && b.size(2) == a.size(1) && b.stride(2) == 1, "b: expected [G, N, ", num(a.size(1)),
               "] with a contiguous last dim, got shape ", dims(b.sizes()), ", strides ", dims(b.strides()));
-  check_offs(offs, a);
+  grouped::check_offs(offs, a);
   TORCH_CHECK(offs.numel() == b.size(0), "offs: expected ", num(b.size(0)), " elements (b's groups), got ",
               num(offs.numel()));
   check_scale(a_scale_inv, a, 1, "a_scale_inv");
@@ -82,7 +68,7 @@ at::Tensor grouped_fp8_gemm_sm90(const at::Tensor& a, const at::Tensor& a_scale_
   check_multiple(a.size(1), "K");
   check_multiple(b.stride(0), "b.stride(0)");
   check_multiple(b.stride(1), "b.stride(1)");
-  check_hopper(a);
+  grouped::check_hopper(a, "grouped FP8 GEMM");
   GroupedFp8GemmArgs args;
   args.kind = GroupedKind::kRows;
   args.a = a.data_ptr(), args.b = b.data_ptr(), args.offs = offs.data_ptr<int32_t>();
@@ -107,13 +93,13 @@ at::Tensor grouped_fp8_gemm_wgrad_sm90(const at::Tensor& a_t, const at::Tensor& 
               dims(a_t.sizes()), ", strides ", dims(a_t.strides()));
   TORCH_CHECK(b_t.dim() == 2 && b_t.is_contiguous() && b_t.size(1) == a_t.size(1), "b_t: expected a contiguous [K, ",
               num(a_t.size(1)), "] (a_t's columns), got shape ", dims(b_t.sizes()), ", strides ", dims(b_t.strides()));
-  check_offs(offs, a_t);
+  grouped::check_offs(offs, a_t);
   check_scale(a_scale_inv, a_t, 1, "a_scale_inv");
   check_scale(b_scale_inv, a_t, 1, "b_scale_inv");
   check_multiple(a_t.size(0), "N");
   check_multiple(b_t.size(0), "K");
   check_multiple(a_t.size(1), "M");
-  check_hopper(a_t);
+  grouped::check_hopper(a_t, "grouped FP8 GEMM");
   GroupedFp8GemmArgs args;
   args.kind = GroupedKind::kContraction;
   args.a = a_t.data_ptr(), args.b = b_t.data_ptr(), args.offs = offs.data_ptr<int32_t>();
