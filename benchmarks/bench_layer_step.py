@@ -10,9 +10,9 @@ Engine is installed).
 Each variant is built, warmed up and measured for memory ALONE (the others freed): peak GiB =
 torch.cuda.max_memory_allocated during its warm-up steps minus what was allocated before its layer was built
 (parameters + gradients + optimizer state + activations + transients; the input and dy are allocated before), of the
-first step (delayed scaling calibrates its scales on a high-precision step) and of the later ones; the larger is the
-step's peak. Then all variants are rebuilt and timed in interleaved rounds (timing.run_rounds: a new seeded order
-each round): ms per step = CUDA events around `--steps` steps back to back / steps. Ratios: each row's peak /
+first step (delayed scaling has no scale yet: its casts take each tensor's own amax) and of the later ones; the larger
+is the step's peak. Then all variants are rebuilt and timed in interleaved rounds (timing.run_rounds: a new seeded
+order each round): ms per step = CUDA events around `--steps` steps back to back / steps. Ratios: each row's peak /
 torch-bf16's (target: ours FP8 <= 0.9x).
 
 Run: python benchmarks/bench_layer_step.py [--impls ours,te] [--recipes bf16,delayed] [--rounds 5] [--json out.json]
@@ -60,7 +60,7 @@ class LayerStep:
 
     def warm_up(self, steps: int) -> None:
         """`steps` steps (at least 2); sets static_gib, first_gib (the peak of the first step: delayed scaling's
-        calibrating step runs the high-precision path), steady_gib (the peak of the later ones) and peak_gib (the
+        step casts without a known scale), steady_gib (the peak of the later ones) and peak_gib (the
         larger), all above what was allocated before the layer was built."""
         if steps <= 0:
             return
