@@ -6,6 +6,24 @@
 
 namespace tfp8::grouped {
 
+constexpr int64_t kAlign = 16;  // TMA: 16-byte aligned addresses and strides (FP8: 16 elements)
+
+// An E4M3 operand on ref's device with a 16-byte aligned data pointer (TMA).
+inline void check_e4m3(const at::Tensor& t, const at::Tensor& ref, const char* arg) {
+  check_cuda(t, arg);
+  check_same_device(t, ref, arg);
+  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, arg,
+              ": expected a torch.float8_e4m3fn tensor (the grouped kernel takes E4M3 only), got ", t.scalar_type());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlign == 0, arg,
+              ": expected a 16-byte aligned data pointer (TMA)");
+}
+
+// A dimension the kernel's 16-byte alignment needs as a multiple of 16.
+inline void check_multiple(int64_t value, const char* what) {
+  TORCH_CHECK(value % kAlign == 0, what, ": expected a multiple of 16 (the kernel's 16-byte alignment), got ",
+              num(value));
+}
+
 // offs: the groups' cumulative ends, a contiguous non-empty int32 vector on ref's device, at most 65535 groups.
 inline void check_offs(const at::Tensor& offs, const at::Tensor& ref) {
   check_same_device(offs, ref, "offs");

@@ -11,24 +11,12 @@
 namespace tfp8 {
 namespace {
 
-constexpr int64_t kAlign = 16;  // TMA: 16-byte aligned addresses and strides (FP8: 16 elements)
+using grouped::check_e4m3;
+using grouped::check_multiple;
+using grouped::kAlign;
 constexpr int64_t kBlock = 128;
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-void check_e4m3(const at::Tensor& t, const at::Tensor& ref, const char* arg) {
-  check_cuda(t, arg);
-  check_same_device(t, ref, arg);
-  TORCH_CHECK(t.scalar_type() == at::kFloat8_e4m3fn, arg,
-              ": expected a torch.float8_e4m3fn tensor (the grouped kernel takes E4M3 only), got ", t.scalar_type());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlign == 0, arg,
-              ": expected a 16-byte aligned data pointer (TMA)");
-}
-
-void check_multiple(int64_t value, const char* what) {
-  TORCH_CHECK(value % kAlign == 0, what, ": expected a multiple of 16 (the kernel's 16-byte alignment), got ",
-              num(value));
-}
 
 // 1x128 tile scales [tiles, >= rows] with a contiguous last dim (block_cast's layout).
 void check_tile_scales(const at::Tensor& t, const at::Tensor& ref, int64_t tiles, int64_t rows, const char* arg) {
