@@ -10,10 +10,10 @@ Engine is installed).
 Each variant is built, warmed up and measured for memory ALONE (the others freed): peak GiB =
 torch.cuda.max_memory_allocated during its warm-up steps minus what was allocated before its layer was built
 (parameters + gradients + optimizer state + activations + transients; the input and dy are allocated before), of the
-first step (delayed scaling has no scale yet: its casts take each tensor's own amax) and of the later ones; the larger
-is the step's peak. Then all variants are rebuilt and timed in interleaved rounds (timing.run_rounds: a new seeded
-order each round): ms per step = CUDA events around `--steps` steps back to back / steps. Ratios: each row's peak /
-torch-bf16's (target: ours FP8 <= 0.9x).
+first step (delayed scaling has no scale yet: its casts take each tensor's own amax; AdamW's moments are made at its
+end, so they do not count in its peak) and of the later ones; the larger is the step's peak. Then all variants are
+rebuilt and timed in interleaved rounds (timing.run_rounds: a new seeded order each round): ms per step = CUDA
+events around `--steps` steps back to back / steps. Ratios: each row's peak / torch-bf16's (target: ours FP8 <= 0.9x).
 
 Run: python benchmarks/bench_layer_step.py [--impls ours,te] [--recipes bf16,delayed] [--rounds 5] [--json out.json]
 `--tiny` (a small layer; `--device cpu` allowed) checks the script.

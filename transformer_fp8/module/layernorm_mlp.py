@@ -17,6 +17,7 @@ from ..distributed import TensorParallel, gather_from_sequence_parallel_region
 from ..ops import tfp8
 from ..cpu.activation import KEEP_TILE, dequantize_kept_input
 from ..quantization import MLP_ROLES, FP8Operand, QuantizerSet, Role, gemm_gelu_to_fp8
+from ._amax_passes import activation_amax, activation_grad_amax
 from ._gemm import cast_grad_output, fp8_gemm_bias, gemm_grads, high_precision_linear
 from ._high_precision import activation_linear, applies as lean_saves_apply, norm_linear
 from ._row_parallel import epilogue_terms, sum_partials
@@ -39,12 +40,15 @@ ACTIVATIONS = {"gelu": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, 
 
 def _activation_to_fp8(quantizer, activation, fc1_out, need_transpose, keep_input):
     """act(fc1_out [M, F1]) cast by `quantizer` (FC2_INPUT): (an FP8Operand with data [M, F] (data_t [F, M] when
-    need_transpose), the kept input or None). With a known scale the activation kernel emits FP8 itself and, when
-    keep_input, also writes fc1_out's kept E4M3 copy for the backward (1x128 tiles with their scales, see
-    cpu/activation.py) in the same pass: (kept [M, F1], kept_scale_inv [M, F1 / 128]) instead of keeping fc1_out."""
-    if not (quantizer.fused_per_tensor and quantizer.known_scale):  # (unfused: the cast's scale comes from act)
+    need_transpose), the kept input or None). With a scale before the activation runs (delayed scaling: known, or on
+    its first step calibrated from an amax pass over act(fc1_out), see _amax_passes.py) the activation kernel emits
+    FP8 itself and, when keep_input, also writes fc1_out's kept E4M3 copy for the backward (1x128 tiles with their
+    scales, see cpu/activation.py) in the same pass: (kept [M, F1], kept_scale_inv [M, F1 / 128]) instead of keeping
+    fc1_out."""
+    fp8_args = quantizer.output_args_for(activation_amax(fc1_out, activation), fc1_out.device) \
+        if quantizer.fused_per_tensor else None
+    if fp8_args is None:  # (unfused: the cast's scale comes from act)
         return quantizer.cast_activation(fc1_out, activation, transpose=need_transpose), None
-    fp8_args = quantizer.output_args()
     kept = None
     if keep_input and _can_keep(activation, fc1_out):
         act_data, *kept = tfp8.activation_fwd_keep_input(fc1_out, activation, *fp8_args)
@@ -60,13 +64,18 @@ def _can_keep(activation, fc1_out):
     return fc1_out.dtype in (torch.bfloat16, torch.float16) and width % KEEP_TILE == 0
 
 
+def _gelu_epilogue_fits(quantizer, activation, dtype, fc1_bias):
+    """Whether FC1's GEMM can apply GELU and emit the FP8 activation itself once the FC2_INPUT scale is known
+    (cuBLASLt's GELU_AUX(_BIAS) epilogue with an E4M3 output, as TE's FC1; its aux output, the pre-activation, is
+    what the backward keeps): gelu, a per-tensor quantizer, BF16."""
+    return (activation == "gelu" and quantizer.fused_per_tensor and dtype == torch.bfloat16 and
+            (fc1_bias is None or fc1_bias.dtype == dtype))
+
+
 def _gelu_in_fc1_epilogue(quantizer, activation, dtype, fc1_bias):
-    """True when FC1's GEMM itself applies GELU and emits the FP8 activation (cuBLASLt's GELU_AUX(_BIAS) epilogue with
-    an E4M3 output, as TE's FC1; its aux output, the pre-activation, is what the backward keeps): gelu, a per-tensor
-    FC2_INPUT quantizer with a known scale (delayed scaling after the first update: the output's scale must exist
-    before the GEMM), BF16."""
-    return (activation == "gelu" and quantizer.fused_per_tensor and quantizer.known_scale and
-            dtype == torch.bfloat16 and (fc1_bias is None or fc1_bias.dtype == dtype))
+    """True when FC1's GEMM itself applies GELU and emits the FP8 activation: _gelu_epilogue_fits and a known scale
+    (delayed scaling after the first update: the output's scale must exist before the GEMM)."""
+    return _gelu_epilogue_fits(quantizer, activation, dtype, fc1_bias) and quantizer.known_scale
 
 
 def _take(stash, key):
@@ -77,19 +86,22 @@ def _take(stash, key):
 
 def _dact_to_fp8(quantizer, activation, d_act, fc1_out, kept, with_dbias, need_wgrad):
     """d(fc1_out) = act'(fc1_out) * d_act cast by `quantizer` (FC1_GRAD_OUTPUT): (FP8Operand, dbias or None). fc1_out
-    is None when the forward kept its E4M3 copy instead (kept = (data, tile scale_inv)). With a known scale the fused
-    kernel writes the rowwise data only: data_t (for the FC1 wgrad) is made from it after the FC1 dgrad, once fc1_out
-    and d_act are gone, so that the backward's peak (here) holds half the FP8 bytes; from a kept input the kernel
-    writes data_t too (the same peak: the kept input is half fc1_out's bytes)."""
-    fused = quantizer.fused_per_tensor and quantizer.known_scale
-    if fc1_out is None and not fused:  # (a kept input for a cast without the kept-input kernel)
+    is None when the forward kept its E4M3 copy instead (kept = (data, tile scale_inv)). With a scale before the
+    kernel runs (delayed scaling: known, or on its first step calibrated from an amax pass, see _amax_passes.py) the
+    fused kernel writes the rowwise data only: data_t (for the FC1 wgrad) is made from it after the FC1 dgrad, once
+    fc1_out and d_act are gone, so that the backward's peak (here) holds half the FP8 bytes; from a kept input the
+    kernel writes data_t too (the same peak: the kept input is half fc1_out's bytes)."""
+    fp8_args = None
+    if quantizer.fused_per_tensor:
+        fp8_args = quantizer.output_args_for(activation_grad_amax(d_act, fc1_out, kept, activation), d_act.device)
+    if fc1_out is None and fp8_args is None:  # (a kept input for a cast without the kept-input kernel)
         fc1_out = dequantize_kept_input(*kept, d_act.dtype)
     if quantizer.fused_dact_cast:  # (block scaling: one kernel, no high-precision d_fc1)
         return quantizer.cast_activation_grad(d_act, fc1_out, activation, transpose=need_wgrad, with_dbias=with_dbias)
-    if not fused:  # (unfused: the cast's scale comes from d_fc1)
+    if fp8_args is None:  # (unfused: the cast's scale comes from d_fc1)
         d_fc1 = tfp8.activation_bwd(d_act, fc1_out, activation)
         return cast_grad_output(d_fc1, quantizer, with_dbias, True, need_wgrad)  # (data_t: the FC1 wgrad's only)
-    scale, fp8_dtype, amax, scale_inv = quantizer.output_args()
+    scale, fp8_dtype, amax, scale_inv = fp8_args
     if fc1_out is None:  # (the kept input is half fc1_out's bytes: the transpose fits in the same peak, one pass)
         q, q_t, dbias = tfp8.dact_cast_transpose_kept_input(d_act, *kept, activation, scale, fp8_dtype, amax,
                                                             scale_inv, with_dbias, need_wgrad)
@@ -147,8 +159,10 @@ class _FP8LayerNormMLP(torch.autograd.Function):
             act_op = act_op.with_transpose() if need_fc2_wgrad else act_op
         else:
             fc1_out = fp8_gemm_bias(ln_op, w1_op, dtype, fc1_bias)
-            act_op, kept = _activation_to_fp8(act_quantizer, setup.activation, fc1_out, need_fc2_wgrad,
-                                              training and setup.keep_fc1_fp8)
+            # (where later steps run GELU in FC1's epilogue they keep fc1_out in 16 bits: so does the first step)
+            keep_fp8 = training and setup.keep_fc1_fp8 and not _gelu_epilogue_fits(act_quantizer, setup.activation,
+                                                                                     dtype, fc1_bias)
+            act_op, kept = _activation_to_fp8(act_quantizer, setup.activation, fc1_out, need_fc2_wgrad, keep_fp8)
             fc1_out = None if kept is not None else fc1_out
         w2_op = fp8_weight(cache, "fc2_weight", fc2_weight, quantizers[Role.FC2_WEIGHT], need_fc2_dgrad,
                            is_first_microbatch)

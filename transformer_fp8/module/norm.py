@@ -128,7 +128,8 @@ def norm_to_fp8(spec, quantizer, x, ln_weight, ln_bias, need_transpose, keep_hig
     args = (spec.normalization, x, ln_weight, ln_bias, spec.eps, spec.zero_centered_gamma)
     if keep_high_precision or not (quantizer.fused_per_tensor and quantizer.known_scale):
         out, mean, rstd = norm_fwd(*args)
-        return quantizer.cast(out, transpose=need_transpose), out, mean, rstd
+        # (the high-precision output only where asked for: else it is freed here, before the next GEMM runs)
+        return quantizer.cast(out, transpose=need_transpose), (out if keep_high_precision else None), mean, rstd
     fp8_args = quantizer.output_args()
     q, mean, rstd = norm_fwd(*args, *fp8_args)
     operand = FP8Operand(q, None, fp8_args[3], fp8_args[1])

@@ -7,7 +7,7 @@ until the state's first update and queues its state for the fused update; the cu
 tensor's own amax at every cast (MAX-reduced over the module's tensor-parallel group). A third recipe is one more
 class here and one entry in factory.QUANTIZER_FOR_RECIPE.
 """
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -135,6 +135,21 @@ class Quantizer:
         return self.state.scales[self.slot], self.fp8_dtype, self.state.amaxes[self.slot], \
             self.state.scale_invs[self.slot]
 
+    def output_args_for(self, accumulate_amax: Callable[[torch.Tensor], None],
+                        device: torch.device) -> tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None:
+        """output_args() for an op about to write this role's FP8 output, where a scale can be had before the op runs
+        without the output existing in high precision; else None (the caller computes the output, then casts it).
+
+        Args:
+            accumulate_amax: max-accumulates the amax of the output-to-be into the float32 [1] tensor it is given
+                (chunk by chunk); called only where the scale comes from that amax (delayed scaling's first step).
+            device: the output's device.
+
+        Returns:
+            (scale, fp8_dtype, amax, scale_inv) as output_args(), or None. Here: output_args() with a known scale.
+        """
+        return self.output_args() if self.known_scale else None
+
     def transpose_like(self, x: torch.Tensor, operand: FP8Operand) -> torch.Tensor:
         """x [N, K] (the tensor `operand` was cast from, say a weight) -> its FP8 transpose [K, N] with the
         operand's scale (1 / scale_inv; no amax update): the backward's recast of a weight whose forward kept no Wᵀ.
@@ -227,6 +242,15 @@ class DelayedScalingQuantizer(Quantizer):
         state, slot = self.state, self.slot
         scale_inv = state.scale_invs[slot] if state.calibrated else state.calibrate_scale(x, slot, self.fp8_max)
         return state.scales[slot], state.amaxes[slot], scale_inv
+
+    def output_args_for(self, accumulate_amax, device):
+        state, slot = self.state, self.slot
+        if state.calibrated:
+            return self.output_args()
+        # (before the first update: the scale from the output's own amax, as cast_args takes its tensor's, and a
+        # fresh scale_inv as there)
+        scale_inv = state.calibrate_scale_by(slot, self.fp8_max, accumulate_amax, device)
+        return state.scales[slot], self.fp8_dtype, state.amaxes[slot], scale_inv
 
     def record_amax(self, x):
         tfp8.compute_amax(x.detach().contiguous(), self.state.amaxes[self.slot])

@@ -9,7 +9,7 @@ scale it was cast with; gradient snapshots are reused (nothing outlives the back
 Snapshots share one buffer (and so one autograd version counter): autograd Functions keep them as ctx attributes, not
 through save_for_backward, whose version check would trip on writes to the other slots.
 """
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -141,10 +141,26 @@ class ScalingState:
             A fresh scale_inv [1] for the cast to write (not the slot's snapshot: a later cast of the slot in the
             same step may calibrate another scale).
         """
+        return self.calibrate_scale_by(i, fp8_max, lambda amax: tfp8.compute_amax(x, amax), x.device)
+
+    def calibrate_scale_by(self, i: int, fp8_max: float, accumulate_amax: Callable[[torch.Tensor], None],
+                           device: torch.device) -> torch.Tensor:
+        """calibrate_scale for a tensor that is not at hand whole (an op's output before the op runs).
+
+        Args:
+            i: the slot.
+            fp8_max: the slot's FP8 maximum.
+            accumulate_amax: max-accumulates the tensor's amax into the float32 [1] tensor it is given (say chunk by
+                chunk, so that the tensor never exists whole in high precision).
+            device: where the fresh scale_inv goes.
+
+        Returns:
+            As calibrate_scale: a fresh scale_inv [1] for the op to write.
+        """
         amax = self.amaxes[i]
-        tfp8.compute_amax(x, amax)
+        accumulate_amax(amax)
         if self.calibration_group is not None:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.calibration_group[0])
         usable = torch.isfinite(amax) & (amax > 0)
         self.scales[i].copy_(torch.where(usable, fp8_max / amax, self.scales[i]))
-        return torch.empty(1, dtype=torch.float32, device=x.device)
+        return torch.empty(1, dtype=torch.float32, device=device)
