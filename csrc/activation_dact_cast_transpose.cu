@@ -2,15 +2,16 @@
 //
 // One block of 256 threads per 128 x 128 tile of dy (rows x out_cols); SwiGLU tiles have two parts, the dgate tile
 // (columns c of d) and the dup tile (columns out_cols + c). Phase 1: each thread takes 16 columns of 4 rows of the
-// tile, two rows at a time with every load of both issued first (dy and x as 16-byte loads, or the kept E4M3 input's
-// 16 bytes and its tile's scale_inv); per row it writes the 16 FP8 bytes of each part to q (one 16-byte store) and to
-// the part's shared tile. Phase 2: each thread reads 16 rows x 4 columns of each shared tile as 16 words, transposes
-// the bytes with __byte_perm and stores 4 rows of qT, 16 bytes each. The tiles' 16-byte chunks are XOR-swizzled (chunk
-// ^ 4 in odd 16-row groups) so that both phases are free of bank conflicts (the layout of quantize_transpose.cu's
-// cast_transpose). Chunks at the right or bottom edge, or with rows not 16-byte aligned, take a guarded scalar path.
+// tile, kRowsInFlight rows at a time with their loads issued first (dy and x as 16-byte loads, or the kept E4M3
+// input's 16 bytes and its tile's scale_inv); per row it writes the 16 FP8 bytes of each part to q (one 16-byte
+// store) and to the part's shared tile. Phase 2: each thread reads 16 rows x 4 columns of each shared tile as 16
+// words, transposes the bytes with __byte_perm and stores 4 rows of qT, 16 bytes each (8- or 4-byte stores where rows
+// is not a multiple of 16). The tiles' 16-byte chunks are XOR-swizzled (chunk ^ 4 in odd 16-row groups) so that both
+// phases are free of bank conflicts (the layout of quantize_transpose.cu's cast_transpose). Pieces at the right edge,
+// or with rows not 16-byte aligned, take the element path (VECTOR false); partial row groups a guarded byte path.
 // dbias: each block writes its tile's column sums to a float32 workspace row; a second kernel adds the rows.
-#include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <type_traits>
 
 #include "activation_common.cuh"
@@ -26,6 +27,8 @@ constexpr int kChunk = 16;                              // columns per thread in
 constexpr int kChunksPerRow = kTile / kChunk;           // 8
 constexpr int kRowsPerPass = kThreads / kChunksPerRow;  // 32
 constexpr int kPasses = kTile / kRowsPerPass;           // 4: rows per thread in phase 1
+// Rows a thread loads before their math in phase 1 (2 timed slower: more registers, fewer blocks per SM).
+constexpr int kRowsInFlight = 1;
 static_assert(kTile / 16 * kTile / 4 == kThreads, "phase 2: one thread per 16 rows x 4 columns of a tile");
 
 // Byte offset of the 16-byte chunk `chunk` of tile row `row` in a swizzled shared tile.
@@ -36,7 +39,7 @@ __device__ __forceinline__ int tile_offset(int row, int chunk) {
 // Shapes and outputs of one launch (qT may be null: not written; workspace null: no dbias).
 struct DactArgs {
   int64_t rows, out_cols;
-  bool qt_vectorized;  // rows % 16 == 0 and qT 16-byte aligned: phase 2 takes 16-byte stores
+  int qt_store_bytes;  // 16, 8, 4 or 1: the widest store that divides rows and qT's alignment (phase 2)
   uint8_t* q;
   uint8_t* qT;
   const float* scale;
@@ -116,8 +119,14 @@ __device__ __forceinline__ void store_transposed(const uint8_t* tile, const Dact
     const int64_t qt_row = qt_row0 + word_col * 4 + j;
     if (qt_row >= qt_rows_end) break;
     uint8_t* dst = a.qT + qt_row * a.rows + col;
-    if (a.qt_vectorized && col + 16 <= a.rows) {
+    if (a.qt_store_bytes == 16 && col + 16 <= a.rows) {
       *reinterpret_cast<uint4*>(dst) = make_uint4(out[0][j], out[1][j], out[2][j], out[3][j]);
+    } else if (a.qt_store_bytes == 8 && col + 16 <= a.rows) {
+      reinterpret_cast<uint2*>(dst)[0] = make_uint2(out[0][j], out[1][j]);
+      reinterpret_cast<uint2*>(dst)[1] = make_uint2(out[2][j], out[3][j]);
+    } else if (a.qt_store_bytes == 4 && col + 16 <= a.rows) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) reinterpret_cast<uint32_t*>(dst)[k] = out[k][j];
     } else {
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
@@ -127,21 +136,15 @@ __device__ __forceinline__ void store_transposed(const uint8_t* tile, const Dact
   }
 }
 
-// Rows a thread loads before their math in phase 1, and the blocks per SM the register budget aims at, from the kept
-// input (Kept) or the 16-bit one (Plain): picked by timing the variants (benchmarks/RESULTS_swiglu.md). Float32 inputs
-// and column sums take more registers: 2 blocks.
-constexpr int kRowsInFlightKept = 1, kRowsInFlightPlain = 1;
-constexpr int kMinBlocksKept = 4, kMinBlocksPlain = 3;
-template <bool KEPT>
-constexpr int kRowsInFlight = KEPT ? kRowsInFlightKept : kRowsInFlightPlain;
+// Blocks per SM the register budget aims at: the fastest of the variants timed for SwiGLU from the kept and from the
+// 16-bit input (benchmarks/RESULTS_swiglu.md); float32 inputs and column sums take more registers.
 template <bool KEPT, DType IN, bool DBIAS>
 constexpr int min_blocks_per_sm() {
-  return (DBIAS || IN == DType::kFloat32) ? 2 : KEPT ? kMinBlocksKept : kMinBlocksPlain;
+  return (DBIAS || IN == DType::kFloat32) ? 2 : KEPT ? 4 : 3;
 }
 
-template <Activation A, DType IN, DType F8, bool KEPT, bool DBIAS, bool VECTOR,
-          int ROWS_IN_FLIGHT = kRowsInFlight<KEPT>, int MIN_BLOCKS = min_blocks_per_sm<KEPT, IN, DBIAS>()>
-__global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
+template <Activation A, DType IN, DType F8, bool KEPT, bool DBIAS, bool VECTOR>
+__global__ void __launch_bounds__(kThreads, (min_blocks_per_sm<KEPT, IN, DBIAS>()))
     dact_cast_transpose_kernel(const StorageT<IN>* __restrict__ dy, const StorageT<IN>* __restrict__ x,
                                const DactArgs a) {
   using Piece = RowPiece<A, StorageT<IN>, KEPT, VECTOR>;
@@ -157,21 +160,21 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   const float scale = *a.scale;
   if (a.scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *a.scale_inv = 1.0f / scale;
 
-  // Phase 1, ROWS_IN_FLIGHT rows at a time -> q, the shared tiles, column sums and amax.
+  // Phase 1, kRowsInFlight rows at a time -> q, the shared tiles, column sums and amax.
   float sums[kParts][kChunk] = {};
   float local_amax = 0.0f;
 #pragma unroll 1
-  for (int first_pass = 0; first_pass < kPasses; first_pass += ROWS_IN_FLIGHT) {
-    Piece pieces[ROWS_IN_FLIGHT];
-    int counts[ROWS_IN_FLIGHT];
+  for (int first_pass = 0; first_pass < kPasses; first_pass += kRowsInFlight) {
+    Piece pieces[kRowsInFlight];
+    int counts[kRowsInFlight];
 #pragma unroll
-    for (int p = 0; p < ROWS_IN_FLIGHT; ++p) {
+    for (int p = 0; p < kRowsInFlight; ++p) {
       const int64_t row = row0 + (first_pass + p) * kRowsPerPass + sub_row;
       counts[p] = row < a.rows ? count : 0;
       pieces[p].load(dy, x, a, row, col, counts[p]);
     }
 #pragma unroll
-    for (int p = 0; p < ROWS_IN_FLIGHT; ++p) {
+    for (int p = 0; p < kRowsInFlight; ++p) {
       if (counts[p] == 0) continue;
       const int valid = VECTOR ? kChunk : counts[p];
       const int tile_row = (first_pass + p) * kRowsPerPass + sub_row;
@@ -255,6 +258,15 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   if (a.amax != nullptr) block_amax_atomic(local_amax, a.amax);
 }
 
+// The widest store (16, 8, 4 or 1 bytes) that phase 2's 16-byte qT row segments can take: it divides rows (where each
+// qT row starts) and qT's alignment.
+int qt_store_bytes(int64_t rows, const uint8_t* qT) {
+  for (int bytes : {16, 8, 4}) {
+    if (rows % bytes == 0 && act::aligned(qT, bytes)) return bytes;
+  }
+  return 1;
+}
+
 // dbias[c] = sum over the workspace rows of column c, in float32, written in D.
 template <DType D>
 __global__ void dbias_from_workspace_kernel(const float* __restrict__ workspace, int64_t workspace_rows, int64_t cols,
@@ -277,8 +289,18 @@ void launch_dact_cast_transpose(const void* dy, const void* x, DType dtype, uint
   const int in_cols_factor = act == Activation::kSwiglu ? 2 : 1;
   const bool rows_aligned = out_cols % kChunk == 0 && act::aligned(dy, 16) && act::aligned(q, 16) &&
                             (x8 != nullptr ? act::aligned(x8, 16) : act::aligned(x, 16));
-  const DactArgs args{rows, out_cols,  rows % 16 == 0 && act::aligned(qT, 16), q,  qT,          scale,
-                      amax, scale_inv, dbias != nullptr ? workspace : nullptr, x8, x8_scale_inv};
+  DactArgs args{};
+  args.rows = rows;
+  args.out_cols = out_cols;
+  args.qt_store_bytes = qt_store_bytes(rows, qT);
+  args.q = q;
+  args.qT = qT;
+  args.scale = scale;
+  args.amax = amax;
+  args.scale_inv = scale_inv;
+  args.workspace = dbias != nullptr ? workspace : nullptr;
+  args.x8 = x8;
+  args.x8_scale_inv = x8_scale_inv;
   act::with_activation(act, [&](auto a) {
     act::with_high_precision(dtype, [&](auto d) {
       act::with_fp8(fp8_dtype, [&](auto f) {
@@ -289,27 +311,6 @@ void launch_dact_cast_transpose(const void* dy, const void* x, DType dtype, uint
         const auto* xp = static_cast<const T*>(x);
         auto launch = [&](auto kept_tag, auto dbias_tag) {
           constexpr bool KEPT = decltype(kept_tag)::value, DB = decltype(dbias_tag)::value;
-#ifdef TFP8_ACT_EXPERIMENT
-          if constexpr (A != Activation::kRelu && IN == DType::kBFloat16 && !DB) {
-            static const int variant = std::getenv("DACT_VARIANT") ? std::atoi(std::getenv("DACT_VARIANT")) : 0;
-            if (rows_aligned && variant == 1) {
-              dact_cast_transpose_kernel<A, IN, F8, KEPT, DB, true, 1, 4><<<grid, kThreads, 0, stream>>>(dyp, xp, args);
-              return;
-            }
-            if (rows_aligned && variant == 2) {
-              dact_cast_transpose_kernel<A, IN, F8, KEPT, DB, true, 2, 2><<<grid, kThreads, 0, stream>>>(dyp, xp, args);
-              return;
-            }
-            if (rows_aligned && variant == 3) {
-              dact_cast_transpose_kernel<A, IN, F8, KEPT, DB, true, 1, 3><<<grid, kThreads, 0, stream>>>(dyp, xp, args);
-              return;
-            }
-            if (rows_aligned && variant == 4) {
-              dact_cast_transpose_kernel<A, IN, F8, KEPT, DB, true, 2, 3><<<grid, kThreads, 0, stream>>>(dyp, xp, args);
-              return;
-            }
-          }
-#endif
           if (rows_aligned)
             dact_cast_transpose_kernel<A, IN, F8, KEPT, DB, true><<<grid, kThreads, 0, stream>>>(dyp, xp, args);
           else dact_cast_transpose_kernel<A, IN, F8, KEPT, DB, false><<<grid, kThreads, 0, stream>>>(dyp, xp, args);

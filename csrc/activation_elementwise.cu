@@ -15,14 +15,10 @@ using act::StorageT;
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
 // Chunks per thread whose loads are in flight together (activation_fwd_kernel), and the blocks per SM its register
-// budget aims at, with (Keep) and without (Plain) the kept copy of the input: picked by timing the variants
-// (benchmarks/RESULTS_swiglu.md).
-constexpr int kBatchKeep = 2, kBatchPlain = 4;
-constexpr int kMinBlocksKeep = 4, kMinBlocksPlain = 1;
-template <bool KEEP>
-constexpr int kBatch = KEEP ? kBatchKeep : kBatchPlain;
-template <bool KEEP>
-constexpr int kMinBlocks = KEEP ? kMinBlocksKeep : kMinBlocksPlain;
+// budget aims at (64 registers a thread): the fastest of the variants timed for SwiGLU, with and without the kept
+// input (1 to 8 chunks, 1 to 4 blocks; benchmarks/RESULTS_swiglu.md).
+constexpr int kBatch = 2;
+constexpr int kMinBlocks = 4;
 
 // Offset of the gate element of output element i in a SwiGLU input (i and out_cols as above). The row index takes a
 // 32-bit division where the whole output fits (a 64-bit one is a long software sequence), n being uniform.
@@ -61,8 +57,8 @@ __device__ __forceinline__ void keep_tile(const float (&values)[VEC], uint8_t* d
 // KEEP (VEC == 8, out_cols % kKeepTile == 0, n % kKeepTile == 0: whole tiles per half-warp, and a chunk's validity is
 // the same for the 16 lanes of a tile) also writes the kept copy of the input: x8 [rows, in_cols] and x8_scale_inv
 // [rows, in_cols / kKeepTile].
-template <Activation A, DType IN, DType OUT, int VEC, bool KEEP, int BATCH, int MIN_BLOCKS>
-__global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
+template <Activation A, DType IN, DType OUT, int VEC, bool KEEP>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     activation_fwd_kernel(const StorageT<IN>* __restrict__ x, StorageT<OUT>* __restrict__ y, int64_t n,
                           int64_t out_cols, const float* __restrict__ scale_ptr, float* amax, float* scale_inv,
                           uint8_t* __restrict__ x8, float* __restrict__ x8_scale_inv) {
@@ -73,13 +69,13 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
   float local_amax = 0.0f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * VEC;
   for (int64_t base = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC; base < n;
-       base += BATCH * stride) {
+       base += kBatch * stride) {
     // (first / second operand: SwiGLU's gate / up, else the input / unused)
-    act::Vec<TI, VEC> first[BATCH], second[BATCH];
-    int64_t first_at[BATCH];
-    int count[BATCH];
+    act::Vec<TI, VEC> first[kBatch], second[kBatch];
+    int64_t first_at[kBatch];
+    int count[kBatch];
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
+    for (int b = 0; b < kBatch; ++b) {
       const int64_t i = base + b * stride;
       count[b] = static_cast<int>(max(static_cast<int64_t>(0), min(static_cast<int64_t>(VEC), n - i)));
       first_at[b] = kSwiglu ? swiglu_gate_offset(i, out_cols, n) : i;
@@ -89,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS)
       }
     }
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
+    for (int b = 0; b < kBatch; ++b) {
       if (count[b] == 0) continue;
       float in[VEC], out[VEC];
       act::to_floats(first[b], in);
@@ -185,37 +181,13 @@ unsigned resident_grid_size(int64_t n, int vec) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(needed, resident)));
 }
 
-// activation_fwd_kernel<A, IN, OUT, VEC, KEEP, BATCH, MIN_BLOCKS> on the grid the GPU holds at once.
-template <Activation A, DType IN, DType OUT, int VEC, bool KEEP, int BATCH, int MIN_BLOCKS>
-void launch_fwd_kernel_as(const StorageT<IN>* x, StorageT<OUT>* y, int64_t n, int64_t out_cols, const float* scale,
-                          float* amax, float* scale_inv, uint8_t* x8, float* x8_scale_inv, cudaStream_t stream) {
-  constexpr auto kKernel = activation_fwd_kernel<A, IN, OUT, VEC, KEEP, BATCH, MIN_BLOCKS>;
-  kKernel<<<resident_grid_size<kKernel>(n, VEC), kThreads, 0, stream>>>(x, y, n, out_cols, scale, amax, scale_inv, x8,
-                                                                        x8_scale_inv);
-}
-
+// activation_fwd_kernel<A, IN, OUT, VEC, KEEP> on the grid the GPU holds at once.
 template <Activation A, DType IN, DType OUT, int VEC, bool KEEP>
 void launch_fwd_kernel(const StorageT<IN>* x, StorageT<OUT>* y, int64_t n, int64_t out_cols, const float* scale,
                        float* amax, float* scale_inv, uint8_t* x8, float* x8_scale_inv, cudaStream_t stream) {
-#ifdef TFP8_ACT_EXPERIMENT
-  if constexpr (A == Activation::kSwiglu && IN == DType::kBFloat16 && OUT == DType::kE4M3 && VEC == 8) {
-    static const int variant = std::getenv("FWD_VARIANT") ? std::atoi(std::getenv("FWD_VARIANT")) : 0;
-    if (variant == 1)
-      return launch_fwd_kernel_as<A, IN, OUT, VEC, KEEP, 4, 3>(x, y, n, out_cols, scale, amax, scale_inv, x8,
-                                                               x8_scale_inv, stream);
-    if (variant == 2)
-      return launch_fwd_kernel_as<A, IN, OUT, VEC, KEEP, 2, 4>(x, y, n, out_cols, scale, amax, scale_inv, x8,
-                                                               x8_scale_inv, stream);
-    if (variant == 3)
-      return launch_fwd_kernel_as<A, IN, OUT, VEC, KEEP, 4, 1>(x, y, n, out_cols, scale, amax, scale_inv, x8,
-                                                               x8_scale_inv, stream);
-    if (variant == 4)
-      return launch_fwd_kernel_as<A, IN, OUT, VEC, KEEP, 8, 2>(x, y, n, out_cols, scale, amax, scale_inv, x8,
-                                                               x8_scale_inv, stream);
-  }
-#endif
-  launch_fwd_kernel_as<A, IN, OUT, VEC, KEEP, kBatch<KEEP>, kMinBlocks<KEEP>>(x, y, n, out_cols, scale, amax, scale_inv,
-                                                                              x8, x8_scale_inv, stream);
+  constexpr auto kKernel = activation_fwd_kernel<A, IN, OUT, VEC, KEEP>;
+  kKernel<<<resident_grid_size<kKernel>(n, VEC), kThreads, 0, stream>>>(x, y, n, out_cols, scale, amax, scale_inv, x8,
+                                                                        x8_scale_inv);
 }
 
 }  // namespace
