@@ -2,6 +2,7 @@
 // transformer_fp8/cpu/activation.py), element storage per DType, VEC-element loads/stores (one access when aligned),
 // the NaN-propagating amax, and dispatch from runtime enums to template arguments.
 #pragma once
+#include <cstring>
 #include <stdexcept>
 #include <type_traits>
 
@@ -110,15 +111,48 @@ __device__ __forceinline__ void load_floats(const T* src, float (&out)[N], int c
   }
 }
 
+// v = src[0..count) (the rest zero). count == N with `vector` takes one access of the whole vector (src aligned to its
+// size) or, for vectors of a multiple of 16 bytes, 16-byte accesses (src aligned to 16); else one element at a time.
+// The raw elements, not floats: a batch of loads in flight then holds half the registers for 16-bit types.
+template <typename T, int N>
+__device__ __forceinline__ void load_vector(const T* src, Vec<T, N>& v, int count, bool vector = true) {
+  if (vector && count == N) {
+    if constexpr (N * sizeof(T) % 16 == 0) {
+      constexpr int kWords = N * sizeof(T) / 16;
+      uint4 words[kWords];
+#pragma unroll
+      for (int k = 0; k < kWords; ++k) words[k] = reinterpret_cast<const uint4*>(src)[k];
+      memcpy(&v, words, sizeof(words));
+    } else {
+      v = *reinterpret_cast<const Vec<T, N>*>(src);
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) v.v[k] = k < count ? src[k] : T{};
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void to_floats(const Vec<T, N>& v, float (&out)[N]) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = to_float(v.v[k]);
+}
+
+// The FP8 D bytes of saturate(a * scale) (low byte) and saturate(b * scale) (high byte): one hardware conversion.
+template <DType D>
+__device__ __forceinline__ uint16_t encode_fp8_pair(float a, float b, float scale) {
+  static_assert(is_fp8(D), "FP8 only");
+  return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(a * scale, b * scale), __NV_SATFINITE,
+                                                        D == DType::kE4M3 ? __NV_E4M3 : __NV_E5M2));
+}
+
 // bytes[k] = saturate(values[k] * scale) in FP8 D, two values per hardware conversion (N even).
 template <DType D, int N>
 __device__ __forceinline__ void encode_fp8(const float (&values)[N], float scale, Vec<uint8_t, N>& bytes) {
   static_assert(is_fp8(D) && N % 2 == 0, "FP8 pairs only");
 #pragma unroll
   for (int k = 0; k < N; k += 2) {
-    const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(make_float2(values[k] * scale, values[k + 1] * scale),
-                                                               __NV_SATFINITE,
-                                                               D == DType::kE4M3 ? __NV_E4M3 : __NV_E5M2);
+    const uint16_t pair = encode_fp8_pair<D>(values[k], values[k + 1], scale);
     bytes.v[k] = static_cast<uint8_t>(pair & 0xff);
     bytes.v[k + 1] = static_cast<uint8_t>(pair >> 8);
   }

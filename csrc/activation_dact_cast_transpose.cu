@@ -1,12 +1,19 @@
 // dact_cast_transpose: d = dy * act'(x) cast to FP8 and written row-major and transposed, plus its column sums.
 //
 // One block of 256 threads per 128 x 128 tile of dy (rows x out_cols); SwiGLU tiles have two parts, the dgate tile
-// (columns c of d) and the dup tile (columns out_cols + c). Pass 1 reads dy and x row by row (VEC elements per thread,
-// 16-byte loads), writes q row-major straight from registers and keeps the FP8 bytes in shared memory; pass 2 reads the
-// bytes column by column and writes qT (when given), 4 bytes per thread, each warp one contiguous 128-byte row
-// segment.
-// The shared tile's rows are 129 bytes apart, so the 32 lanes reading 4 rows each of one column hit 32 banks.
+// (columns c of d) and the dup tile (columns out_cols + c). Phase 1: each thread takes 16 columns of 4 rows of the
+// tile, kRowsInFlight rows at a time with their loads issued first (dy and x as 16-byte loads, or the kept E4M3
+// input's 16 bytes and its tile's scale_inv); per row it writes the 16 FP8 bytes of each part to q (one 16-byte
+// store) and to the part's shared tile. Phase 2: each thread reads 16 rows x 4 columns of each shared tile as 16
+// words, transposes the bytes with __byte_perm and stores 4 rows of qT, 16 bytes each (8- or 4-byte stores where rows
+// is not a multiple of 16). The tiles' 16-byte chunks are XOR-swizzled (chunk ^ 4 in odd 16-row groups) so that both
+// phases are free of bank conflicts (the layout of quantize_transpose.cu's cast_transpose). Pieces at the right edge,
+// or with rows not 16-byte aligned, take the element path (VECTOR false); partial row groups a guarded byte path.
 // dbias: each block writes its tile's column sums to a float32 workspace row; a second kernel adds the rows.
+#include <cstring>
+#include <initializer_list>
+#include <type_traits>
+
 #include "activation_common.cuh"
 
 namespace tfp8 {
@@ -15,133 +22,249 @@ namespace {
 using act::StorageT;
 constexpr int kTile = kDactTile;
 constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 16;                              // columns per thread in phase 1
+constexpr int kChunksPerRow = kTile / kChunk;           // 8
+constexpr int kRowsPerPass = kThreads / kChunksPerRow;  // 32
+constexpr int kPasses = kTile / kRowsPerPass;           // 4: rows per thread in phase 1
+// Rows a thread loads before their math in phase 1 (2 timed slower: more registers, fewer blocks per SM).
+constexpr int kRowsInFlight = 1;
+static_assert(kTile / 16 * kTile / 4 == kThreads, "phase 2: one thread per 16 rows x 4 columns of a tile");
 
-// out = x[offset .. offset + count) as floats: from x, or (KEPT) from the kept E4M3 input x8 times its tile's
-// scale_inv (offset % VEC == 0, so the VEC values lie in one tile).
-template <bool KEPT, int VEC, typename T>
-__device__ __forceinline__ void load_input(const T* x, const uint8_t* x8, const float* x8_scale_inv, int64_t offset,
-                                           float (&out)[VEC], int count) {
-  if constexpr (KEPT) {
-    const float tile_scale_inv = x8_scale_inv[offset / kKeepTile];
-    if (count == VEC) {
-      const act::Vec<uint8_t, VEC> v = *reinterpret_cast<const act::Vec<uint8_t, VEC>*>(x8 + offset);
+// Byte offset of the 16-byte chunk `chunk` of tile row `row` in a swizzled shared tile.
+__device__ __forceinline__ int tile_offset(int row, int chunk) {
+  return row * kTile + (chunk ^ (((row >> 4) & 1) << 2)) * kChunk;
+}
+
+// Shapes and outputs of one launch (qT may be null: not written; workspace null: no dbias).
+struct DactArgs {
+  int64_t rows, out_cols;
+  int qt_store_bytes;  // 16, 8, 4 or 1: the widest store that divides rows and qT's alignment (phase 2)
+  uint8_t* q;
+  uint8_t* qT;
+  const float* scale;
+  float* amax;
+  float* scale_inv;
+  float* workspace;
+  const uint8_t* x8;  // the kept input (KEPT)
+  const float* x8_scale_inv;
+};
+
+// One row's 16-column piece of the inputs, loaded raw: dy, and x's gate / up (SwiGLU) or x, in the input dtype or
+// (KEPT) as E4M3 bytes with their tile's scale_inv (a piece starts at a multiple of 16, so it lies in one tile).
+// VECTOR: 16-byte accesses (out_cols % 16 == 0 and the pointers 16-byte aligned, so a piece is whole or empty).
+template <Activation A, typename T, bool KEPT, bool VECTOR>
+struct RowPiece {
+  static constexpr int kOperands = A == Activation::kSwiglu ? 2 : 1;
+  act::Vec<T, kChunk> dy;
+  act::Vec<std::conditional_t<KEPT, uint8_t, T>, kChunk> x[kOperands];
+  float x_scale_inv[KEPT ? kOperands : 1];
+
+  // Loads the piece of row `row` at column col: count (0 .. 16) valid columns.
+  __device__ __forceinline__ void load(const T* dy_base, const T* x_base, const DactArgs& a, int64_t row, int64_t col,
+                                       int count) {
+    if (count == 0) return;
+    if constexpr (VECTOR) count = kChunk;  // (whole pieces: lets the compiler drop the element path)
+    act::load_vector(dy_base + row * a.out_cols + col, dy, count, VECTOR);
+    const int64_t in_cols = kOperands * a.out_cols;
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) out[k] = fp8_to_float<DType::kE4M3>(v.v[k]) * tile_scale_inv;
+    for (int o = 0; o < kOperands; ++o) {
+      const int64_t offset = row * in_cols + o * a.out_cols + col;
+      if constexpr (KEPT) {
+        act::load_vector(a.x8 + offset, x[o], count, VECTOR);
+        x_scale_inv[o] = a.x8_scale_inv[offset / kKeepTile];
+      } else {
+        act::load_vector(x_base + offset, x[o], count, VECTOR);
+      }
+    }
+  }
+
+  // Element k of operand o as a float (a kept operand dequantized).
+  __device__ __forceinline__ float operand(int o, int k) const {
+    if constexpr (KEPT) return fp8_to_float<DType::kE4M3>(x[o].v[k]) * x_scale_inv[o];
+    else return to_float(x[o].v[k]);
+  }
+};
+
+// 4x4 byte transpose: out[j] holds byte j of a, b, c, d (in that order).
+__device__ __forceinline__ void transpose_4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&out)[4]) {
+  const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
+  const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
+  out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+  out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+}
+
+// Phase 2 for one part: its tile (16 rows x 4 columns per thread) -> qT rows qt_row0 + 4 * word_col + j (those below
+// qt_rows_end), columns row0 + 16 * row_group ...
+__device__ __forceinline__ void store_transposed(const uint8_t* tile, const DactArgs& a, int64_t row0, int64_t qt_row0,
+                                                 int64_t qt_rows_end) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int word_col = (warp % 2) * 16 + lane % 16;  // tile columns 4 * word_col .. + 3
+  const int row_group = (warp / 2) * 2 + lane / 16;  // tile rows 16 * row_group .. + 15
+  const int64_t col = row0 + row_group * 16;
+  if (col >= a.rows) return;
+  uint32_t words[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int row = row_group * 16 + i;
+    words[i] = *reinterpret_cast<const uint32_t*>(tile + tile_offset(row, word_col / 4) + (word_col % 4) * 4);
+  }
+  uint32_t out[4][4];  // out[k][j]: bytes of qT row 4 * word_col + j, columns 4k .. 4k + 3 of the 16
+#pragma unroll
+  for (int k = 0; k < 4; ++k) transpose_4x4(words[4 * k], words[4 * k + 1], words[4 * k + 2], words[4 * k + 3], out[k]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t qt_row = qt_row0 + word_col * 4 + j;
+    if (qt_row >= qt_rows_end) break;
+    uint8_t* dst = a.qT + qt_row * a.rows + col;
+    if (a.qt_store_bytes == 16 && col + 16 <= a.rows) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(out[0][j], out[1][j], out[2][j], out[3][j]);
+    } else if (a.qt_store_bytes == 8 && col + 16 <= a.rows) {
+      reinterpret_cast<uint2*>(dst)[0] = make_uint2(out[0][j], out[1][j]);
+      reinterpret_cast<uint2*>(dst)[1] = make_uint2(out[2][j], out[3][j]);
+    } else if (a.qt_store_bytes == 4 && col + 16 <= a.rows) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) reinterpret_cast<uint32_t*>(dst)[k] = out[k][j];
     } else {
 #pragma unroll
-      for (int k = 0; k < VEC; ++k)
-        out[k] = k < count ? fp8_to_float<DType::kE4M3>(x8[offset + k]) * tile_scale_inv : 0;
+      for (int i = 0; i < 16; ++i) {
+        if (col + i < a.rows) dst[i] = static_cast<uint8_t>(out[i / 4][j] >> (8 * (i % 4)));
+      }
     }
-  } else {
-    act::load_floats(x + offset, out, count);
   }
 }
 
-template <Activation A, DType IN, DType F8, int VEC, bool KEPT, bool DBIAS>
-__global__ void __launch_bounds__(kThreads)
+// Blocks per SM the register budget aims at: the fastest of the variants timed for SwiGLU from the kept and from the
+// 16-bit input (benchmarks/RESULTS_swiglu.md); float32 inputs and column sums take more registers.
+template <bool KEPT, DType IN, bool DBIAS>
+constexpr int min_blocks_per_sm() {
+  return (DBIAS || IN == DType::kFloat32) ? 2 : KEPT ? 4 : 3;
+}
+
+template <Activation A, DType IN, DType F8, bool KEPT, bool DBIAS, bool VECTOR>
+__global__ void __launch_bounds__(kThreads, (min_blocks_per_sm<KEPT, IN, DBIAS>()))
     dact_cast_transpose_kernel(const StorageT<IN>* __restrict__ dy, const StorageT<IN>* __restrict__ x,
-                               uint8_t* __restrict__ q, uint8_t* __restrict__ qT, int64_t rows, int64_t out_cols,
-                               const float* __restrict__ scale_ptr, float* amax, float* scale_inv, float* workspace,
-                               const uint8_t* __restrict__ x8, const float* __restrict__ x8_scale_inv) {
-  constexpr int kParts = A == Activation::kSwiglu ? 2 : 1;
-  constexpr int kThreadsPerRow = kTile / VEC;
-  constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
-  __shared__ uint8_t tile[kParts][kTile][kTile + 1];
-  __shared__ float column_sums[DBIAS ? kRowsPerPass : 1][kTile];  // (no dbias: neither the sums nor their space)
+                               const DactArgs a) {
+  using Piece = RowPiece<A, StorageT<IN>, KEPT, VECTOR>;
+  constexpr int kParts = Piece::kOperands;
+  __shared__ alignas(16) uint8_t tile[kParts][kTile * kTile];
+  __shared__ float column_sums[DBIAS ? kWarps : 1][kTile];  // (no dbias: neither the sums nor their space)
 
-  const int64_t in_cols = kParts * out_cols;
+  const int64_t in_cols = kParts * a.out_cols;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTile, col0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int tile_col = (threadIdx.x % kThreadsPerRow) * VEC, sub_row = threadIdx.x / kThreadsPerRow;
-  const int64_t col = col0 + tile_col;
-  const int count = static_cast<int>(max(static_cast<int64_t>(0), min(static_cast<int64_t>(VEC), out_cols - col)));
-  const float scale = *scale_ptr;
-  if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+  const int chunk = threadIdx.x % kChunksPerRow, sub_row = threadIdx.x / kChunksPerRow;
+  const int64_t col = col0 + chunk * kChunk;
+  const int count = static_cast<int>(max(static_cast<int64_t>(0), min(static_cast<int64_t>(kChunk), a.out_cols - col)));
+  const float scale = *a.scale;
+  if (a.scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *a.scale_inv = 1.0f / scale;
 
-  // Pass 1: rows of the tile -> q, the shared tile, column sums and amax.
-  float sums[kParts][VEC] = {};
+  // Phase 1, kRowsInFlight rows at a time -> q, the shared tiles, column sums and amax.
+  float sums[kParts][kChunk] = {};
   float local_amax = 0.0f;
-#pragma unroll 2
-  for (int tile_row = sub_row; tile_row < kTile; tile_row += kRowsPerPass) {
-    const int64_t row = row0 + tile_row;
-    if (row >= rows || count == 0) continue;
-    float grad[VEC], d[kParts][VEC];
-    act::load_floats(dy + row * out_cols + col, grad, count);
-    if constexpr (A == Activation::kSwiglu) {
-      float gate[VEC], up[VEC];
-      load_input<KEPT>(x, x8, x8_scale_inv, row * in_cols + col, gate, count);
-      load_input<KEPT>(x, x8, x8_scale_inv, row * in_cols + out_cols + col, up, count);
+#pragma unroll 1
+  for (int first_pass = 0; first_pass < kPasses; first_pass += kRowsInFlight) {
+    Piece pieces[kRowsInFlight];
+    int counts[kRowsInFlight];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) act::swiglu_backward<true>(grad[k], gate[k], up[k], d[0][k], d[kParts - 1][k]);
-    } else {
-      float in[VEC];
-      load_input<KEPT>(x, x8, x8_scale_inv, row * in_cols + col, in, count);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) d[0][k] = act::backward<A>(grad[k], in[k]);
+    for (int p = 0; p < kRowsInFlight; ++p) {
+      const int64_t row = row0 + (first_pass + p) * kRowsPerPass + sub_row;
+      counts[p] = row < a.rows ? count : 0;
+      pieces[p].load(dy, x, a, row, col, counts[p]);
     }
 #pragma unroll
-    for (int p = 0; p < kParts; ++p) {
-      act::Vec<uint8_t, VEC> bytes;
-      if constexpr (VEC % 2 == 0) {
-        act::encode_fp8<F8>(d[p], scale, bytes);
-      } else {
+    for (int p = 0; p < kRowsInFlight; ++p) {
+      if (counts[p] == 0) continue;
+      const int valid = VECTOR ? kChunk : counts[p];
+      const int tile_row = (first_pass + p) * kRowsPerPass + sub_row;
+      const int64_t row = row0 + tile_row;
+      // Two columns at a time, each pair cast at once, so that few floats are live.
+      act::Vec<uint8_t, kChunk> bytes[kParts];
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) bytes.v[k] = float_to_fp8<F8>(d[p][k] * scale);
-      }
+      for (int k = 0; k < kChunk; k += 2) {
+        float d[kParts][2];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        if (k < count) {
-          local_amax = act::max_abs(local_amax, d[p][k]);
-          if constexpr (DBIAS) sums[p][k] += d[p][k];
+        for (int e = 0; e < 2; ++e) {
+          const float grad = to_float(pieces[p].dy.v[k + e]);
+          if constexpr (A == Activation::kSwiglu) {
+            act::swiglu_backward<true>(grad, pieces[p].operand(0, k + e), pieces[p].operand(1, k + e), d[0][e],
+                                       d[1][e]);
+          } else {
+            d[0][e] = act::backward<A>(grad, pieces[p].operand(0, k + e));
+          }
+#pragma unroll
+          for (int part = 0; part < kParts; ++part) {
+            if (k + e < valid) {
+              local_amax = act::max_abs(local_amax, d[part][e]);
+              if constexpr (DBIAS) sums[part][k + e] += d[part][e];
+            }
+          }
         }
-        tile[p][tile_row][tile_col + k] = bytes.v[k];
-      }
-      uint8_t* dst = q + row * in_cols + p * out_cols + col;
-      if (count == VEC) {
-        *reinterpret_cast<act::Vec<uint8_t, VEC>*>(dst) = bytes;
-      } else {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          if (k < count) dst[k] = bytes.v[k];
+        for (int part = 0; part < kParts; ++part) {
+          const uint16_t pair = act::encode_fp8_pair<F8>(d[part][0], d[part][1], scale);
+          bytes[part].v[k] = static_cast<uint8_t>(pair & 0xff);
+          bytes[part].v[k + 1] = static_cast<uint8_t>(pair >> 8);
         }
       }
-    }
-  }
-  __syncthreads();
-
-  // Pass 2 (qT given): columns of the tile -> rows of qT. Lane l writes tile rows 4l .. 4l+3 of one column.
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t row = row0 + 4 * lane;
-  const bool word_stores = rows % 4 == 0 && act::aligned(qT, 4);
 #pragma unroll
-  for (int p = 0; p < (qT != nullptr ? kParts : 0); ++p) {
-    for (int tc = warp; tc < kTile && col0 + tc < out_cols; tc += kThreads / 32) {
-      uint8_t* dst = qT + (p * out_cols + col0 + tc) * rows + row;
-      if (word_stores && row + 4 <= rows) {
-        uint32_t word = 0;
+      for (int part = 0; part < kParts; ++part) {
+        uint8_t* dst = a.q + row * in_cols + part * a.out_cols + col;
+        if (VECTOR) {
+          *reinterpret_cast<act::Vec<uint8_t, kChunk>*>(dst) = bytes[part];
+        } else {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) word |= static_cast<uint32_t>(tile[p][4 * lane + k][tc]) << (8 * k);
-        *reinterpret_cast<uint32_t*>(dst) = word;
-      } else {
-        for (int k = 0; k < 4 && row + k < rows; ++k) dst[k] = tile[p][4 * lane + k][tc];
+          for (int k = 0; k < kChunk; ++k) {
+            if (k < valid) dst[k] = bytes[part].v[k];
+          }
+        }
+        if (a.qT != nullptr)
+          *reinterpret_cast<act::Vec<uint8_t, kChunk>*>(&tile[part][tile_offset(tile_row, chunk)]) = bytes[part];
       }
     }
   }
 
+  // Phase 2: transposed stores, part by part.
+  if (a.qT != nullptr) {
+    __syncthreads();
+    const int64_t part_cols_end = min(col0 + kTile, a.out_cols);
+#pragma unroll
+    for (int part = 0; part < kParts; ++part)
+      store_transposed(tile[part], a, row0, part * a.out_cols + col0, part * a.out_cols + part_cols_end);
+  }
+
+  // Column sums: over the warp's 4 rows of threads (lanes 8 apart share a chunk), then over the warps.
   if constexpr (DBIAS) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
-    for (int p = 0; p < kParts; ++p) {
+    for (int part = 0; part < kParts; ++part) {
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) column_sums[sub_row][tile_col + k] = sums[p][k];
+      for (int k = 0; k < kChunk; ++k) {
+        float v = sums[part][k];
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (lane < kChunksPerRow) column_sums[warp][chunk * kChunk + k] = v;
+      }
       __syncthreads();
-      if (threadIdx.x < kTile && col0 + threadIdx.x < out_cols) {
+      if (threadIdx.x < kTile && col0 + threadIdx.x < a.out_cols) {
         float sum = 0.0f;
-        for (int r = 0; r < kRowsPerPass; ++r) sum += column_sums[r][threadIdx.x];
-        workspace[blockIdx.x * in_cols + p * out_cols + col0 + threadIdx.x] = sum;
+        for (int w = 0; w < kWarps; ++w) sum += column_sums[w][threadIdx.x];
+        a.workspace[blockIdx.x * in_cols + part * a.out_cols + col0 + threadIdx.x] = sum;
       }
       __syncthreads();
     }
   }
-  if (amax != nullptr) block_amax_atomic(local_amax, amax);
+  if (a.amax != nullptr) block_amax_atomic(local_amax, a.amax);
+}
+
+// The widest store (16, 8, 4 or 1 bytes) that phase 2's 16-byte qT row segments can take: it divides rows (where each
+// qT row starts) and qT's alignment.
+int qt_store_bytes(int64_t rows, const uint8_t* qT) {
+  for (int bytes : {16, 8, 4}) {
+    if (rows % bytes == 0 && act::aligned(qT, bytes)) return bytes;
+  }
+  return 1;
 }
 
 // dbias[c] = sum over the workspace rows of column c, in float32, written in D.
@@ -164,37 +287,40 @@ void launch_dact_cast_transpose(const void* dy, const void* x, DType dtype, uint
   const int64_t tile_rows = dact_dbias_workspace_rows(rows);
   const dim3 grid(static_cast<unsigned>(tile_rows), static_cast<unsigned>((out_cols + kTile - 1) / kTile));
   const int in_cols_factor = act == Activation::kSwiglu ? 2 : 1;
+  const bool rows_aligned = out_cols % kChunk == 0 && act::aligned(dy, 16) && act::aligned(q, 16) &&
+                            (x8 != nullptr ? act::aligned(x8, 16) : act::aligned(x, 16));
+  DactArgs args{};
+  args.rows = rows;
+  args.out_cols = out_cols;
+  args.qt_store_bytes = qt_store_bytes(rows, qT);
+  args.q = q;
+  args.qT = qT;
+  args.scale = scale;
+  args.amax = amax;
+  args.scale_inv = scale_inv;
+  args.workspace = dbias != nullptr ? workspace : nullptr;
+  args.x8 = x8;
+  args.x8_scale_inv = x8_scale_inv;
   act::with_activation(act, [&](auto a) {
     act::with_high_precision(dtype, [&](auto d) {
       act::with_fp8(fp8_dtype, [&](auto f) {
         constexpr Activation A = decltype(a)::value;
         constexpr DType IN = decltype(d)::value, F8 = decltype(f)::value;
         using T = StorageT<IN>;
-        constexpr int kVec = 16 / sizeof(T);
         const auto* dyp = static_cast<const T*>(dy);
         const auto* xp = static_cast<const T*>(x);
-        float* ws = dbias != nullptr ? workspace : nullptr;
-        const bool vectors = out_cols % kVec == 0 && act::aligned(dy, 16) && act::aligned(q, kVec);
-        auto launch = [&](auto dbias_tag) {
-          constexpr bool DB = decltype(dbias_tag)::value;
-          if (x8 != nullptr) {  // (a kept input: in_cols is a multiple of kKeepTile)
-            if (vectors && act::aligned(x8, kVec)) {
-              dact_cast_transpose_kernel<A, IN, F8, kVec, true, DB><<<grid, kThreads, 0, stream>>>(
-                  dyp, nullptr, q, qT, rows, out_cols, scale, amax, scale_inv, ws, x8, x8_scale_inv);
-            } else {
-              dact_cast_transpose_kernel<A, IN, F8, 1, true, DB><<<grid, kThreads, 0, stream>>>(
-                  dyp, nullptr, q, qT, rows, out_cols, scale, amax, scale_inv, ws, x8, x8_scale_inv);
-            }
-          } else if (vectors && act::aligned(x, 16)) {
-            dact_cast_transpose_kernel<A, IN, F8, kVec, false, DB><<<grid, kThreads, 0, stream>>>(
-                dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws, nullptr, nullptr);
-          } else {
-            dact_cast_transpose_kernel<A, IN, F8, 1, false, DB><<<grid, kThreads, 0, stream>>>(
-                dyp, xp, q, qT, rows, out_cols, scale, amax, scale_inv, ws, nullptr, nullptr);
-          }
+        auto launch = [&](auto kept_tag, auto dbias_tag) {
+          constexpr bool KEPT = decltype(kept_tag)::value, DB = decltype(dbias_tag)::value;
+          if (rows_aligned)
+            dact_cast_transpose_kernel<A, IN, F8, KEPT, DB, true><<<grid, kThreads, 0, stream>>>(dyp, xp, args);
+          else dact_cast_transpose_kernel<A, IN, F8, KEPT, DB, false><<<grid, kThreads, 0, stream>>>(dyp, xp, args);
         };
-        if (ws != nullptr) launch(std::true_type{});
-        else launch(std::false_type{});
+        auto with_dbias = [&](auto kept_tag) {
+          if (dbias != nullptr) launch(kept_tag, std::true_type{});
+          else launch(kept_tag, std::false_type{});
+        };
+        if (x8 != nullptr) with_dbias(std::true_type{});  // (a kept input: in_cols is a multiple of kKeepTile)
+        else with_dbias(std::false_type{});
         TFP8_CUDA_CHECK(cudaGetLastError());
         if (dbias != nullptr) {
           const int64_t cols = in_cols_factor * out_cols;

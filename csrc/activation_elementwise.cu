@@ -14,6 +14,11 @@ namespace {
 using act::StorageT;
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
+// Chunks per thread whose loads are in flight together (activation_fwd_kernel), and the blocks per SM its register
+// budget aims at (64 registers a thread): the fastest of the variants timed for SwiGLU, with and without the kept
+// input (1 to 8 chunks, 1 to 4 blocks; benchmarks/RESULTS_swiglu.md).
+constexpr int kBatch = 2;
+constexpr int kMinBlocks = 4;
 
 // Offset of the gate element of output element i in a SwiGLU input (i and out_cols as above). The row index takes a
 // 32-bit division where the whole output fits (a 64-bit one is a long software sequence), n being uniform.
@@ -46,43 +51,62 @@ __device__ __forceinline__ void keep_tile(const float (&values)[VEC], uint8_t* d
   if (threadIdx.x % 16 == 0) *tile_scale_inv = 1.0f / scale;
 }
 
-// VEC outputs per thread and step; a last partial vector (GELU / ReLU only) is handled element by element.
-// KEEP (VEC == 8, out_cols % kKeepTile == 0, n % kKeepTile == 0: whole tiles per half-warp) also writes the kept
-// copy of the input: x8 [rows, in_cols] and x8_scale_inv [rows, in_cols / kKeepTile].
+// VEC outputs per thread and chunk; a last partial vector (GELU / ReLU only) is handled element by element. Each
+// step of the grid-stride loop takes kBatch chunks, one grid stride apart, and issues all their loads before the
+// math: the bytes a thread has in flight, not the arithmetic, bound these kernels.
+// KEEP (VEC == 8, out_cols % kKeepTile == 0, n % kKeepTile == 0: whole tiles per half-warp, and a chunk's validity is
+// the same for the 16 lanes of a tile) also writes the kept copy of the input: x8 [rows, in_cols] and x8_scale_inv
+// [rows, in_cols / kKeepTile].
 template <Activation A, DType IN, DType OUT, int VEC, bool KEEP>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     activation_fwd_kernel(const StorageT<IN>* __restrict__ x, StorageT<OUT>* __restrict__ y, int64_t n,
                           int64_t out_cols, const float* __restrict__ scale_ptr, float* amax, float* scale_inv,
                           uint8_t* __restrict__ x8, float* __restrict__ x8_scale_inv) {
+  using TI = StorageT<IN>;
+  constexpr bool kSwiglu = A == Activation::kSwiglu;
   const float scale = act::is_fp8(OUT) ? *scale_ptr : 1.0f;
   if (scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
   float local_amax = 0.0f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * VEC;
-#pragma unroll 2
-  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC; i < n; i += stride) {
-    const int count = static_cast<int>(min(static_cast<int64_t>(VEC), n - i));
-    float out[VEC];
-    if constexpr (A == Activation::kSwiglu) {
-      const int64_t gate_at = swiglu_gate_offset(i, out_cols, n);
-      float gate[VEC], up[VEC];
-      act::load_floats(x + gate_at, gate, count);
-      act::load_floats(x + gate_at + out_cols, up, count);
+  for (int64_t base = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * VEC; base < n;
+       base += kBatch * stride) {
+    // (first / second operand: SwiGLU's gate / up, else the input / unused)
+    act::Vec<TI, VEC> first[kBatch], second[kBatch];
+    int64_t first_at[kBatch];
+    int count[kBatch];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) out[k] = act::swiglu_forward<IN != DType::kFloat32>(gate[k], up[k]);
-      if constexpr (KEEP) {
-        keep_tile(gate, x8 + gate_at, x8_scale_inv + gate_at / kKeepTile);
-        keep_tile(up, x8 + gate_at + out_cols, x8_scale_inv + (gate_at + out_cols) / kKeepTile);
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t i = base + b * stride;
+      count[b] = static_cast<int>(max(static_cast<int64_t>(0), min(static_cast<int64_t>(VEC), n - i)));
+      first_at[b] = kSwiglu ? swiglu_gate_offset(i, out_cols, n) : i;
+      if (count[b] > 0) {
+        act::load_vector(x + first_at[b], first[b], count[b]);
+        if constexpr (kSwiglu) act::load_vector(x + first_at[b] + out_cols, second[b], count[b]);
       }
-    } else {
-      float in[VEC];
-      act::load_floats(x + i, in, count);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) out[k] = act::forward<A>(in[k]);
-      if constexpr (KEEP) keep_tile(in, x8 + i, x8_scale_inv + i / kKeepTile);
     }
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) local_amax = k < count ? act::max_abs(local_amax, out[k]) : local_amax;
-    act::store_floats<OUT>(y + i, out, scale, count);
+    for (int b = 0; b < kBatch; ++b) {
+      if (count[b] == 0) continue;
+      float in[VEC], out[VEC];
+      act::to_floats(first[b], in);
+      if constexpr (kSwiglu) {
+        float up[VEC];
+        act::to_floats(second[b], up);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) out[k] = act::swiglu_forward<IN != DType::kFloat32>(in[k], up[k]);
+        if constexpr (KEEP) {
+          keep_tile(in, x8 + first_at[b], x8_scale_inv + first_at[b] / kKeepTile);
+          keep_tile(up, x8 + first_at[b] + out_cols, x8_scale_inv + (first_at[b] + out_cols) / kKeepTile);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) out[k] = act::forward<A>(in[k]);
+        if constexpr (KEEP) keep_tile(in, x8 + first_at[b], x8_scale_inv + first_at[b] / kKeepTile);
+      }
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) local_amax = k < count[b] ? act::max_abs(local_amax, out[k]) : local_amax;
+      act::store_floats<OUT>(y + base + b * stride, out, scale, count[b]);
+    }
   }
   if (amax != nullptr) block_amax_atomic(local_amax, amax);
 }
@@ -137,6 +161,35 @@ int64_t grid_size(int64_t n, int vec) {
   return std::max<int64_t>(1, std::min<int64_t>(needed, static_cast<int64_t>(act::sm_count()) * kBlocksPerSm));
 }
 
+// Blocks of kKernel that one SM holds at once (its registers decide; read once per kernel).
+template <auto kKernel>
+int resident_blocks_per_sm() {
+  static const int blocks = [] {
+    int count = 0;
+    TFP8_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kKernel, kThreads, 0));
+    return std::max(1, count);
+  }();
+  return blocks;
+}
+
+// Grid of a grid-stride kernel: one block per VEC * kThreads elements, at most as many as the GPU holds at once (a
+// second wave would only wait for the first).
+template <auto kKernel>
+unsigned resident_grid_size(int64_t n, int vec) {
+  const int64_t needed = (n + static_cast<int64_t>(kThreads) * vec - 1) / (static_cast<int64_t>(kThreads) * vec);
+  const int64_t resident = static_cast<int64_t>(act::sm_count()) * resident_blocks_per_sm<kKernel>();
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(needed, resident)));
+}
+
+// activation_fwd_kernel<A, IN, OUT, VEC, KEEP> on the grid the GPU holds at once.
+template <Activation A, DType IN, DType OUT, int VEC, bool KEEP>
+void launch_fwd_kernel(const StorageT<IN>* x, StorageT<OUT>* y, int64_t n, int64_t out_cols, const float* scale,
+                       float* amax, float* scale_inv, uint8_t* x8, float* x8_scale_inv, cudaStream_t stream) {
+  constexpr auto kKernel = activation_fwd_kernel<A, IN, OUT, VEC, KEEP>;
+  kKernel<<<resident_grid_size<kKernel>(n, VEC), kThreads, 0, stream>>>(x, y, n, out_cols, scale, amax, scale_inv, x8,
+                                                                        x8_scale_inv);
+}
+
 }  // namespace
 
 void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dtype, int64_t out_elems, int64_t out_cols,
@@ -158,11 +211,11 @@ void launch_activation_fwd(const void* x, DType in_dtype, void* y, DType out_dty
         auto* yp = static_cast<TO*>(y);
         if (rows_hold_whole_vectors(act, out_cols, kVec<TI>) && act::aligned(x, 16) &&
             act::aligned(y, kVec<TI> * sizeof(TO))) {
-          activation_fwd_kernel<A, IN, OUT, kVec<TI>, false><<<grid_size(out_elems, kVec<TI>), kThreads, 0, stream>>>(
-              xp, yp, out_elems, out_cols, scale, amax, scale_inv, nullptr, nullptr);
+          launch_fwd_kernel<A, IN, OUT, kVec<TI>, false>(xp, yp, out_elems, out_cols, scale, amax, scale_inv, nullptr,
+                                                         nullptr, stream);
         } else {
-          activation_fwd_kernel<A, IN, OUT, 1, false><<<grid_size(out_elems, 1), kThreads, 0, stream>>>(
-              xp, yp, out_elems, out_cols, scale, amax, scale_inv, nullptr, nullptr);
+          launch_fwd_kernel<A, IN, OUT, 1, false>(xp, yp, out_elems, out_cols, scale, amax, scale_inv, nullptr, nullptr,
+                                                  stream);
         }
       };
       if (out_dtype == in_dtype) launch(in);
@@ -193,8 +246,8 @@ void launch_activation_fwd_keep_input(const void* x, DType in_dtype, uint8_t* y,
           constexpr Activation A = decltype(a)::value;
           constexpr DType OUT = decltype(out)::value;
           using TI = StorageT<IN>;
-          activation_fwd_kernel<A, IN, OUT, kVec<TI>, true><<<grid_size(out_elems, kVec<TI>), kThreads, 0, stream>>>(
-              static_cast<const TI*>(x), y, out_elems, out_cols, scale, amax, scale_inv, x8, x8_scale_inv);
+          launch_fwd_kernel<A, IN, OUT, kVec<TI>, true>(static_cast<const TI*>(x), y, out_elems, out_cols, scale, amax,
+                                                        scale_inv, x8, x8_scale_inv, stream);
         }
       });
     });

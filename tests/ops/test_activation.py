@@ -227,7 +227,10 @@ def test_cuda_fwd_fp8_matches_cpu(activation, fp8_dtype, scale_value, shape):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
-@pytest.mark.parametrize("m,f_in", ((1, 2), (33, 18), (64, 128), (200, 512), (257, 1000), (1000, 66), (130, 4098)))
+# (rows 200 / 260 / 1024 take the 8- / 4- / 16-byte transposed stores, 33 / 257 / 130 bytes; f_in 18 / 1000 / 66 /
+# 4098 the element path)
+@pytest.mark.parametrize("m,f_in", ((1, 2), (33, 18), (64, 128), (200, 512), (260, 512), (257, 1000), (1000, 66),
+                                    (130, 4098), (1024, 256)))
 def test_cuda_dact_cast_transpose_matches_cpu(activation, fp8_dtype, dtype, m, f_in):
     dy, x = random_pair((m, f_in), activation, dtype, "cuda")
     amax, scale_inv = scalar(0.0, "cuda"), scalar(0.0, "cuda")
@@ -245,6 +248,21 @@ def test_cuda_dact_cast_transpose_matches_cpu(activation, fp8_dtype, dtype, m, f
     assert_close_rel(dbias.cpu(), ref.sum(dim=0), dbias_rtol, "dbias")
     assert amax.item() == pytest.approx(amax_ref.item(), rel=1e-6)
     assert scale_inv.item() == 1.0 / 8.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_cuda_fwd_fp8_over_several_grid_strides(activation, fp8_dtype):
+    """A call larger than the grid the GPU holds at once: each thread takes several steps of two chunks, the last one
+    partly out of range (3001 rows: no whole number of steps)."""
+    x = torch.randn(3001, 4352, dtype=torch.bfloat16, device="cuda") * 2
+    amax = scalar(0.0, "cuda")
+    q = ops.activation_fwd(x, activation, scalar(4.0, "cuda"), fp8_dtype, amax)
+    amax_ref = scalar(0.0)
+    q_ref = ops.activation_fwd(x.cpu(), activation, scalar(4.0), fp8_dtype, amax_ref)
+    assert_fp8_nearly_equal(q, q_ref)
+    assert amax.item() == pytest.approx(amax_ref.item(), rel=1e-5)  # (float32 ulps of the math, as above)
 
 
 @pytest.mark.gpu

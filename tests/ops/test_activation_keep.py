@@ -153,7 +153,8 @@ def test_cuda_keep_input_matches_cpu(activation, shape, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("activation,shape", [(a, s) for a, s in cases() if len(s) == 2] + [("swiglu", (4096, 8192))])
+@pytest.mark.parametrize("activation,shape", [(a, s) for a, s in cases() if len(s) == 2] +
+                         [("swiglu", (4096, 8192)), ("swiglu", (260, 512)), ("gelu", (200, 384))])
 def test_cuda_dact_from_kept_input_matches_cpu(activation, shape):
     x = random_input(shape, torch.bfloat16, "cuda")
     _, kept, kept_scale_inv = ops.activation_fwd_keep_input(x, activation, scalar(1.0, "cuda"), torch.float8_e4m3fn)
