@@ -101,21 +101,34 @@ __device__ __forceinline__ void load4(const T* x, int64_t row, int64_t col, int6
 template <typename T>
 using Word4 = std::conditional_t<sizeof(T) == 4, float4, uint2>;
 
-// All kRows rows of a lane of an interior tile (in bounds, vec): every load issued before any is used, so that a warp
-// has its 16 loads in flight at once (the guarded loads above serialise on their branches).
+// The lane's kRows words (4 elements each) of an interior tile of x (in bounds, vec), rows row0 .. row0 + 15: all
+// loads issued back to back, none used yet. Loaders of interior tiles fetch every input this way before computing
+// anything: a load behind a per-row branch or a use waits for the one before it, and a warp with one or two loads in
+// flight at a time leaves the memory system idle (the fused casts' first loaders went row by row and ran at a third
+// of the plain cast's bandwidth).
+template <typename T>
+__device__ __forceinline__ void load_words(const T* x, int64_t row0, int64_t col, int64_t ld, Word4<T> (&w)[kRows]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) w[i] = *reinterpret_cast<const Word4<T>*>(x + (row0 + i) * ld + col);
+}
+
+// The 4 elements of a word as float.
+template <typename T>
+__device__ __forceinline__ void word_floats(const Word4<T>& w, float (&v)[kCols]) {
+  T t[kCols];
+  memcpy(t, &w, sizeof(w));
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) v[j] = to_float(t[j]);
+}
+
+// All kRows rows of a lane of an interior tile (in bounds, vec) as float, from load_words.
 template <typename T>
 __device__ __forceinline__ void load_interior(const T* x, int64_t row0, int64_t col, int64_t ld,
                                               float (&v)[kRows][kCols]) {
   Word4<T> words[kRows];
+  load_words(x, row0, col, ld, words);
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) words[i] = *reinterpret_cast<const Word4<T>*>(x + (row0 + i) * ld + col);
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    T t[kCols];
-    memcpy(t, &words[i], sizeof(words[i]));
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) v[i][j] = to_float(t[j]);
-  }
+  for (int i = 0; i < kRows; ++i) word_floats<T>(words[i], v[i]);
 }
 
 // SwiGLU's sigmoid from the hardware exponential and reciprocal (__expf, __fdividef: a few float32 ulps from
