@@ -22,7 +22,7 @@
 Times: GPU time per call (timing.gpu_time_ms), variants interleaved in rounds (timing.run_rounds): medians.
 
 Usage: python benchmarks/bench_moe.py [--json bench_moe.json] [--rounds 5] [--skip-layer] [--skip-gemm]
-       [--profile top_kernels.txt]
+       [--gemm-shapes mixtral,64-top2,deepseek-v2-lite] [--profile top_kernels.txt]
 """
 import argparse
 import json
@@ -38,8 +38,11 @@ from transformer_fp8.ops import tfp8
 from transformer_fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 E4M3 = torch.float8_e4m3fn
-# (experts, rows M, K, N): Mixtral-8x7B's fc1 (gate | up) and a 64-expert layer of small experts
-GEMM_SHAPES = ((8, 16384, 4096, 28672), (64, 16384, 2048, 1536))
+# (experts, rows M, K, N) of an fc1 (gate | up), M = tokens x top-k: Mixtral-8x7B (8192 tokens, top-2), 64 small
+# experts at top-2 (each expert's weights are read for ~256 rows: bound by memory bandwidth on an H100), and
+# DeepSeek-V2-Lite's 64 routed experts (hidden 2048, ffn 1408, top-6; 8192 tokens)
+GEMM_SHAPES = {"mixtral": (8, 16384, 4096, 28672), "64-top2": (64, 16384, 2048, 1536),
+               "deepseek-v2-lite": (64, 49152, 2048, 2816)}
 LAYER = dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=8192)
 
 
@@ -361,6 +364,8 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--skip-layer", action="store_true")
     parser.add_argument("--skip-gemm", action="store_true")
+    parser.add_argument("--gemm-shapes", default=",".join(GEMM_SHAPES),
+                        help=f"comma-separated grouped GEMM shapes, from {list(GEMM_SHAPES)}")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="also profile 3 steps of the FP8 delayed layer (device and host splits): top kernels "
                              "printed and written to FILE")
@@ -368,8 +373,13 @@ def main():
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "gemm": [], "layer": None,
                "grouped_backend": "cutlass" if grouped_gemm.use_cutlass(torch.device("cuda")) else "torch"}
     print(f"# {results['gpu']}, torch {results['torch']}, grouped kernel (BACKEND auto): {results['grouped_backend']}")
-    for shape in () if args.skip_gemm else GEMM_SHAPES:
-        measures, info = gemm_measures(*shape, iters=args.iters)
+    shape_names = [] if args.skip_gemm else [name for name in args.gemm_shapes.split(",") if name]
+    for name in shape_names:
+        if name not in GEMM_SHAPES:
+            parser.error(f"--gemm-shapes: expected names from {list(GEMM_SHAPES)}, got {name!r}")
+    for shape_name in shape_names:
+        measures, info = gemm_measures(*GEMM_SHAPES[shape_name], iters=args.iters)
+        info["shape"] = shape_name
         stats = run_rounds(measures, args.rounds)
         info["tflops"] = stats
         results["gemm"].append(info)
@@ -387,7 +397,7 @@ def main():
         if block_dense and block_grouped:
             print(f"block fprop fp8 grouped (ours) / block dense: {block_grouped / block_dense:.2f}")
         if grouped_gemm.use_cutlass(torch.device("cuda")):
-            info["wgrad_precision"] = wgrad_precision(*shape)
+            info["wgrad_precision"] = wgrad_precision(*GEMM_SHAPES[shape_name])
             print("| wgrad kernel | relative error (norm) | largest error / largest value |\n|---|---|---|")
             for name, (rel, worst) in info["wgrad_precision"].items():
                 print(f"| {name} | {rel:.2e} | {worst:.2e} |")

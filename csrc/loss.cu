@@ -3,7 +3,8 @@
 // One block per row. Pass 1 reads the row once (16-byte loads where the row allows) keeping a running (max, sum of
 // exp(x - max)) per thread, merged over the block; pass 2 reads it again and writes exp(x - lse) in the gradient's
 // dtype, the target column as exp(x - lse) - 1 rounded once. The row is re-read from L2 where it fits (a 32000-class
-// row is 125 KiB). exp is the accurate expf: the kernel is bound by memory, not arithmetic.
+// row is 125 KiB). exp is the accurate expf: the kernel is bound by memory, not arithmetic. A row whose target is
+// ignore_index is not read: its loss is 0 and its gradient row zeros, so the GEMMs that take dlogits need no mask.
 #include <cmath>
 #include <cstdio>
 
@@ -52,6 +53,15 @@ __global__ void __launch_bounds__(kThreads)
                                G* __restrict__ dlogits) {
   const int64_t row = blockIdx.x;
   const float* x = logits + row * ld;
+  const int64_t target = targets[row];
+  if (target == ignore_index) {
+    if (threadIdx.x == 0) loss_rows[row] = 0.0f;
+    if (dlogits != nullptr) {
+      G* d = dlogits + row * cols;
+      for (int64_t c = threadIdx.x; c < cols; c += kThreads) d[c] = from_float<G>(0.0f);
+    }
+    return;
+  }
   MaxSum acc{-INFINITY, 0.0f};
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(kThreads) * VEC) {
     if constexpr (VEC == 4) {
@@ -63,16 +73,14 @@ __global__ void __launch_bounds__(kThreads)
   }
   const MaxSum all = block_merge(acc);
   const float lse = all.max + logf(all.sum);
-  const int64_t target = targets[row];
-  const bool counted = target != ignore_index;
-  if (counted && (target < 0 || target >= cols)) {  // (as torch's gather on CUDA: a device-side error, not a guess)
+  if (target < 0 || target >= cols) {  // (as torch's gather on CUDA: a device-side error, not a guess)
     if (threadIdx.x == 0)
       printf("cross_entropy_chunk: target %lld of row %lld is outside [0, %lld) and not ignore_index %lld\n",
              static_cast<long long>(target), static_cast<long long>(row), static_cast<long long>(cols),
              static_cast<long long>(ignore_index));
     __trap();
   }
-  if (threadIdx.x == 0) loss_rows[row] = counted ? lse - x[target] : 0.0f;
+  if (threadIdx.x == 0) loss_rows[row] = lse - x[target];
   if (dlogits == nullptr) return;
   G* d = dlogits + row * cols;
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < cols; c += static_cast<int64_t>(kThreads) * VEC) {
@@ -86,7 +94,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       p[k] = expf(p[k] - lse);
-      if (counted && c + k == target) p[k] -= 1.0f;
+      if (c + k == target) p[k] -= 1.0f;
     }
     if constexpr (VEC == 4) {
       struct alignas(4 * sizeof(G)) Quad {

@@ -181,8 +181,8 @@ TORCH_LIBRARY(transformer_fp8, m) {
 
   // --- loss family --- cross-entropy of a chunk of float32 logits [rows, classes] against int64 targets [rows] (a
   // row whose target is ignore_index counts for nothing): (loss_rows [rows] float32 = logsumexp(row) - row[target], 0
-  // for an ignored row; dlogits [rows, classes] in grad_dtype = softmax(row), minus 1 at the target of a counted row
-  // (subtracted in float32, rounded once); an empty tensor when grad_dtype is None). Targets must lie in
+  // for an ignored row; dlogits [rows, classes] in grad_dtype = softmax(row), minus 1 at the target (subtracted in
+  // float32, rounded once), all zeros for an ignored row; an empty tensor when grad_dtype is None). Targets must lie in
   // [0, classes) or equal ignore_index (another raises: on CUDA as a device-side error, as torch's gather does).
   m.def("cross_entropy_chunk(Tensor logits, Tensor targets, int ignore_index, ScalarType? grad_dtype) -> "
         "(Tensor, Tensor)");

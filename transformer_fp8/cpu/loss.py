@@ -2,7 +2,7 @@
 
 Float32 log-softmax per row, the target's log-probability gathered; the gradient exp(logprobs) in grad_dtype with the
 target column written as exp(logprob) - 1, computed in float32 and rounded once (p rounded first would lose p - 1
-when p is near 1).
+when p is near 1); an ignored row's gradient is zeros.
 """
 import torch
 
@@ -50,7 +50,7 @@ def cross_entropy_math(logits, targets, ignore_index, grad_dtype):
     loss_rows = torch.where(counted, -target_logprobs, 0.0)
     if grad_dtype is None:
         return loss_rows, logits.new_empty(0)
-    dlogits = logprobs.exp().to(grad_dtype)
-    target_grad = (target_logprobs.exp() - counted.float()).to(grad_dtype)
-    dlogits.scatter_(1, index, torch.where(counted, target_grad, dlogits.gather(1, index).squeeze(1))[:, None])
+    dlogits = torch.where(counted[:, None], logprobs.exp(), 0.0).to(grad_dtype)
+    target_grad = torch.where(counted, target_logprobs.exp() - 1.0, 0.0).to(grad_dtype)
+    dlogits.scatter_(1, index, target_grad[:, None])
     return loss_rows, dlogits

@@ -34,9 +34,9 @@ def _float32_logits(hidden, weight):
 
 def _chunk_loss_and_dlogits(hidden, weight, targets, ignore_index, with_dlogits):
     """hidden [C, H], targets [C] -> (summed loss of the counted rows, float32 scalar; dlogits [C, V] = softmax -
-    onehot in hidden's dtype, or None). Rows of ignored tokens get no onehot (their dlogits are left for the caller to
-    mask). The loss and dlogits come from one op over the float32 logits (cross_entropy_chunk: two reads of the
-    logits and one write of dlogits on CUDA)."""
+    onehot in hidden's dtype, or None). Rows of ignored tokens have loss 0 and dlogits zeros, so they add nothing to
+    either gradient without a mask. The loss and dlogits come from one op over the float32 logits
+    (cross_entropy_chunk: two reads of the logits and one write of dlogits on CUDA)."""
     logits, grad_dtype = _float32_logits(hidden, weight), hidden.dtype if with_dlogits else None
     if logits.is_cuda and not _CUDA_KERNEL:  # (an extension built without the loss family)
         loss_rows, dlogits = cross_entropy_math(logits, targets, ignore_index, grad_dtype)
@@ -54,14 +54,13 @@ def _loss_and_grads(hidden, weight, targets, ignore_index, chunk_size, need_dhid
     dweight = None
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        h, ok = hidden[rows], valid[rows]
+        h = hidden[rows]
         chunk_loss, dlogits = _chunk_loss_and_dlogits(h, weight, targets[rows], ignore_index,
                                                       need_dhidden or need_dweight)
         loss += chunk_loss
         if need_dhidden:
-            torch.mm(dlogits, weight, out=dhidden[rows]).mul_(ok[:, None])
+            torch.mm(dlogits, weight, out=dhidden[rows])
         if need_dweight:
-            h = h * ok[:, None]  # ignored rows add nothing
             dweight = torch.mm(dlogits.t(), h) if dweight is None else dweight.addmm_(dlogits.t(), h)
     return loss, valid.sum(), dhidden, dweight
 
