@@ -56,6 +56,14 @@ struct DactLoader {
     }
   }
 
+  // SwiGLU with f a multiple of 128: block 2p casts d gate's tile column p, block 2p + 1 d up's (tile column p plus
+  // f / 128), which reads the same dy and gate columns, so those come from L2 for the second of the two; else the
+  // launch order.
+  __device__ __forceinline__ int64_t column_tile(unsigned block_x, unsigned blocks) const {
+    if (A != Activation::kSwiglu || f % kBlockLen != 0 || blocks != 2 * (f / kBlockLen)) return block_x;
+    return block_x % 2 == 0 ? block_x / 2 : f / kBlockLen + block_x / 2;
+  }
+
   // An interior tile (in bounds, vec): every word of every input in flight before the first use (see load_words).
   __device__ __forceinline__ void load_interior_tile(const BlockCastArgs& a, int64_t row0, int64_t col,
                                                      float (&v)[kRows][kCols]) const {

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #include "quantize.h"
 #include "quantize_common.cuh"
@@ -186,10 +187,10 @@ __device__ __forceinline__ uint32_t pack4(const float (&v)[kCols], const float (
   return word;
 }
 
-// Writes scale_inv values of the 128x128 block (by, bx) into both layouts, and the padding entries right of the last
+// Writes scale_inv values of the 128x128 block (blockIdx.y, bx) into both layouts, and the padding entries right of the last
 // block of a row (value 1).
-__device__ __forceinline__ void store_block_scales(const BlockCastArgs& a, float scale_inv) {
-  const int64_t by = blockIdx.y, bx = blockIdx.x;
+__device__ __forceinline__ void store_block_scales(const BlockCastArgs& a, int64_t bx, float scale_inv) {
+  const int64_t by = blockIdx.y;
   if (a.scale_inv != nullptr) {
     a.scale_inv[by * a.scale_ld + bx] = scale_inv;
     if (bx == gridDim.x - 1)
@@ -203,8 +204,9 @@ __device__ __forceinline__ void store_block_scales(const BlockCastArgs& a, float
 }
 
 // The tile's column sums of the values cast (float32, rows in order within a warp, then warps in order) to
-// a.col_sums[blockIdx.y * a.k + column]: the per-tile partials of a bias gradient. Uses `scratch` and leaves it free.
-__device__ __forceinline__ void write_column_sums(const BlockCastArgs& a, const float (&v)[kRows][kCols],
+// a.col_sums[blockIdx.y * a.k + column] (bx: the tile column): the per-tile partials of a bias gradient. Uses
+// `scratch` and leaves it free.
+__device__ __forceinline__ void write_column_sums(const BlockCastArgs& a, int64_t bx, const float (&v)[kRows][kCols],
                                                   float (&scratch)[kWarps][kBlockLen]) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
@@ -219,10 +221,24 @@ __device__ __forceinline__ void write_column_sums(const BlockCastArgs& a, const 
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += scratch[w][threadIdx.x];
-    const int64_t col = int64_t{blockIdx.x} * kBlockLen + threadIdx.x;
+    const int64_t col = bx * kBlockLen + threadIdx.x;
     if (col < a.k) a.col_sums[int64_t{blockIdx.y} * a.k + col] = sum;
   }
   __syncthreads();
+}
+
+// A loader may order the tile columns (`int64_t column_tile(unsigned block_x, unsigned blocks) const`: a permutation of
+// 0 .. blocks - 1), so that blocks that read the same inputs run side by side and the second read comes from L2;
+// without it, block x casts tile column x.
+template <typename L, typename = void>
+struct HasColumnTile : std::false_type {};
+template <typename L>
+struct HasColumnTile<L, std::void_t<decltype(std::declval<const L&>().column_tile(0u, 1u))>> : std::true_type {};
+
+template <typename Loader>
+__device__ __forceinline__ int64_t column_tile(const Loader& loader, unsigned block_x) {
+  if constexpr (HasColumnTile<Loader>::value) return loader.column_tile(block_x, gridDim.x);
+  else return block_x;
 }
 
 template <DType F, bool kTwoD, typename Loader>
@@ -233,11 +249,12 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
   constexpr float fp8_max = F == DType::kE4M3 ? 448.0f : 57344.0f;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row0 = int64_t{blockIdx.y} * kBlockLen + warp * kRows;
-  const int64_t col0 = int64_t{blockIdx.x} * kBlockLen + lane * kCols;
+  const int64_t bx = column_tile(loader, blockIdx.x);  // (the tile column this block casts)
+  const int64_t col0 = bx * kBlockLen + lane * kCols;
 
   float v[kRows][kCols];
   const bool interior = loader.vec && int64_t{blockIdx.y + 1} * kBlockLen <= a.m &&
-                        int64_t{blockIdx.x + 1} * kBlockLen <= a.k;
+                        (bx + 1) * kBlockLen <= a.k;
   loader.load(a, row0, col0, interior, v);
   float row_amax[kRows], col_amax[kCols] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -250,7 +267,7 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
     }
   }
 
-  if (a.col_sums != nullptr) write_column_sums(a, v, partial);
+  if (a.col_sums != nullptr) write_column_sums(a, bx, v, partial);
 
   float row_scale[kRows], my_col_scale[kCols];
   if constexpr (kTwoD) {
@@ -263,7 +280,7 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) amax = max_abs(amax, partial[w][0]);
     const float scale = tile_scale(amax, fp8_max, a.amax_epsilon, a.power_2_scale);
-    if (threadIdx.x == 0) store_block_scales(a, inverse(scale));
+    if (threadIdx.x == 0) store_block_scales(a, bx, inverse(scale));
 #pragma unroll
     for (int i = 0; i < kRows; ++i) row_scale[i] = scale;
 #pragma unroll
@@ -273,7 +290,7 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
       const float scale = tile_scale(warp_max_rows(row_amax, lane), fp8_max, a.amax_epsilon, a.power_2_scale);
       const int64_t row = row0 + lane / 2;
       if (lane % 2 == 0 && row < a.scale_ld)
-        a.scale_inv[int64_t{blockIdx.x} * a.scale_ld + row] = row < a.m ? inverse(scale) : 1.0f;
+        a.scale_inv[bx * a.scale_ld + row] = row < a.m ? inverse(scale) : 1.0f;
 #pragma unroll
       for (int i = 0; i < kRows; ++i) row_scale[i] = __shfl_sync(0xffffffffu, scale, 2 * i);
     }
@@ -287,7 +304,7 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
         for (int w = 0; w < kWarps; ++w) amax = max_abs(amax, partial[w][threadIdx.x]);
         const float scale = tile_scale(amax, fp8_max, a.amax_epsilon, a.power_2_scale);
         col_scale[threadIdx.x] = scale;
-        const int64_t col = int64_t{blockIdx.x} * kBlockLen + threadIdx.x;
+        const int64_t col = bx * kBlockLen + threadIdx.x;
         if (col < a.scale_t_ld)
           a.scale_inv_t[int64_t{blockIdx.y} * a.scale_t_ld + col] = col < a.k ? inverse(scale) : 1.0f;
       }
@@ -325,7 +342,7 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
   for (int i = 0; i < kRows; ++i) {
     const int c = warp * kRows + i;
     const uint32_t word = *reinterpret_cast<const uint32_t*>(tile_t + c * kPitch + lane * 4);
-    store4(a.qt, int64_t{blockIdx.x} * kBlockLen + c, qt_col, a.k, a.m, word);
+    store4(a.qt, bx * kBlockLen + c, qt_col, a.k, a.m, word);
   }
 }
 
