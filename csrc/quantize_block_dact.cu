@@ -83,8 +83,8 @@ struct DactLoader {
       const bool up_half = col >= f;  // (a tile lies in one half: f % 4 == 0, and interior keeps it in bounds)
       const int64_t c = up_half ? col - f : col;
       load_words(dy, row0, c, f, d);
-      load_words(input, row0, c, 2 * f, x);  // gate
-      if (up_half) {  // (d up needs no up)
+      load_words(input, row0, c, 2 * f, x);  // (x: gate; d up needs no up)
+      if (up_half) {
 #pragma unroll
         for (int i = 0; i < kRows; ++i) {
           float dv[kCols], gate[kCols];
