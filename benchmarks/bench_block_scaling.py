@@ -10,11 +10,12 @@ fast accumulation (our per-tensor forward). Layer steps: forward + backward, gra
 (10 steps back to back) per round.
 --llama-stack adds issue 21's Llama-1.1B-shaped stack of TransformerLayers (B4xS2048, full logits, fused AdamW):
 tokens/s (median over rounds of 10 steps, recipes built and timed one after another) and peak GiB per recipe.
---stack-recipes picks the stack's rows (bf16, delayed, current, block, block-fused: block scaling with
-TFP8_BLOCK_FUSED=1, the fused norm and activation-gradient casts); --profile prints the top GPU kernels of two
-block-scaled stack steps; --gemm-shapes llama1b times the stack's own GEMM shapes instead of the Llama-8B ones.
+--stack-recipes picks the stack's rows (bf16, delayed, current, block, block-unfused: block scaling with
+TFP8_BLOCK_FUSED=0, the norm and activation-gradient casts after their own kernels); --profile prints the top GPU
+kernels of two block-scaled stack steps; --gemm-shapes llama1b times the stack's own GEMM shapes instead of the
+Llama-8B ones; --stack-casts times the stack's block casts one by one (ms per call, GB/s).
 Usage: python benchmarks/bench_block_scaling.py [--json out.json] [--rounds 5] [--skip-gemm] [--skip-layers]
-[--llama-stack] [--stack-recipes delayed,block,block-fused] [--profile] [--gemm-shapes llama1b]
+[--llama-stack] [--stack-recipes delayed,block,block-unfused] [--profile] [--gemm-shapes llama1b] [--stack-casts]
 """
 import argparse
 import json
@@ -131,6 +132,44 @@ def cast_table(rounds):
     return rows
 
 
+def stack_cast_table(rounds, tokens=8192, hidden=2048, ffn=8192):
+    """The Llama-1.1B-shaped stack's block casts at `tokens` tokens, each alone, CUDA-graph replays: ms per call and
+    GB/s of the bytes the call must move at least (its inputs read once, its FP8 outputs written; scales not
+    counted). Rows: the plain 1x128 cast (+ its transposed tiles) of a norm output and of d(fc1); the 128x128 cast
+    (+ transposed) of the fc1 weight; SwiGLU -> 1x128 cast (block_activation_cast); d(SwiGLU) -> 1x128 cast fused
+    (dact_block_cast) and unfused (activation_bwd, then block_cast: charged the fused call's bytes, so that the two
+    GB/s compare); RMSNorm -> 1x128 cast fused (norm_block_cast) and unfused (rmsnorm_fwd, then block_cast)."""
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, hidden, **bf16)
+    fc1_out = torch.randn(tokens, 2 * ffn, **bf16)
+    d_act = torch.randn(tokens, ffn, **bf16)
+    d_fc1 = torch.randn(tokens, 2 * ffn, **bf16)
+    w_fc1 = torch.randn(2 * ffn, hidden, **bf16) * 0.02
+    gamma = torch.rand(hidden, **bf16) + 0.5
+    cases = {  # name -> (call, bytes moved at least)
+        f"1x128 + T, {tokens}x{hidden}": (lambda: ops.block_cast(x, E4M3, 1, True, True), x.numel() * 4),
+        f"1x128 + T, {tokens}x{2 * ffn} (d fc1)": (lambda: ops.block_cast(d_fc1, E4M3, 1, True, True),
+                                                    d_fc1.numel() * 4),
+        f"128x128 + T, {2 * ffn}x{hidden} (fc1 weight)": (lambda: ops.block_cast(w_fc1, E4M3, 2, True, True),
+                                                           w_fc1.numel() * 4),
+        "SwiGLU -> 1x128 + T (block_activation_cast)": (
+            lambda: ops.block_activation_cast(fc1_out, "swiglu", E4M3, True, True), fc1_out.numel() * 3),
+        "d(SwiGLU) -> 1x128 + T, fused (dact_block_cast)": (
+            lambda: ops.dact_block_cast(d_act, fc1_out, "swiglu", E4M3, True, True),
+            d_act.numel() * 2 + fc1_out.numel() * 4),
+        "d(SwiGLU) -> 1x128 + T, unfused (activation_bwd + block_cast)": (
+            lambda: ops.block_cast(ops.activation_bwd(d_act, fc1_out, "swiglu"), E4M3, 1, True, True),
+            d_act.numel() * 2 + fc1_out.numel() * 4),
+        "RMSNorm -> 1x128 + T, fused (norm_block_cast)": (
+            lambda: ops.norm_block_cast(x, gamma, None, "RMSNorm", 1e-5, False, E4M3, True, True), x.numel() * 4),
+        "RMSNorm -> 1x128 + T, unfused (rmsnorm_fwd + block_cast)": (
+            lambda: ops.block_cast(ops.rmsnorm_fwd(x, gamma, 1e-5)[0], E4M3, 1, True, True), x.numel() * 4),
+    }
+    timed = run_rounds({name: graph_ms(call, 10) for name, (call, _) in cases.items()}, rounds)
+    return [{"case": name, "ms": t.get("median"), "gb_per_s": moved / (t["median"] * 1e-3) / 1e9 if "median" in t
+             else None, "rounds": t} for (name, (_, moved)), t in zip(cases.items(), timed.values())]
+
+
 def layer_step(module, x, fp8_recipe):
     def step():
         module.zero_grad(set_to_none=True)
@@ -178,9 +217,10 @@ STACK_RECIPES = {
     "delayed": ("DelayedScaling", lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16),
                 {}),
     "current": ("Float8CurrentScaling", recipe.Float8CurrentScaling, {}),
-    "block": ("Float8BlockScaling", recipe.Float8BlockScaling, {"TFP8_BLOCK_FUSED": "0"}),
-    "block-fused": ("Float8BlockScaling, fused norm / dact casts (TFP8_BLOCK_FUSED=1)", recipe.Float8BlockScaling,
-                    {"TFP8_BLOCK_FUSED": "1"}),
+    "block": ("Float8BlockScaling (fused norm / dact casts: the default)", recipe.Float8BlockScaling,
+              {"TFP8_BLOCK_FUSED": "1"}),
+    "block-unfused": ("Float8BlockScaling, unfused norm / dact casts (TFP8_BLOCK_FUSED=0)", recipe.Float8BlockScaling,
+                      {"TFP8_BLOCK_FUSED": "0"}),
 }
 
 
@@ -309,6 +349,12 @@ def print_tables(result):
     for row in result["cast"]:
         for name, gbs in row["gb_per_s"].items():
             print(f"| {row['shape'][0]}×{row['shape'][1]} {name} | {gbs:.0f} |")
+    if result.get("stack_casts"):
+        print("\n| stack cast (8192 tokens) | ms per call | GB/s (least bytes) |")
+        print("|---|---|---|")
+        for row in result["stack_casts"]:
+            print(f"| {row['case']} | " + (f"{row['ms']:.4f} | {row['gb_per_s']:.0f} |" if row["ms"] is not None
+                                          else f"{row['rounds'].get('error')} | |"))
     if "llama_stack" in result:
         print("\nLlama-1.1B-shaped stack (16 TransformerLayers, B4xS2048, full logits, fused AdamW)")
         print("| recipe | tokens/s (median) | peak GiB | loss |")
@@ -340,6 +386,8 @@ def main():
     parser.add_argument("--profile", action="store_true", help="the top GPU kernels of block-scaled stack steps")
     parser.add_argument("--gemm-shapes", choices=sorted(GEMM_SHAPES), default="llama8b")
     parser.add_argument("--skip-cast", action="store_true", help="no cast table")
+    parser.add_argument("--stack-casts", action="store_true",
+                        help="also the stack's block casts one by one (ms per call, GB/s): stack_cast_table")
     args = parser.parse_args()
     names = [n for n in args.stack_recipes.split(",") if n]
     unknown = set(names) - set(STACK_RECIPES)
@@ -349,6 +397,8 @@ def main():
     result = {"device": torch.cuda.get_device_name(), "probe": {}, "gemm": [],
               "cast": [] if args.skip_cast else cast_table(args.rounds),
               "env": {k: v for k, v in os.environ.items() if k.startswith("TFP8_")}}
+    if args.stack_casts:
+        result["stack_casts"] = stack_cast_table(args.rounds)
     if not args.skip_gemm:
         result["probe"], result["gemm"] = probe_cublaslt(), gemm_table(args.rounds, args.gemm_shapes)
     if not args.skip_layers:
@@ -356,7 +406,7 @@ def main():
     if args.llama_stack:
         result["llama_stack"] = llama_stack_table(args.rounds, names=names)
     if args.profile:
-        result["profile"] = [profile_stack("block")] + ([profile_stack("block-fused")] if "block-fused" in names
+        result["profile"] = [profile_stack("block")] + ([profile_stack("block-unfused")] if "block-unfused" in names
                                                         else [])
     print_tables(result)
     if args.json:

@@ -32,12 +32,31 @@ struct InputLoader {
   const T* x;
   bool vec;
 
+  __device__ __forceinline__ void load_packed(const BlockCastArgs& a, int64_t row0, int64_t col, bool interior,
+                                              PackedTile<T>& tile) const {
+    load_packed_rows(x, a.m, a.k, a.k, row0, col, vec, interior, tile);
+  }
+
   __device__ __forceinline__ void load(const BlockCastArgs& a, int64_t row0, int64_t col, bool interior,
                                        float (&v)[kRows][kCols]) const {
     const int64_t ld = kAct == kSwiglu ? 2 * a.k : a.k;
-    if constexpr (kAct == kSwiglu) {  // (row by row: one row of up live, see load_row)
+    if constexpr (kAct == kSwiglu) {
+      if (interior) {  // (every gate and up word in flight before the first sigmoid: see load_words)
+        Word4<T> gate[kRows], up[kRows];
+        load_words(x, row0, col, ld, gate);
+        load_words(x + a.k, row0, col, ld, up);
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) {
+        for (int i = 0; i < kRows; ++i) {
+          float u[kCols];
+          word_floats<T>(gate[i], v[i]);
+          word_floats<T>(up[i], u);
+#pragma unroll
+          for (int j = 0; j < kCols; ++j) v[i][j] = apply_act<kAct>(v[i][j], u[j]);
+        }
+        return;
+      }
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {  // (edge tiles row by row: one row of up live, see load_row)
         float up[kCols];
         load_row(x, a.m, a.k, ld, row0 + i, col, vec, interior, v[i]);
         load_row(x + a.k, a.m, a.k, ld, row0 + i, col, vec, interior, up);
@@ -56,10 +75,25 @@ struct InputLoader {
   }
 };
 
+// x itself, 16-bit: kept as loaded (PackedTile), 3 blocks per multiprocessor.
+template <typename T>
+struct PackedInputLoader : InputLoader<T, kNone> {
+  using Tile = PackedTile<T>;
+  static constexpr int kMinBlocks = 3;
+};
+
 template <typename T, int kAct>
 void launch_input(const BlockCastArgs& a, cudaStream_t stream) {
-  const InputLoader<T, kAct> loader{static_cast<const T*>(a.x), a.k % kCols == 0 && aligned16(a.x)};
-  launch_with_loader(loader, a, stream);
+  const T* x = static_cast<const T*>(a.x);
+  const bool vec = a.k % kCols == 0 && aligned16(a.x);
+  if constexpr (kAct == kNone && sizeof(T) == 2) {
+    PackedInputLoader<T> loader;
+    loader.x = x;
+    loader.vec = vec;
+    launch_with_loader(loader, a, stream);
+  } else {
+    launch_with_loader(InputLoader<T, kAct>{x, vec}, a, stream);
+  }
 }
 
 template <DType F, typename T>

@@ -23,6 +23,10 @@ struct DactLoader {
 
   __device__ __forceinline__ void load(const BlockCastArgs& a, int64_t row0, int64_t col, bool interior,
                                        float (&v)[kRows][kCols]) const {
+    if (interior) {
+      load_interior_tile(a, row0, col, v);
+      return;
+    }
     if constexpr (A != Activation::kSwiglu) {
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
@@ -49,6 +53,59 @@ struct DactLoader {
       for (int i = 0; i < kRows; ++i)
 #pragma unroll
         for (int j = 0; j < kCols; ++j) v[i][j] = swiglu_element(a, row0 + i, col + j);
+    }
+  }
+
+  // SwiGLU with f a multiple of 128: block 2p casts d gate's tile column p, block 2p + 1 d up's (tile column p plus
+  // f / 128), which reads the same dy and gate columns, so those come from L2 for the second of the two; else the
+  // launch order.
+  __device__ __forceinline__ int64_t column_tile(unsigned block_x, unsigned blocks) const {
+    if (A != Activation::kSwiglu || f % kBlockLen != 0 || blocks != 2 * (f / kBlockLen)) return block_x;
+    return block_x % 2 == 0 ? block_x / 2 : f / kBlockLen + block_x / 2;
+  }
+
+  // An interior tile (in bounds, vec): every word of every input in flight before the first use (see load_words).
+  __device__ __forceinline__ void load_interior_tile(const BlockCastArgs& a, int64_t row0, int64_t col,
+                                                     float (&v)[kRows][kCols]) const {
+    Word4<T> d[kRows], x[kRows];
+    if constexpr (A != Activation::kSwiglu) {
+      load_words(dy, row0, col, a.k, d);
+      load_words(input, row0, col, a.k, x);
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        float dv[kCols], xv[kCols];
+        word_floats<T>(d[i], dv);
+        word_floats<T>(x[i], xv);
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) v[i][j] = act::backward<A>(dv[j], xv[j]);
+      }
+    } else {
+      const bool up_half = col >= f;  // (a tile lies in one half: f % 4 == 0, and interior keeps it in bounds)
+      const int64_t c = up_half ? col - f : col;
+      load_words(dy, row0, c, f, d);
+      load_words(input, row0, c, 2 * f, x);  // (x: gate; d up needs no up)
+      if (up_half) {
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+          float dv[kCols], gate[kCols];
+          word_floats<T>(d[i], dv);
+          word_floats<T>(x[i], gate);
+#pragma unroll
+          for (int j = 0; j < kCols; ++j) v[i][j] = swiglu_grad(dv[j], gate[j], 0.0f, true);
+        }
+        return;
+      }
+      Word4<T> u[kRows];
+      load_words(input + f, row0, c, 2 * f, u);
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        float dv[kCols], gate[kCols], up[kCols];
+        word_floats<T>(d[i], dv);
+        word_floats<T>(x[i], gate);
+        word_floats<T>(u[i], up);
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) v[i][j] = swiglu_grad(dv[j], gate[j], up[j], false);
+      }
     }
   }
 

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #include "quantize.h"
 #include "quantize_common.cuh"
@@ -101,21 +102,92 @@ __device__ __forceinline__ void load4(const T* x, int64_t row, int64_t col, int6
 template <typename T>
 using Word4 = std::conditional_t<sizeof(T) == 4, float4, uint2>;
 
-// All kRows rows of a lane of an interior tile (in bounds, vec): every load issued before any is used, so that a warp
-// has its 16 loads in flight at once (the guarded loads above serialise on their branches).
+// The lane's kRows words (4 elements each) of an interior tile of x (in bounds, vec), rows row0 .. row0 + 15: all
+// loads issued back to back, none used yet. Loaders of interior tiles fetch every input this way before computing
+// anything: a load behind a per-row branch or a use waits for the one before it, and a warp with one or two loads in
+// flight at a time leaves the memory system idle (the fused casts' first loaders went row by row and ran at a third
+// of the plain cast's bandwidth).
+template <typename T>
+__device__ __forceinline__ void load_words(const T* x, int64_t row0, int64_t col, int64_t ld, Word4<T> (&w)[kRows]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) w[i] = *reinterpret_cast<const Word4<T>*>(x + (row0 + i) * ld + col);
+}
+
+// The 4 elements of a word as float.
+template <typename T>
+__device__ __forceinline__ void word_floats(const Word4<T>& w, float (&v)[kCols]) {
+  T t[kCols];
+  memcpy(t, &w, sizeof(w));
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) v[j] = to_float(t[j]);
+}
+
+// The values a thread casts (rows row0 .. row0 + 15, columns col .. col + 3 of the tile), as the kernel reads them:
+// at(i, j). FloatTile holds float32 (what a loader computed); PackedTile<T> holds 16-bit input as loaded and
+// converts at each read (exact, a few integer instructions): half the registers, so that a plain cast of 16-bit data
+// fits 3 blocks per multiprocessor instead of 2, more loads in flight and more blocks to overlap each other's
+// reductions and stores.
+struct FloatTile {
+  float v[kRows][kCols];
+  __device__ __forceinline__ float at(int i, int j) const { return v[i][j]; }
+};
+
+// Element `half` (0: low 16 bits, 1: high) of a word of two 16-bit values as float. Volatile assembly: the compiler
+// may neither merge two conversions of one element nor hoist them, which would keep all 64 floats live again (at 80
+// registers they spilled).
+template <typename T>
+__device__ __forceinline__ float unpack16(uint32_t word, int half) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    uint32_t bits;
+    if (half == 0) asm volatile("shl.b32 %0, %1, 16;" : "=r"(bits) : "r"(word));
+    else asm volatile("and.b32 %0, %1, 0xffff0000;" : "=r"(bits) : "r"(word));
+    return __uint_as_float(bits);
+  } else {
+    static_assert(std::is_same_v<T, __half>, "16-bit values: bfloat16 or half");
+    float out;
+    const unsigned short h = static_cast<unsigned short>(half == 0 ? word : word >> 16);
+    asm volatile("cvt.f32.f16 %0, %1;" : "=f"(out) : "h"(h));
+    return out;
+  }
+}
+
+template <typename T>
+struct PackedTile {
+  Word4<T> w[kRows];
+  __device__ __forceinline__ float at(int i, int j) const { return unpack16<T>(j < 2 ? w[i].x : w[i].y, j % 2); }
+};
+
+// A loader's tile type (`using Tile = ...`; FloatTile when it names none, its load then filling a float array) and
+// its blocks per multiprocessor (the kernel's launch bounds).
+template <typename L, typename = void>
+struct TileOf {
+  using type = FloatTile;
+};
+template <typename L>
+struct TileOf<L, std::void_t<typename L::Tile>> {
+  using type = typename L::Tile;
+};
+
+template <typename Loader>
+__device__ __forceinline__ void load_tile(const Loader& loader, const BlockCastArgs& a, int64_t row0, int64_t col,
+                                          bool interior, FloatTile& tile) {
+  loader.load(a, row0, col, interior, tile.v);
+}
+
+template <typename Loader, typename T>
+__device__ __forceinline__ void load_tile(const Loader& loader, const BlockCastArgs& a, int64_t row0, int64_t col,
+                                          bool interior, PackedTile<T>& tile) {
+  loader.load_packed(a, row0, col, interior, tile);
+}
+
+// All kRows rows of a lane of an interior tile (in bounds, vec) as float, from load_words.
 template <typename T>
 __device__ __forceinline__ void load_interior(const T* x, int64_t row0, int64_t col, int64_t ld,
                                               float (&v)[kRows][kCols]) {
   Word4<T> words[kRows];
+  load_words(x, row0, col, ld, words);
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) words[i] = *reinterpret_cast<const Word4<T>*>(x + (row0 + i) * ld + col);
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    T t[kCols];
-    memcpy(t, &words[i], sizeof(words[i]));
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) v[i][j] = to_float(t[j]);
-  }
+  for (int i = 0; i < kRows; ++i) word_floats<T>(words[i], v[i]);
 }
 
 // SwiGLU's sigmoid from the hardware exponential and reciprocal (__expf, __fdividef: a few float32 ulps from
@@ -142,6 +214,26 @@ __device__ __forceinline__ void load_row(const T* x, int64_t rows, int64_t cols,
 }
 
 // The lane's 16 rows x 4 columns of a [rows, cols] matrix x with row stride ld, as float (zeros past the edges).
+// The lane's 16 rows x 4 columns of 16-bit x [rows, cols] as loaded (zeros past the edges; vec as load4's).
+template <typename T>
+__device__ __forceinline__ void load_packed_rows(const T* x, int64_t rows, int64_t cols, int64_t ld, int64_t row0,
+                                                 int64_t col, bool vec, bool interior, PackedTile<T>& tile) {
+  static_assert(sizeof(T) == 2, "PackedTile holds 16-bit values");
+  if (interior) {
+    load_words(x, row0, col, ld, tile.w);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    float v[kCols];
+    load4(x, row0 + i, col, rows, cols, ld, vec, v);
+    T t[kCols];
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) t[j] = from_float<T>(v[j]);  // (exact: v holds values of T, or 0)
+    memcpy(&tile.w[i], t, sizeof(t));
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void load_rows(const T* x, int64_t rows, int64_t cols, int64_t ld, int64_t row0, int64_t col,
                                           bool vec, bool interior, float (&v)[kRows][kCols]) {
@@ -173,10 +265,10 @@ __device__ __forceinline__ uint32_t pack4(const float (&v)[kCols], const float (
   return word;
 }
 
-// Writes scale_inv values of the 128x128 block (by, bx) into both layouts, and the padding entries right of the last
+// Writes scale_inv values of the 128x128 block (blockIdx.y, bx) into both layouts, and the padding entries right of the last
 // block of a row (value 1).
-__device__ __forceinline__ void store_block_scales(const BlockCastArgs& a, float scale_inv) {
-  const int64_t by = blockIdx.y, bx = blockIdx.x;
+__device__ __forceinline__ void store_block_scales(const BlockCastArgs& a, int64_t bx, float scale_inv) {
+  const int64_t by = blockIdx.y;
   if (a.scale_inv != nullptr) {
     a.scale_inv[by * a.scale_ld + bx] = scale_inv;
     if (bx == gridDim.x - 1)
@@ -190,15 +282,17 @@ __device__ __forceinline__ void store_block_scales(const BlockCastArgs& a, float
 }
 
 // The tile's column sums of the values cast (float32, rows in order within a warp, then warps in order) to
-// a.col_sums[blockIdx.y * a.k + column]: the per-tile partials of a bias gradient. Uses `scratch` and leaves it free.
-__device__ __forceinline__ void write_column_sums(const BlockCastArgs& a, const float (&v)[kRows][kCols],
+// a.col_sums[blockIdx.y * a.k + column] (bx: the tile column): the per-tile partials of a bias gradient. Uses
+// `scratch` and leaves it free.
+template <typename Tile>
+__device__ __forceinline__ void write_column_sums(const BlockCastArgs& a, int64_t bx, const Tile& v,
                                                   float (&scratch)[kWarps][kBlockLen]) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
   for (int j = 0; j < kCols; ++j) {
     float sum = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) sum += v[i][j];
+    for (int i = 0; i < kRows; ++i) sum += v.at(i, j);
     scratch[warp][lane * kCols + j] = sum;
   }
   __syncthreads();
@@ -206,40 +300,62 @@ __device__ __forceinline__ void write_column_sums(const BlockCastArgs& a, const 
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += scratch[w][threadIdx.x];
-    const int64_t col = int64_t{blockIdx.x} * kBlockLen + threadIdx.x;
+    const int64_t col = bx * kBlockLen + threadIdx.x;
     if (col < a.k) a.col_sums[int64_t{blockIdx.y} * a.k + col] = sum;
   }
   __syncthreads();
 }
 
+// A loader may order the tile columns (`int64_t column_tile(unsigned block_x, unsigned blocks) const`: a permutation of
+// 0 .. blocks - 1), so that blocks that read the same inputs run side by side and the second read comes from L2;
+// without it, block x casts tile column x.
+template <typename L, typename = void>
+struct HasColumnTile : std::false_type {};
+template <typename L>
+struct HasColumnTile<L, std::void_t<decltype(std::declval<const L&>().column_tile(0u, 1u))>> : std::true_type {};
+
+template <typename Loader>
+__device__ __forceinline__ int64_t column_tile(const Loader& loader, unsigned block_x) {
+  if constexpr (HasColumnTile<Loader>::value) return loader.column_tile(block_x, gridDim.x);
+  else return block_x;
+}
+
+template <typename L, typename = void>
+struct MinBlocksOf : std::integral_constant<int, 2> {};
+template <typename L>
+struct MinBlocksOf<L, std::void_t<decltype(L::kMinBlocks)>> : std::integral_constant<int, L::kMinBlocks> {};
+
 template <DType F, bool kTwoD, typename Loader>
-__global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, BlockCastArgs a) {
+__global__ void __launch_bounds__(kThreads, MinBlocksOf<Loader>::value)
+    block_cast_kernel(Loader loader, BlockCastArgs a) {
   __shared__ float partial[kWarps][kBlockLen];  // per-warp column amaxes (1x128), or warp amaxes (128x128)
   __shared__ float col_scale[kBlockLen];
   __shared__ __align__(16) uint8_t tile_t[kBlockLen * kPitch];  // the transposed tile: row c holds column c of x
   constexpr float fp8_max = F == DType::kE4M3 ? 448.0f : 57344.0f;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row0 = int64_t{blockIdx.y} * kBlockLen + warp * kRows;
-  const int64_t col0 = int64_t{blockIdx.x} * kBlockLen + lane * kCols;
+  const int64_t bx = column_tile(loader, blockIdx.x);  // (the tile column this block casts)
+  const int64_t col0 = bx * kBlockLen + lane * kCols;
 
-  float v[kRows][kCols];
-  const bool interior = loader.vec && int64_t{blockIdx.y + 1} * kBlockLen <= a.m &&
-                        int64_t{blockIdx.x + 1} * kBlockLen <= a.k;
-  loader.load(a, row0, col0, interior, v);
+  typename TileOf<Loader>::type v;
+  const bool interior = loader.vec && int64_t{blockIdx.y + 1} * kBlockLen <= a.m && (bx + 1) * kBlockLen <= a.k;
+  load_tile(loader, a, row0, col0, interior, v);
   float row_amax[kRows], col_amax[kCols] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     row_amax[i] = 0.0f;
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
-      row_amax[i] = max_abs(row_amax[i], v[i][j]);
-      col_amax[j] = max_abs(col_amax[j], v[i][j]);
+      row_amax[i] = max_abs(row_amax[i], v.at(i, j));
+      col_amax[j] = max_abs(col_amax[j], v.at(i, j));
     }
   }
 
-  if (a.col_sums != nullptr) write_column_sums(a, v, partial);
+  if (a.col_sums != nullptr) write_column_sums(a, bx, v, partial);
 
-  float row_scale[kRows], my_col_scale[kCols];
+  // lane_scale: 128x128, the block's scale; 1x128, the scale of row lane / 2 (each row's is shuffled out where it is
+  // used, rather than 16 registers holding them all)
+  float lane_scale = 1.0f, my_col_scale[kCols];
   if constexpr (kTwoD) {
     float amax = 0.0f;
 #pragma unroll
@@ -250,19 +366,16 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) amax = max_abs(amax, partial[w][0]);
     const float scale = tile_scale(amax, fp8_max, a.amax_epsilon, a.power_2_scale);
-    if (threadIdx.x == 0) store_block_scales(a, inverse(scale));
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) row_scale[i] = scale;
+    if (threadIdx.x == 0) store_block_scales(a, bx, inverse(scale));
+    lane_scale = scale;
 #pragma unroll
     for (int j = 0; j < kCols; ++j) my_col_scale[j] = scale;
   } else {
     if (a.q != nullptr) {  // lanes 2i and 2i + 1 find row i's scale, lane 2i writes its scale_inv (rows past m: 1)
       const float scale = tile_scale(warp_max_rows(row_amax, lane), fp8_max, a.amax_epsilon, a.power_2_scale);
       const int64_t row = row0 + lane / 2;
-      if (lane % 2 == 0 && row < a.scale_ld)
-        a.scale_inv[int64_t{blockIdx.x} * a.scale_ld + row] = row < a.m ? inverse(scale) : 1.0f;
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) row_scale[i] = __shfl_sync(0xffffffffu, scale, 2 * i);
+      if (lane % 2 == 0 && row < a.scale_ld) a.scale_inv[bx * a.scale_ld + row] = row < a.m ? inverse(scale) : 1.0f;
+      lane_scale = scale;
     }
     if (a.qt != nullptr) {
 #pragma unroll
@@ -274,7 +387,7 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
         for (int w = 0; w < kWarps; ++w) amax = max_abs(amax, partial[w][threadIdx.x]);
         const float scale = tile_scale(amax, fp8_max, a.amax_epsilon, a.power_2_scale);
         col_scale[threadIdx.x] = scale;
-        const int64_t col = int64_t{blockIdx.x} * kBlockLen + threadIdx.x;
+        const int64_t col = bx * kBlockLen + threadIdx.x;
         if (col < a.scale_t_ld)
           a.scale_inv_t[int64_t{blockIdx.y} * a.scale_t_ld + col] = col < a.k ? inverse(scale) : 1.0f;
       }
@@ -287,8 +400,10 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
   if (a.q != nullptr) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      const float scale[kCols] = {row_scale[i], row_scale[i], row_scale[i], row_scale[i]};
-      store4(a.q, row0 + i, col0, a.m, a.k, pack4<F>(v[i], scale));
+      const float rs = kTwoD ? lane_scale : __shfl_sync(0xffffffffu, lane_scale, 2 * i);
+      const float scale[kCols] = {rs, rs, rs, rs};
+      const float row[kCols] = {v.at(i, 0), v.at(i, 1), v.at(i, 2), v.at(i, 3)};
+      store4(a.q, row0 + i, col0, a.m, a.k, pack4<F>(row, scale));
     }
   }
   if (a.qt == nullptr) return;
@@ -298,7 +413,7 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
     uint32_t words[4];
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      const float column[kCols] = {v[4 * g][j], v[4 * g + 1][j], v[4 * g + 2][j], v[4 * g + 3][j]};
+      const float column[kCols] = {v.at(4 * g, j), v.at(4 * g + 1, j), v.at(4 * g + 2, j), v.at(4 * g + 3, j)};
       const float scale[kCols] = {my_col_scale[j], my_col_scale[j], my_col_scale[j], my_col_scale[j]};
       words[g] = pack4<F>(column, scale);
     }
@@ -312,7 +427,7 @@ __global__ void __launch_bounds__(kThreads) block_cast_kernel(Loader loader, Blo
   for (int i = 0; i < kRows; ++i) {
     const int c = warp * kRows + i;
     const uint32_t word = *reinterpret_cast<const uint32_t*>(tile_t + c * kPitch + lane * 4);
-    store4(a.qt, int64_t{blockIdx.x} * kBlockLen + c, qt_col, a.k, a.m, word);
+    store4(a.qt, bx * kBlockLen + c, qt_col, a.k, a.m, word);
   }
 }
 

@@ -77,8 +77,29 @@ struct NormLoader {
       g[j] = in ? __fadd_rn(to_float(gamma[col + j]), gamma_offset) : 0.0f;
       b[j] = in && beta != nullptr ? to_float(beta[col + j]) : 0.0f;
     }
+    if (interior) {  // (every word and row statistic in flight before the first use: see load_words)
+      Word4<T> w[kRows];
+      float mu[kRows], rs[kRows];
+      load_words(x, row0, col, a.k, w);
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {  // (row by row: see load_row)
+      for (int i = 0; i < kRows; ++i) {
+        mu[i] = kLayerNorm ? mean[row0 + i] : 0.0f;
+        rs[i] = rstd[row0 + i];
+      }
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        word_floats<T>(w[i], v[i]);
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) {
+          float y = __fmul_rn(__fmul_rn(v[i][j] - mu[i], rs[i]), g[j]);
+          if (beta != nullptr) y = __fadd_rn(y, b[j]);
+          v[i][j] = y;
+        }
+      }
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {  // (edge tiles row by row: see load_row)
       const int64_t row = row0 + i;
       const bool in_row = row < a.m;
       load_row(x, a.m, a.k, a.k, row, col, vec, interior, v[i]);

@@ -208,8 +208,8 @@ def test_layernorm_mlp_matches_reference(device, activation, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("activation,normalization,bias", [("swiglu", "RMSNorm", False), ("gelu", "LayerNorm", True)])
 def test_fused_casts_match_unfused(device, activation, normalization, bias, monkeypatch):
-    """The default unfused casts (norm, then block_cast; activation_bwd, then block_cast) and the fused kernels
-    (TFP8_BLOCK_FUSED=1) give the same step up to the unfused path's rounding of the norm output and of d(fc1) to
+    """The unfused casts (TFP8_BLOCK_FUSED=0: norm, then block_cast; activation_bwd, then block_cast) and the fused
+    kernels (the default) give the same step up to the unfused path's rounding of the norm output and of d(fc1) to
     the parameters' dtype."""
     torch.manual_seed(0)
     m = te.LayerNormMLP(256, 384, activation=activation, normalization=normalization, bias=bias,
@@ -229,6 +229,21 @@ def test_fused_casts_match_unfused(device, activation, normalization, bias, monk
         results.append([out.detach(), xr.grad] + [p.grad for p in m.parameters()])
     for got, want in zip(*results):  # float32 parameters: the unfused path rounds nothing in between either
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_fused_casts_are_the_default(monkeypatch):
+    """Block scaling's 1x128 quantizers take the fused norm / activation-gradient casts unless TFP8_BLOCK_FUSED=0;
+    128x128 blocks never do."""
+    from transformer_fp8.quantization.block import BlockScalingQuantizer
+    from transformer_fp8.quantization.roles import Role
+    from transformer_fp8.quantization.state import ScalingState
+    monkeypatch.delenv("TFP8_BLOCK_FUSED", raising=False)
+    state = ScalingState(1, 1, torch.device("cpu"))
+    x_q = BlockScalingQuantizer(Role.INPUT, torch.float8_e4m3fn, state, 0)
+    w_q = BlockScalingQuantizer(Role.WEIGHT, torch.float8_e4m3fn, state, 0)
+    assert x_q.fused_norm_cast and x_q.fused_dact_cast and not w_q.fused_norm_cast
+    monkeypatch.setenv("TFP8_BLOCK_FUSED", "0")
+    assert not x_q.fused_norm_cast and not x_q.fused_dact_cast
 
 
 @pytest.mark.parametrize("device", DEVICES)

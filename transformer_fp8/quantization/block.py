@@ -48,18 +48,19 @@ BLOCK_DIM_OF_LAYOUT = {LAYOUT_1X128: 1, LAYOUT_128X128: 2}
 LAYOUT_OF_BLOCK_DIM = {1: LAYOUT_1X128, 2: LAYOUT_128X128}
 
 _WEIGHT_ROLES = (Role.WEIGHT, Role.FC1_WEIGHT, Role.FC2_WEIGHT)
-# "1": the norm and the activation gradient cast with the fused kernels (norm_block_cast, dact_block_cast). Off by
-# default: on the H200's Llama-1.1B-shaped stack the unfused path (norm_fwd / activation_bwd, then block_cast) was
-# faster (86.6k vs 84.7k tokens/s; the d(SwiGLU) cast kernel 0.68 ms per call against 0.24 + 0.24 ms unfused, see
-# benchmarks/RESULTS.md), at the same peak memory.
+# The norm and the activation gradient cast with the fused kernels (norm_block_cast, dact_block_cast) unless this is
+# "0" (then norm_fwd / activation_bwd, then block_cast). On by default since their loaders issue every load of a tile
+# before the first use: on the H100's Llama-1.1B-shaped stack the fused path is the faster one, at the same peak
+# memory (benchmarks/RESULTS.md, session 5); before that change the unfused one was.
 FUSED_CASTS_ENV = "TFP8_BLOCK_FUSED"
 
 
 def fused_casts_enabled() -> bool:
     """Returns:
-        Whether the fused norm -> block-FP8 and activation-gradient -> block-FP8 kernels are used (the environment
-        variable TFP8_BLOCK_FUSED is "1"; read at each call, so a benchmark can switch it between steps)."""
-    return os.environ.get(FUSED_CASTS_ENV, "0") == "1"
+        Whether the fused norm -> block-FP8 and activation-gradient -> block-FP8 kernels are used: yes unless the
+        environment variable TFP8_BLOCK_FUSED is "0" (read at each call, so a benchmark can switch it between
+        steps)."""
+    return os.environ.get(FUSED_CASTS_ENV, "1") != "0"
 _GRAD_ROLES = (Role.GRAD_OUTPUT, Role.FC1_GRAD_OUTPUT, Role.FC2_GRAD_OUTPUT)
 
 
@@ -143,12 +144,12 @@ class BlockScalingQuantizer(Quantizer):
 
     @property
     def fused_norm_cast(self) -> bool:
-        """1x128 tiles with TFP8_BLOCK_FUSED=1: norm_block_cast."""
+        """1x128 tiles, unless TFP8_BLOCK_FUSED=0: norm_block_cast."""
         return self.block_dim == 1 and fused_casts_enabled()
 
     @property
     def fused_dact_cast(self) -> bool:
-        """1x128 tiles with TFP8_BLOCK_FUSED=1: dact_block_cast."""
+        """1x128 tiles, unless TFP8_BLOCK_FUSED=0: dact_block_cast."""
         return self.block_dim == 1 and fused_casts_enabled()
 
     def cast_normalized(self, spec, x, weight, bias, *, transpose=False):
