@@ -97,9 +97,13 @@ def main(argv=None):
     rows = {}
     for variant in a.variants:
         m = copy.deepcopy(model)
-        if variant.startswith(ln.TE_PREFIX):
-            ln.swap_layers(m, importlib.import_module("transformer_engine.pytorch"))
-        grads = gradients(m, batch, None if variant == "bf16" else variant, a.calib, eargs)
+        try:
+            if variant.startswith(ln.TE_PREFIX):
+                ln.swap_layers(m, importlib.import_module("transformer_engine.pytorch"))
+            grads = gradients(m, batch, None if variant == "bf16" else variant, a.calib, eargs)
+        except Exception as error:  # (one failed variant must not lose the others' rows)
+            print(f"{variant}: FAILED {type(error).__name__}: {error}", flush=True)
+            continue
         per_kind = defaultdict(list)
         for name, g_ref in ref.items():
             g = grads[name]
@@ -109,10 +113,10 @@ def main(argv=None):
         rows[variant] = {k: tuple(sum(v[i] for v in vals) / len(vals) for i in range(2))
                          for k, vals in per_kind.items()}
         del m
-    kinds = list(rows[a.variants[0]])
-    print(f"{'parameter':<58}" + "".join(f"{v:>22}" for v in a.variants))
-    for k in kinds:
-        print(f"{k:<58}" + "".join(f"{rows[v][k][0]:>12.4f} ({rows[v][k][1]:.3f})" for v in a.variants))
+    done = list(rows)
+    print(f"{'parameter':<58}" + "".join(f"{v:>22}" for v in done))
+    for k in rows[done[0]]:
+        print(f"{k:<58}" + "".join(f"{rows[v][k][0]:>12.4f} ({rows[v][k][1]:.3f})" for v in done))
     if a.json:
         Path(a.json).write_text(json.dumps({"config": vars(a), "rows": rows}, indent=1))
     return rows

@@ -188,15 +188,15 @@ def main(argv=None):
             args = example_args(a, seed, recipe if precision == "fp8" else "delayed")
             device, _, _ = ex.device_and_defaults(args)
             ex.convert_to_fp8, ex.fp8_context = ours
-            if run.startswith(TE_PREFIX):
-                if not checked_te:
-                    checked_te = check_te_swap(args, model_config, tokenizer, train_tokens, device)
-                use_te(importlib.import_module("transformer_engine.pytorch"),
-                       importlib.import_module("transformer_engine.common.recipe"))
-            if hp_parts:
-                keep_parts_high_precision(hp_parts)
             t0 = time.perf_counter()
             try:
+                if run.startswith(TE_PREFIX):
+                    if not checked_te:
+                        checked_te = check_te_swap(args, model_config, tokenizer, train_tokens, device)
+                    use_te(importlib.import_module("transformer_engine.pytorch"),
+                           importlib.import_module("transformer_engine.common.recipe"))
+                if hp_parts:
+                    keep_parts_high_precision(hp_parts)
                 s = ex.train(precision, args, model_config, tokenizer, train_tokens, eval_tokens, device)
             except Exception as error:  # (one failed variant must not lose the others' rows)
                 print(f"seed {seed} {run}: FAILED {type(error).__name__}: {error}", flush=True)

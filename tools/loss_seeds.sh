@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The example's 200-step loss, BF16 vs FP8, on the device (issue 21): ours and Transformer Engine's layers side by side.
 # Run from the root of a device copy of the repo (e.g. .gpu_numerics) with `.te` carried beside it (one level up);
-# writes everything under $OUT. ~9-10 min on an H100 (TE's extension and ours compile in parallel, ~4 min).
+# writes everything under $OUT. Fits BUDGET_S seconds (default 585) in all: the runs that do not fit are cut.
 #   carry: [".gpu_numerics", ".te"]; command: cd .gpu_numerics && bash tools/loss_seeds.sh
 # Environment: RUNS_A (first group of runs, seed 0), SEEDS_B / RUNS_B (the second group), PROBE=0 skips the gradient
 # probe.
+t0=$(date +%s)
 cd "$(dirname "$0")/.." || exit 1
 nvidia-smi --query-gpu=name --format=csv,noheader
 python -m pip install -q --no-index --no-deps ../.te/deps/nvidia_cudnn_frontend-*.whl .wheels/*.whl 2>/dev/null
@@ -12,24 +13,23 @@ source tools/device_env.sh
 (cd .. && MAX_JOBS=6 bash .te/install.sh > "$OUT/te_install.log" 2>&1) &
 te_pid=$!
 export TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=10 TFP8_ONLY=quantize,gemm,norm,activation,scaling,rope,loss,attention
-t0=$(date +%s)
 python -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 echo "our build $(( $(date +%s) - t0 )) s"
 python examples/stdlib_corpus.py /tmp/stdlib.jsonl
 wait $te_pid
 echo "TE install done $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/te_install.log")"
-size=(--data /tmp/stdlib.jsonl --hidden 2048 --layers 8 --heads 16 --kv-heads 4 --ffn 5632 --seq 1024 --batch 16
-      --lr 3e-4)
+size=(--data /tmp/stdlib.jsonl --hidden 2048 --layers 8 --heads 16 --kv-heads 4 --ffn 5632 --seq 1024 --lr 3e-4)
+left() { echo $(( ${BUDGET_S:-585} - ($(date +%s) - t0) )); }  # seconds left of the call (t0: before the builds)
 if [[ "${PROBE:-1}" != 0 ]]; then
-  timeout 120 python benchmarks/loss_grad_error.py --data /tmp/stdlib.jsonl --hidden 2048 --layers 8 --heads 16 \
-    --kv-heads 4 --ffn 5632 --seq 1024 --batch 8 --lr 3e-4 --warm 40 --variants bf16 delayed te_delayed block te_block current te_current \
-    --json "$OUT/grad_error.json" 2>&1 | grep -v -i warn | tail -12
+  timeout 90 python benchmarks/loss_grad_error.py "${size[@]}" --batch 8 --warm 40 \
+    --variants ${PROBE_VARIANTS:-bf16 delayed te_delayed block te_block} --json "$OUT/grad_error.json" 2>&1 |
+    grep -v -i warn | tail -12
   echo "probe done $(( $(date +%s) - t0 )) s"
 fi
-timeout 330 python benchmarks/loss_numerics.py "${size[@]}" --seeds 0 \
-  --runs ${RUNS_A:-te_delayed delayed bf16 te_block block current te_current} --out "$OUT/loss_seed0.json" 2>&1 |
+timeout $(( $(left) - ${RESERVE_B_S:-0} )) python benchmarks/loss_numerics.py "${size[@]}" --batch 16 --seeds 0 \
+  --runs ${RUNS_A:-te_delayed delayed bf16 te_block block delayed+hp_qkv current} --out "$OUT/loss_seed0.json" 2>&1 |
   grep -E "^seed|^TE swap"
 echo "group A done $(( $(date +%s) - t0 )) s"
-timeout 200 python benchmarks/loss_numerics.py "${size[@]}" --seeds ${SEEDS_B:-1} \
-  --runs ${RUNS_B:-bf16 delayed block te_delayed} --out "$OUT/loss_seed1.json" 2>&1 | grep -E "^seed|^TE swap"
+timeout $(left) python benchmarks/loss_numerics.py "${size[@]}" --batch 16 --seeds ${SEEDS_B:-1} \
+  --runs ${RUNS_B:-bf16 delayed} --out "$OUT/loss_seed1.json" 2>&1 | grep -E "^seed|^TE swap"
 echo "total $(( $(date +%s) - t0 )) s"
