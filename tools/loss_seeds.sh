@@ -28,8 +28,8 @@ if [[ "${PROBE:-1}" != 0 ]]; then
 fi
 timeout $(( $(left) - ${RESERVE_B_S:-0} )) python benchmarks/loss_numerics.py "${size[@]}" --batch 16 --seeds 0 \
   --runs ${RUNS_A:-te_delayed delayed bf16 te_block block delayed+hp_qkv current} --out "$OUT/loss_seed0.json" 2>&1 |
-  grep -E "^seed|^TE swap"
+  grep -aoE "(seed [0-9]+ |TE swap).*"
 echo "group A done $(( $(date +%s) - t0 )) s"
 timeout $(left) python benchmarks/loss_numerics.py "${size[@]}" --batch 16 --seeds ${SEEDS_B:-1} \
-  --runs ${RUNS_B:-bf16 delayed} --out "$OUT/loss_seed1.json" 2>&1 | grep -E "^seed|^TE swap"
+  --runs ${RUNS_B:-bf16 delayed} --out "$OUT/loss_seed1.json" 2>&1 | grep -aoE "(seed [0-9]+ |TE swap).*"
 echo "total $(( $(date +%s) - t0 )) s"
