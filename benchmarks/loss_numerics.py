@@ -145,6 +145,7 @@ def parse(argv):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=None, help="the example's --warmup-steps (default: its own)")
     p.add_argument("--runs", nargs="+", default=["bf16", "delayed"],
                    help="bf16, converted, or a name of RECIPE_VARIANTS (an FP8 run)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -162,6 +163,8 @@ def example_args(a, seed, recipe):
             "--recipe", recipe, "--out", "/tmp/loss_numerics_out"]
     if a.device:
         argv += ["--device", a.device]
+    if getattr(a, "warmup_steps", None):
+        argv += ["--warmup-steps", str(a.warmup_steps)]
     return ex.parse_args(argv)
 
 
