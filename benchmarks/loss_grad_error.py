@@ -37,6 +37,7 @@ def parse(argv):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--warm", type=int, default=30, help="BF16 training steps before the measurement")
     p.add_argument("--calib", type=int, default=2)
+    p.add_argument("--warmup-steps", type=int, default=None, help="the example's --warmup-steps (default: its own)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-fc1-fp8", choices=("on", "off"), default="on")
@@ -74,8 +75,10 @@ def gradients(model, batch, recipe, calib, args):
 def main(argv=None):
     a = parse(argv)
     te.set_fp8_min_gemm_size(0)
+    ln.import_te_first(a.variants)
     eargs = ln.example_args(argparse.Namespace(data=a.data, steps=a.warm, seq=a.seq, batch=a.batch, lr=a.lr,
-                                               keep_fc1_fp8=a.keep_fc1_fp8, device=a.device), a.seed, "delayed")
+                                               keep_fc1_fp8=a.keep_fc1_fp8, device=a.device,
+                                               warmup_steps=a.warmup_steps), a.seed, "delayed")
     device, _, _ = ex.device_and_defaults(eargs)
     model_config = dict(hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.heads,
                         num_key_value_heads=a.kv_heads, intermediate_size=a.ffn or (a.hidden * 11 // 4 // 64) * 64)

@@ -41,6 +41,17 @@ HIGH_PRECISION_PARTS = {"qkv": ("self_attention.layernorm_qkv",), "proj": ("self
 TE_PREFIX = "te_"  # a run "te_<recipe>": the example's model with Transformer Engine's layers (see swap_layers)
 
 
+def import_te_first(runs):
+    """Import Transformer Engine before anything loads cuDNN when a run of `runs` needs it: imported after torch has
+    loaded its own cuDNN libraries, TE's loader picked a system libcudnn_cnn whose symbols did not match (H100 image,
+    2026-11)."""
+    if any(run.startswith(TE_PREFIX) for run in runs):
+        try:
+            importlib.import_module("transformer_engine.pytorch")
+        except ImportError as error:
+            print(f"transformer_engine: not importable ({error}); the te_* runs will fail", flush=True)
+
+
 def te_recipe(te_recipe_module, name):
     """Transformer Engine's recipe object for one of the example's recipe names (the same settings as ours)."""
     fmt = te_recipe_module.Format
@@ -170,6 +181,7 @@ def example_args(a, seed, recipe):
 
 def main(argv=None):
     a = parse(argv)
+    import_te_first(a.runs)
     if a.threads:
         torch.set_num_threads(a.threads)
     te.set_fp8_min_gemm_size(0)  # (FP8 at every size: the small-GEMM fallback would hide the numerics)
