@@ -202,8 +202,8 @@ class MasterWeightAdamW:
 
 
 def lr_at(step, args):
-    """Linear warmup over the first 5% of the steps, then cosine decay to 10% of --lr."""
-    warmup = max(1, args.steps // 20)
+    """Linear warmup over --warmup-steps (default: the first 5% of the steps), then cosine decay to 10% of --lr."""
+    warmup = args.warmup_steps or max(1, args.steps // 20)
     if step < warmup:
         return args.lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, args.steps - warmup)
@@ -561,6 +561,8 @@ def parse_args(argv):
     p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=positive_float,
                    help="peak learning rate (default from scratch: 3e-4 on GPU, 1e-3 on CPU; 2e-5 with --model)")
+    p.add_argument("--warmup-steps", type=positive_int,
+                   help="steps of the linear learning-rate warmup (default: 5%% of --steps)")
     p.add_argument("--max-grad-norm", type=positive_float, default=1.0)
     p.add_argument("--fuse-wgrad", action="store_true",
                    help="FP8 layers accumulate weight gradients into FP32 main_grad (fuse_wgrad_accumulation)")

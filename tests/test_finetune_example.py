@@ -182,7 +182,8 @@ def refusal(example, capsys, argv):
     return capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--seq-len", "--grad-accum", "--save-every"])
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--seq-len", "--grad-accum", "--save-every",
+                                  "--warmup-steps"])
 @pytest.mark.parametrize("value", ["-3", "0", "1.5", "many"])
 def test_non_positive_or_non_integer_counts_are_refused(example, capsys, flag, value):
     err = refusal(example, capsys, [f"{flag}={value}"])
