@@ -15,13 +15,15 @@
 #include <type_traits>
 
 #include "activation_common.cuh"
+#include "fp8_tile_transpose.cuh"
 
 namespace tfp8 {
 namespace {
 
 using act::StorageT;
+using fp8_tile::kThreads;
+using fp8_tile::tile_offset;
 constexpr int kTile = kDactTile;
-constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 16;                              // columns per thread in phase 1
 constexpr int kChunksPerRow = kTile / kChunk;           // 8
@@ -29,12 +31,7 @@ constexpr int kRowsPerPass = kThreads / kChunksPerRow;  // 32
 constexpr int kPasses = kTile / kRowsPerPass;           // 4: rows per thread in phase 1
 // Rows a thread loads before their math in phase 1 (2 timed slower: more registers, fewer blocks per SM).
 constexpr int kRowsInFlight = 1;
-static_assert(kTile / 16 * kTile / 4 == kThreads, "phase 2: one thread per 16 rows x 4 columns of a tile");
-
-// Byte offset of the 16-byte chunk `chunk` of tile row `row` in a swizzled shared tile.
-__device__ __forceinline__ int tile_offset(int row, int chunk) {
-  return row * kTile + (chunk ^ (((row >> 4) & 1) << 2)) * kChunk;
-}
+static_assert(kTile == fp8_tile::kSide && kChunk == fp8_tile::kChunkBytes, "fp8_tile_transpose.cuh's tile");
 
 // Shapes and outputs of one launch (qT may be null: not written; workspace null: no dbias).
 struct DactArgs {
@@ -86,37 +83,19 @@ struct RowPiece {
   }
 };
 
-// 4x4 byte transpose: out[j] holds byte j of a, b, c, d (in that order).
-__device__ __forceinline__ void transpose_4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&out)[4]) {
-  const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
-  const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
-  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
-  out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
-  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
-  out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
-}
 
 // Phase 2 for one part: its tile (16 rows x 4 columns per thread) -> qT rows qt_row0 + 4 * word_col + j (those below
 // qt_rows_end), columns row0 + 16 * row_group ...
 __device__ __forceinline__ void store_transposed(const uint8_t* tile, const DactArgs& a, int64_t row0, int64_t qt_row0,
                                                  int64_t qt_rows_end) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int word_col = (warp % 2) * 16 + lane % 16;  // tile columns 4 * word_col .. + 3
-  const int row_group = (warp / 2) * 2 + lane / 16;  // tile rows 16 * row_group .. + 15
-  const int64_t col = row0 + row_group * 16;
+  const fp8_tile::Phase2Place place = fp8_tile::phase2_place();
+  const int64_t col = row0 + place.row_group * 16;
   if (col >= a.rows) return;
-  uint32_t words[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int row = row_group * 16 + i;
-    words[i] = *reinterpret_cast<const uint32_t*>(tile + tile_offset(row, word_col / 4) + (word_col % 4) * 4);
-  }
   uint32_t out[4][4];  // out[k][j]: bytes of qT row 4 * word_col + j, columns 4k .. 4k + 3 of the 16
-#pragma unroll
-  for (int k = 0; k < 4; ++k) transpose_4x4(words[4 * k], words[4 * k + 1], words[4 * k + 2], words[4 * k + 3], out[k]);
+  fp8_tile::read_transposed(tile, place, out);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int64_t qt_row = qt_row0 + word_col * 4 + j;
+    const int64_t qt_row = qt_row0 + place.word_col * 4 + j;
     if (qt_row >= qt_rows_end) break;
     uint8_t* dst = a.qT + qt_row * a.rows + col;
     if (a.qt_store_bytes == 16 && col + 16 <= a.rows) {

@@ -11,25 +11,22 @@
 // sums are dbias itself and one launch writes it (the same bits: the reduce kernel would add them to 0).
 #include <type_traits>
 
+#include "fp8_tile_transpose.cuh"
 #include "quantize.h"
 #include "quantize_common.cuh"
 
 namespace tfp8 {
 namespace {
 
+using fp8_tile::kThreads;
+using fp8_tile::tile_offset;
 constexpr int kTileM = kTransposeTileRows;  // 128
-constexpr int kTileN = 128;
-constexpr int kThreads = 256;
+constexpr int kTileN = fp8_tile::kSide;
 constexpr int kChunksPerRow = kTileN / kChunk;              // 8
 constexpr int kPasses = kTileM * kChunksPerRow / kThreads;  // 4: chunks per thread in phase 1
 constexpr int kRowsPerPass = kThreads / kChunksPerRow;      // 32
 constexpr int kLoadsInFlight = 2;                           // chunks a thread loads before casting them
-static_assert(kTileM / 16 * kTileN / 4 == kThreads, "phase 2: one thread per 16 rows x 4 columns of the tile");
-
-// Byte offset of the 16-byte chunk `chunk` of tile row `row` in the swizzled shared tile.
-__device__ __forceinline__ int tile_offset(int row, int chunk) {
-  return row * kTileN + (chunk ^ (((row >> 4) & 1) << 2)) * kChunk;
-}
+static_assert(kTileM == fp8_tile::kSide && kChunk == fp8_tile::kChunkBytes, "fp8_tile_transpose.cuh's tile");
 
 // Shapes and outputs of one launch. q / qT / dbias_workspace / dbias / amax / scale_inv may be null (skipped).
 struct TransposeArgs {
@@ -45,34 +42,15 @@ struct TransposeArgs {
   float* scale_inv;
 };
 
-// 4x4 byte transpose: out[j] holds byte j of a, b, c, d (in that order).
-__device__ __forceinline__ void transpose_4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&out)[4]) {
-  const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
-  const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
-  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
-  out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
-  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
-  out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
-}
-
 // Phase 2: tile (16 rows x 4 columns per thread) -> qT rows n0 + 4 * word_col + j, columns m0 + 16 * row_group.
 __device__ __forceinline__ void store_transposed(const uint8_t* tile, const TransposeArgs& a, int64_t m0, int64_t n0) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int word_col = (warp % 2) * 16 + lane % 16;  // tile columns 4 * word_col .. + 3
-  const int row_group = (warp / 2) * 2 + lane / 16;  // tile rows 16 * row_group .. + 15
-  uint32_t words[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int row = row_group * 16 + i;
-    words[i] = *reinterpret_cast<const uint32_t*>(tile + tile_offset(row, word_col / 4) + (word_col % 4) * 4);
-  }
+  const fp8_tile::Phase2Place place = fp8_tile::phase2_place();
   uint32_t out[4][4];  // out[k][j]: bytes of qT row 4 * word_col + j, columns 4k .. 4k + 3 of the 16
-#pragma unroll
-  for (int k = 0; k < 4; ++k) transpose_4x4(words[4 * k], words[4 * k + 1], words[4 * k + 2], words[4 * k + 3], out[k]);
-  const int64_t col = m0 + row_group * 16;
+  fp8_tile::read_transposed(tile, place, out);
+  const int64_t col = m0 + place.row_group * 16;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int64_t row = n0 + word_col * 4 + j;
+    const int64_t row = n0 + place.word_col * 4 + j;
     if (row >= a.n) break;
     uint8_t* dst = a.qT + row * a.m + col;
     if (a.cols_vectorized && col + 16 <= a.m) {
