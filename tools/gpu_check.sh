@@ -5,7 +5,8 @@
 # "name:args" passes args, + for spaces: BENCH="transformer_layer:--no-compile modules:--skip+training
 # llama:--variants+ours-fp8,hf-eager";
 # BENCH= skips them;
-# TEST_TIMEOUT / BENCH_TIMEOUT bound each step in seconds)
+# TEST_TIMEOUT / BENCH_TIMEOUT bound each step in seconds; PREBUILT_SO=path.so.gz loads a library made here by
+# tools/prebuilt_so.sh instead of building: minutes of device time saved, the build runs only if it fails to load)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -16,7 +17,9 @@ source tools/device_env.sh > "$OUT/build.log" 2>&1
   python -c "import sysconfig; print('LDSHARED:', sysconfig.get_config_var('LDSHARED'))"
   python -c "import sysconfig; print('LDCXXSHARED:', sysconfig.get_config_var('LDCXXSHARED'))"
 } | tee "$OUT/bench.log"
-python -m pip install --no-build-isolation --no-deps -e . >> "$OUT/build.log" 2>&1 || { tail -80 "$OUT/build.log"; exit 1; }
+if [[ -z ${PREBUILT_SO:-} ]] || ! bash tools/use_prebuilt_so.sh "$PREBUILT_SO" >> "$OUT/build.log" 2>&1; then
+  python -m pip install --no-build-isolation --no-deps -e . >> "$OUT/build.log" 2>&1 || { tail -80 "$OUT/build.log"; exit 1; }
+fi
 echo "build: $(( $(date +%s) - start )) s"
 timeout ${TEST_TIMEOUT:-400} python -m pytest -q -rs "${@:-tests}" > "$OUT/tests.log" 2>&1
 tests_rc=$?
