@@ -156,8 +156,44 @@ def test_fp8_cpu_output_activation_matches_float64(recipe, activation, bias, mon
         torch.nn.init.normal_(b, std=0.1)
     run_against_reference(module, splits, device, dtype, RECIPES[recipe](), tensor_splits, FWD_TOL,
                           ACTIVATION_GRAD_TOL, splits_aligned=True, output_activation=activation)
-    # the fused d(activation) + cast: delayed scaling's second step (its scale known), no biases
-    assert counter.calls == (1 if recipe.startswith("delayed") and not bias else 0)
+    # the fused d(activation) + cast: delayed scaling's two steps (the first with the scale of an amax pass), no biases
+    assert counter.calls == (2 if recipe.startswith("delayed") and not bias else 0)
+
+
+@pytest.mark.parametrize("activation", ("swiglu", "gelu"))
+def test_first_delayed_step_fused_dact_matches_float64(activation, monkeypatch):
+    """Delayed scaling's first step, before any scale exists: the output gradient's scale comes from an amax pass over
+    act'(x) * dy (the fused d(activation) cast then writes FP8 directly, no 16-bit d(x) made), and the step's
+    gradients match float64 within FP8 tolerance; the role's amax is that of the exact d(x)."""
+    from transformer_fp8.module import grouped_linear
+
+    counter = CallCounter(grouped_linear.tfp8, "dact_cast_transpose")
+    monkeypatch.setattr(grouped_linear, "tfp8", counter)
+    torch.manual_seed(7)
+    splits = SPLITS["aligned"]
+    module = te.GroupedLinear(len(splits), 64, 96, bias=False, device="cpu", params_dtype=torch.float32)
+    x = torch.randn(sum(splits), 64, requires_grad=True)
+    m_splits = torch.tensor(splits)
+    with te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
+        out = module(x, m_splits, splits_aligned=True, output_activation=activation)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert counter.calls == 1
+    x64 = x.detach().double().requires_grad_()
+    w64 = [w.detach().double().requires_grad_() for w in module.weights]
+    pre = reference(x64, w64, [], splits)
+    pre.retain_grad()
+    ref = activate64(pre, activation)
+    ref.backward(grad.double())
+    assert_close_rel(out, ref, FWD_TOL)
+    assert_close_rel(x.grad, x64.grad, ACTIVATION_GRAD_TOL, "dx")
+    for g, (w, w_ref) in enumerate(zip(module.weights, w64)):
+        if splits[g]:
+            assert_close_rel(w.grad, w_ref.grad, ACTIVATION_GRAD_TOL, f"dW{g}")
+    # the amax the pass found: that of d(pre) (pre from the FP8 forward's GEMM, hence the tolerance)
+    quantizer = module.quantizers[grouped_linear.Role.GRAD_OUTPUT]
+    amax, exact = float(quantizer.state.amax_history[:, quantizer.slot].max()), float(pre.grad.abs().max())
+    assert abs(amax - exact) <= 0.15 * exact, (amax, exact)
 
 
 @pytest.mark.parametrize("activation", ("swiglu", "gelu", "relu"))

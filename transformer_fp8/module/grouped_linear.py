@@ -33,6 +33,7 @@ from ..grouped_gemm import ALIGN, group_offsets, padded_groups
 from ..ops import activation_high_precision, activation_out_features, tfp8
 from ..quantization import FP8Operand, Role
 from ..recipe import Format
+from ._amax_passes import activation_grad_amax
 from ._gemm import high_precision_linear
 from ._grouped_linear_block import GroupedLinearBlockFP8, cast_block_weights, check_block_recipe, is_block
 from .base import FP8ModuleBase, check_choice, check_positive, main_grad_of
@@ -158,8 +159,12 @@ def _grad_output(ctx, grad: torch.Tensor, pre_activation: torch.Tensor | None, q
     need_dgrad, need_wgrad = ctx.need
     transpose = need_wgrad and ctx.aligned
     if pre_activation is not None:
-        if quantizer.fused_per_tensor and quantizer.known_scale and ctx.group_ids is None:
-            scale, fp8_dtype, amax, scale_inv = quantizer.output_args()
+        fp8_args = None
+        if quantizer.fused_per_tensor and ctx.group_ids is None:  # (delayed scaling's first step: from an amax pass)
+            fp8_args = quantizer.output_args_for(activation_grad_amax(grad, pre_activation, None, ctx.activation),
+                                                 grad.device)
+        if fp8_args is not None:
+            scale, fp8_dtype, amax, scale_inv = fp8_args
             q, qt, _ = tfp8.dact_cast_transpose(grad, pre_activation, ctx.activation, scale, fp8_dtype, amax,
                                                 scale_inv, False, transpose)
             return None, FP8Operand(q, qt if transpose else None, scale_inv, fp8_dtype)
