@@ -41,6 +41,13 @@ def activate64(y, activation):
     return 0.5 * y * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3)))
 
 
+def assert_weight_grads(weights, refs, splits, tol):
+    """Each non-empty group's weight gradient against its float64 reference's."""
+    for g, (w, w_ref) in enumerate(zip(weights, refs)):
+        if splits[g]:
+            assert_close_rel(w.grad, w_ref.grad, tol, f"dW{g}")
+
+
 def run_against_reference(module, splits, device, dtype, fp8_recipe, tensor_splits, tol, grad_tol, main_grad=False,
                           splits_aligned=False, output_activation=None):
     k = module.in_features
@@ -187,9 +194,7 @@ def test_first_delayed_step_fused_dact_matches_float64(activation, monkeypatch):
     ref.backward(grad.double())
     assert_close_rel(out, ref, FWD_TOL)
     assert_close_rel(x.grad, x64.grad, ACTIVATION_GRAD_TOL, "dx")
-    for g, (w, w_ref) in enumerate(zip(module.weights, w64)):
-        if splits[g]:
-            assert_close_rel(w.grad, w_ref.grad, ACTIVATION_GRAD_TOL, f"dW{g}")
+    assert_weight_grads(module.weights, w64, splits, ACTIVATION_GRAD_TOL)
     # the amax the pass found: that of d(pre) (pre from the FP8 forward's GEMM, hence the tolerance)
     quantizer = module.quantizers[grouped_linear.Role.GRAD_OUTPUT]
     amax, exact = float(quantizer.state.amax_history[:, quantizer.slot].max()), float(pre.grad.abs().max())
@@ -335,9 +340,7 @@ def test_fp8_weight_cache_follows_is_first_microbatch(recipe):
     ref.backward(grad.double())
     assert_close_rel(cached, ref, FWD_TOL)
     assert_close_rel(x.grad, x64.grad, GRAD_TOL, "dx (through the cached weights)")
-    for g, (w, w_ref) in enumerate(zip(module.weights, w64)):
-        if splits[g]:
-            assert_close_rel(w.grad, w_ref.grad, GRAD_TOL, f"dW{g}")
+    assert_weight_grads(module.weights, w64, splits, GRAD_TOL)
     with te.fp8_autocast(fp8_recipe=RECIPES[recipe]()):  # (True casts again: the halved weights now)
         again = module(x.detach(), splits, is_first_microbatch=True)
     assert_close_rel(again, 0.5 * ref.detach(), FWD_TOL)
