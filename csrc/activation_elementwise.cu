@@ -16,7 +16,7 @@ constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
 // Chunks per thread whose loads are in flight together (activation_fwd_kernel), and the blocks per SM its register
 // budget aims at (64 registers a thread): the fastest of the variants timed for SwiGLU, with and without the kept
-// input (1 to 8 chunks, 1 to 4 blocks; benchmarks/RESULTS_swiglu.md).
+// input (1 to 8 chunks, 1 to 4 blocks; benchmarks/RESULTS.md, session 5, "SwiGLU FP8 kernels").
 constexpr int kBatch = 2;
 constexpr int kMinBlocks = 4;
 
