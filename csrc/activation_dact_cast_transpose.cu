@@ -116,7 +116,8 @@ __device__ __forceinline__ void store_transposed(const uint8_t* tile, const Dact
 }
 
 // Blocks per SM the register budget aims at: the fastest of the variants timed for SwiGLU from the kept and from the
-// 16-bit input (benchmarks/RESULTS.md, session 5, "SwiGLU FP8 kernels"); float32 inputs and column sums take more registers.
+// 16-bit input (benchmarks/RESULTS.md, session 5, "SwiGLU FP8 kernels"); float32 inputs and column sums take more
+// registers.
 template <bool KEPT, DType IN, bool DBIAS>
 constexpr int min_blocks_per_sm() {
   return (DBIAS || IN == DType::kFloat32) ? 2 : KEPT ? 4 : 3;

@@ -119,8 +119,8 @@ namespace {
 
 using grouped::current_device;
 
-// kAuto's choice, from two H200 runs of benchmarks/bench_moe.py (RESULTS.md, helper "grouped"): with fast accumulation the
-// pingpong 128x128 tiles were the fastest forward at 8 and at 64 experts, the cooperative 128x256 ones the fastest
+// kAuto's choice, from two H200 runs of benchmarks/bench_moe.py (RESULTS.md, helper "grouped"): with fast accumulation
+// the pingpong 128x128 tiles were the fastest forward at 8 and at 64 experts, the cooperative 128x256 ones the fastest
 // wgrad; with the split accumulator the cooperative 128x192 tiles were the fastest in every form measured (forward
 // shape and wgrad, 8 and 64 experts).
 GroupedTile auto_tile(const GroupedFp8GemmArgs& args) {

@@ -265,8 +265,8 @@ __device__ __forceinline__ uint32_t pack4(const float (&v)[kCols], const float (
   return word;
 }
 
-// Writes scale_inv values of the 128x128 block (blockIdx.y, bx) into both layouts, and the padding entries right of the last
-// block of a row (value 1).
+// Writes scale_inv values of the 128x128 block (blockIdx.y, bx) into both layouts, and the padding entries right of the
+// last block of a row (value 1).
 __device__ __forceinline__ void store_block_scales(const BlockCastArgs& a, int64_t bx, float scale_inv) {
   const int64_t by = blockIdx.y;
   if (a.scale_inv != nullptr) {
