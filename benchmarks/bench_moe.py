@@ -60,8 +60,10 @@ def fp8(*shape: int) -> torch.Tensor:
     return (torch.randn(*shape, device="cuda") * 0.5).to(E4M3)
 
 
-def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict, dict]:
-    """({variant: measure() -> TFLOP/s}, info) for one shape."""
+def gemm_measures(groups: int, m: int, k: int, n: int, iters: int,
+                  variants: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """({variant: measure() -> TFLOP/s}, info) for one shape; only the variants whose names start with one of
+    `variants` when given."""
     splits, splits16 = uneven_splits(groups, m), uneven_splits(groups, m, 16)
     offs, offs16 = (group_offsets(torch.tensor(s, device="cuda")) for s in (splits, splits16))
     x, w, one = fp8(m, k), fp8(groups, n, k), torch.ones(1, device="cuda")
@@ -100,18 +102,25 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict
         "fprop fp8 grouped (ours, large tiles)": ours(1),
         "fprop fp8 grouped (ours, small tiles)": ours(2),
         "fprop fp8 grouped (ours, alt tiles)": ours(3),
+        "fprop fp8 grouped (ours, wide tiles)": ours(4),
+        "fprop fp8 grouped (ours, solo tiles)": ours(5),
         "fprop-shape split accumulator (torch kernel)": lambda: torch._scaled_grouped_mm(
             x, w.transpose(-2, -1), scale_x, scale_w, offs=offs, out_dtype=torch.bfloat16),
         "fprop-shape split accumulator (ours, large tiles)": ours(1, fast=False),
         "fprop-shape split accumulator (ours, small tiles)": ours(2, fast=False),
         "fprop-shape split accumulator (ours, alt tiles)": ours(3, fast=False),
+        "fprop-shape split accumulator (ours, wide tiles)": ours(4, fast=False),
+        "fprop-shape split accumulator (ours, solo tiles)": ours(5, fast=False),
         "fprop-shape split accumulator (fp8 dense, equal FLOPs)": lambda: tfp8.fp8_gemm(
             x, one, dense_w, one, torch.bfloat16, use_split_accumulator=True),
         "wgrad fp8 grouped (ours, split, large tiles)": ours(1, fast=False, wgrad=True),
         "wgrad fp8 grouped (ours, split, small tiles)": ours(2, fast=False, wgrad=True),
         "wgrad fp8 grouped (ours, split, alt tiles)": ours(3, fast=False, wgrad=True),
+        "wgrad fp8 grouped (ours, split, wide tiles)": ours(4, fast=False, wgrad=True),
+        "wgrad fp8 grouped (ours, split, solo tiles)": ours(5, fast=False, wgrad=True),
         "wgrad fp8 grouped (ours, fast accumulation, large tiles)": ours(1, fast=True, wgrad=True),
         "wgrad fp8 grouped (ours, fast accumulation, small tiles)": ours(2, fast=True, wgrad=True),
+        "wgrad fp8 grouped (ours, fast accumulation, wide tiles)": ours(4, fast=True, wgrad=True),
         "fprop bf16 grouped": lambda: torch._grouped_mm(xb, wb.transpose(-2, -1), offs=offs),
         "fprop fp8 loop of dense": loop,
         "fprop fp8 dense (equal FLOPs)": lambda: tfp8.fp8_gemm(x, one, dense_w, one, torch.bfloat16,
@@ -132,6 +141,8 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int) -> tuple[dict
     }
     fns.update(where_the_time_goes(groups, m, k, n, x, w, one))
     fns.update(block_scaled_fns(groups, m, k, n))
+    if variants:
+        fns = {name: fn for name, fn in fns.items() if name.startswith(variants)}
     # (wgrad dense: [N, M] x [K, M]ᵀ -> [N, K], contracting over all M rows: the same FLOPs as the grouped wgrad)
     measures = {name: (lambda fn=fn: flops / gpu_time_ms(fn, warmup=3, iters=iters) / 1e9) for name, fn in fns.items()}
     return measures, {"groups": groups, "M": m, "K": k, "N": n, "splits": splits, "wgrad_splits": splits16,
@@ -154,6 +165,8 @@ def where_the_time_goes(groups: int, m: int, k: int, n: int, x: torch.Tensor, w:
         "fprop ours small tiles, one group of all rows": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w[:1], one, whole,
                                                                                             True, 2),
         "fprop ours large tiles, equal groups": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, equal, True, 1),
+        "fprop ours wide tiles, equal groups": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, equal, True, 4),
+        "fprop ours solo tiles, equal groups": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, equal, True, 5),
     }
 
 
@@ -268,11 +281,13 @@ def variant_moe(layer: torch.nn.Module, host_splits: bool = False, align_size: i
     return forward
 
 
-def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module | None = None):
+def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module | None = None,
+                    tiles: dict | None = None):
     """(run(): one fwd + bwd of the benchmark's MoE layer, the layer) for a recipe (None: BF16) and a variant:
     "layer" (MoELayer itself), "host", "host unaligned", "unaligned", "unfused swiglu" (variant_moe), "bf16 grouped"
     (bf16_grouped_moe), "fast wgrad" (MoELayer, the FP8 wgrad kernel with fast accumulation), "torch kernel" (MoELayer
-    with grouped_gemm.BACKEND = "torch")."""
+    with grouped_gemm.BACKEND = "torch"); tiles: grouped_gemm.CUTLASS_TILE during the step (None: 0, the kernel's
+    choice)."""
     from transformer_fp8.moe import MoELayer
 
     c = LAYER
@@ -294,16 +309,31 @@ def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module 
         for p in layer.parameters():
             p.grad = None
         grouped_gemm.WGRAD_FAST_ACCUMULATION, grouped_gemm.BACKEND = fast_wgrad, backend
+        grouped_gemm.CUTLASS_TILE = tiles or 0
         try:
             with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
                 out = layer(x) if fn is None else fn(x)
             out.backward(grad)
         finally:
             grouped_gemm.WGRAD_FAST_ACCUMULATION, grouped_gemm.BACKEND = False, "auto"
+            grouped_gemm.CUTLASS_TILE = 0
     return run, layer
 
 
-LAYER_VARIANTS = {  # name: (recipe, variant of make_layer_step)
+# Our kernel's tile choices per (form, fast accumulation), grouped_gemm.CUTLASS_TILE's dict: the choice of
+# session 3 (forward pingpong 128x128, dgrad / wgrad cooperative 128x192 c2x1), and single changes to it
+TILES_SESSION3 = {("rows", True): 2, ("rows", False): 3, ("contraction", False): 3, ("contraction", True): 1}
+TILE_VARIANTS = {
+    "session 3's": TILES_SESSION3,
+    "forward large": {**TILES_SESSION3, ("rows", True): 1},
+    "forward wide": {**TILES_SESSION3, ("rows", True): 4},
+    "forward solo": {**TILES_SESSION3, ("rows", True): 5},
+    "dgrad wide": {**TILES_SESSION3, ("rows", False): 4},
+    "dgrad solo": {**TILES_SESSION3, ("rows", False): 5},
+    "wgrad wide": {**TILES_SESSION3, ("contraction", False): 4},
+    "forward + dgrad wide": {**TILES_SESSION3, ("rows", True): 4, ("rows", False): 4},
+}
+LAYER_VARIANTS = {  # name: (recipe, variant of make_layer_step[, tiles])
     "fp8 delayed (device splits: grouped kernel, no sync)": (DelayedScaling, "layer"),
     "fp8 delayed (device splits, torch's grouped kernel)": (DelayedScaling, "torch kernel"),
     "fp8 current (device splits)": (Float8CurrentScaling, "layer"),
@@ -314,18 +344,23 @@ LAYER_VARIANTS = {  # name: (recipe, variant of make_layer_step)
     "fp8 delayed (host splits: dense loop, one sync)": (DelayedScaling, "host"),
     "fp8 current (host splits)": (Float8CurrentScaling, "host"),
     "fp8 delayed (host splits, unaligned permute)": (DelayedScaling, "host unaligned"),
+    **{f"fp8 delayed (device splits, tiles: {name})": (DelayedScaling, "layer", tiles)
+       for name, tiles in TILE_VARIANTS.items()},
     "bf16 (MoELayer, F.linear per expert)": (None, "layer"),
     "bf16 (torch._grouped_mm)": (None, "bf16 grouped"),
 }
 
 
-def layer_measures(iters: int) -> tuple[dict, dict]:
-    """({variant: measure() -> ms per fwd + bwd}, the layer's shape); one layer (same weights) for all."""
+def layer_measures(iters: int, variants: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """({variant: measure() -> ms per fwd + bwd}, the layer's shape); one layer (same weights) for all; only the
+    variants whose names start with one of `variants` when given."""
     torch.manual_seed(0)
     _, layer = make_layer_step()
     measures = {}
-    for name, (recipe, variant) in LAYER_VARIANTS.items():
-        run, _ = make_layer_step(recipe and recipe(), variant, layer)
+    for name, (recipe, variant, *tiles) in LAYER_VARIANTS.items():
+        if variants and not name.startswith(variants):
+            continue
+        run, _ = make_layer_step(recipe and recipe(), variant, layer, *tiles)
         measures[name] = lambda fn=run: gpu_time_ms(fn, warmup=2, iters=iters)
     return measures, dict(LAYER)
 
@@ -339,8 +374,8 @@ def profile_layer(names: list[str], path: str | None, steps: int = 3, top: int =
     _, layer = make_layer_step()
     text = []
     for name in names:
-        recipe, variant = LAYER_VARIANTS[name]
-        run, _ = make_layer_step(recipe and recipe(), variant, layer)
+        recipe, variant, *tiles = LAYER_VARIANTS[name]
+        run, _ = make_layer_step(recipe and recipe(), variant, layer, *tiles)
         for _ in range(3):
             run()
         torch.cuda.synchronize()
@@ -366,6 +401,10 @@ def main():
     parser.add_argument("--skip-gemm", action="store_true")
     parser.add_argument("--gemm-shapes", default=",".join(GEMM_SHAPES),
                         help=f"comma-separated grouped GEMM shapes, from {list(GEMM_SHAPES)}")
+    parser.add_argument("--gemm-variants", default="", metavar="PREFIXES",
+                        help="comma-separated name prefixes: only the grouped GEMM variants they start (default all)")
+    parser.add_argument("--layer-variants", default="", metavar="PREFIXES",
+                        help="comma-separated name prefixes: only the MoE layer variants they start (default all)")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="also profile 3 steps of the FP8 delayed layer (device and host splits): top kernels "
                              "printed and written to FILE")
@@ -378,7 +417,8 @@ def main():
         if name not in GEMM_SHAPES:
             parser.error(f"--gemm-shapes: expected names from {list(GEMM_SHAPES)}, got {name!r}")
     for shape_name in shape_names:
-        measures, info = gemm_measures(*GEMM_SHAPES[shape_name], iters=args.iters)
+        measures, info = gemm_measures(*GEMM_SHAPES[shape_name], iters=args.iters,
+                                       variants=tuple(p for p in args.gemm_variants.split(",") if p))
         info["shape"] = shape_name
         stats = run_rounds(measures, args.rounds)
         info["tflops"] = stats
@@ -387,29 +427,29 @@ def main():
               f"{info['splits']}\n| variant | TFLOP/s (median) |\n|---|---|")
         for name, s in stats.items():
             print(f"| {name} | {s.get('median', s.get('error'))} |")
-        dense = stats["fprop fp8 dense (equal FLOPs)"].get("median")
+        dense = stats.get("fprop fp8 dense (equal FLOPs)", {}).get("median")
         for name in [k for k in stats if k.startswith("fprop fp8 grouped") or k.startswith("fprop ours")]:
             grouped = stats[name].get("median")
             if dense and grouped:
                 print(f"{name} / dense: {grouped / dense:.2f}")
-        block_dense = stats["block fprop fp8 dense (cuBLASLt, equal FLOPs)"].get("median")
-        block_grouped = stats["block fprop fp8 grouped (ours)"].get("median")
+        block_dense = stats.get("block fprop fp8 dense (cuBLASLt, equal FLOPs)", {}).get("median")
+        block_grouped = stats.get("block fprop fp8 grouped (ours)", {}).get("median")
         if block_dense and block_grouped:
             print(f"block fprop fp8 grouped (ours) / block dense: {block_grouped / block_dense:.2f}")
-        if grouped_gemm.use_cutlass(torch.device("cuda")):
+        if grouped_gemm.use_cutlass(torch.device("cuda")) and not args.gemm_variants:
             info["wgrad_precision"] = wgrad_precision(*GEMM_SHAPES[shape_name])
             print("| wgrad kernel | relative error (norm) | largest error / largest value |\n|---|---|---|")
             for name, (rel, worst) in info["wgrad_precision"].items():
                 print(f"| {name} | {rel:.2e} | {worst:.2e} |")
     if not args.skip_layer:
-        measures, info = layer_measures(args.iters)
+        measures, info = layer_measures(args.iters, tuple(p for p in args.layer_variants.split(",") if p))
         stats = run_rounds(measures, args.rounds)
         info["ms"] = stats
         results["layer"] = info
         print(f"\n## MoE layer fwd+bwd: {LAYER}\n| variant | ms (median) | speedup vs bf16 F.linear | vs bf16 "
               "grouped |\n|---|---|---|---|")
-        base = stats["bf16 (MoELayer, F.linear per expert)"].get("median")
-        grouped = stats["bf16 (torch._grouped_mm)"].get("median")
+        base = stats.get("bf16 (MoELayer, F.linear per expert)", {}).get("median")
+        grouped = stats.get("bf16 (torch._grouped_mm)", {}).get("median")
         for name, s in stats.items():
             ms = s.get("median")
             ratio = lambda b: f"{b / ms:.2f}x" if ms and b else "-"  # noqa: E731

@@ -39,5 +39,9 @@ GroupedConfigEntry split_large_config();
 GroupedConfigEntry split_small_config();
 GroupedConfigEntry fast_alt_config();
 GroupedConfigEntry split_alt_config();
+GroupedConfigEntry fast_wide_config();
+GroupedConfigEntry split_wide_config();
+GroupedConfigEntry fast_solo_config();
+GroupedConfigEntry split_solo_config();
 
 }  // namespace tfp8::grouped

@@ -119,13 +119,21 @@ namespace {
 
 using grouped::current_device;
 
-// kAuto's choice, from two H200 runs of benchmarks/bench_moe.py (RESULTS.md, helper "grouped"): with fast accumulation
-// the pingpong 128x128 tiles were the fastest forward at 8 and at 64 experts, the cooperative 128x256 ones the fastest
-// wgrad; with the split accumulator the cooperative 128x192 tiles were the fastest in every form measured (forward
-// shape and wgrad, 8 and 64 experts).
+// kAuto's choice (benchmarks/RESULTS.md, MoE sections of 2026-11-26 sessions 3 and 6). Forward with fast accumulation:
+// groups of many rows take 128x256 tiles in 1x2 clusters (wide: a group's M tiles are not rounded up to cluster pairs,
+// which the 2x1 clusters of the large tiles do, and no uneven group leaves half a cluster idle); small groups the
+// pingpong 128x128 ones (fewer rows of a group's last tile wasted). Split accumulator: the 128x192 tiles, in 1x2
+// clusters for the rows form (the dgrad) for the same reason, in 2x1 clusters for the wgrad (its output tiles are
+// the same for every group). Fast-accumulation wgrad: the large tiles.
+constexpr int64_t kWideFromRowsPerGroup = 512;
+
 GroupedTile auto_tile(const GroupedFp8GemmArgs& args) {
-  if (!args.fast_accumulation) return GroupedTile::kAlt;
-  return args.kind == GroupedKind::kContraction ? GroupedTile::kLarge : GroupedTile::kSmall;
+  if (args.kind == GroupedKind::kContraction) {
+    return args.fast_accumulation ? GroupedTile::kLarge : GroupedTile::kAlt;
+  }
+  if (!args.fast_accumulation) return GroupedTile::kWide;
+  const int64_t rows_per_group = args.rows / std::max(args.groups, 1);
+  return rows_per_group >= kWideFromRowsPerGroup ? GroupedTile::kWide : GroupedTile::kSmall;
 }
 
 GroupedConfigEntry pick_config(const GroupedFp8GemmArgs& args) {
@@ -134,6 +142,8 @@ GroupedConfigEntry pick_config(const GroupedFp8GemmArgs& args) {
     case GroupedTile::kSmall:
       return args.fast_accumulation ? grouped::fast_small_config() : grouped::split_small_config();
     case GroupedTile::kAlt: return args.fast_accumulation ? grouped::fast_alt_config() : grouped::split_alt_config();
+    case GroupedTile::kWide: return args.fast_accumulation ? grouped::fast_wide_config() : grouped::split_wide_config();
+    case GroupedTile::kSolo: return args.fast_accumulation ? grouped::fast_solo_config() : grouped::split_solo_config();
     default: return args.fast_accumulation ? grouped::fast_large_config() : grouped::split_large_config();
   }
 }

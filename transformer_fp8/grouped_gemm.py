@@ -26,10 +26,26 @@ ALIGN = 16  # rows per group the wgrad kernel needs (16 bytes of FP8)
 # Which kernel runs the grouped GEMMs on CUDA: "auto", "cutlass" (ours; an error where it is not built or the GPU is
 # not a compute capability 9.0 one) or "torch" (torch._scaled_grouped_mm). Read at each call.
 BACKEND = "auto"
-# Our kernel's CTA tiles: 0 picks by kind, accumulation and the groups' average size; 1 large, 2 small, 3 alt
-# (csrc/grouped_gemm.h). Read at each call.
-CUTLASS_TILE = 0
+# Our kernel's CTA tiles: 0 picks by kind, accumulation and the groups' average size; 1 large, 2 small, 3 alt, 4 wide,
+# 5 solo (csrc/grouped_gemm.h); or a dict {(form, fast_accumulation): tile} with form "rows" (fprop, dgrad) or
+# "contraction" (wgrad), 0 for the pairs it leaves out (to compare choices inside one model step). Read at each call.
+CUTLASS_TILE: int | dict[tuple[str, bool], int] = 0
 _BACKENDS = ("auto", "cutlass", "torch")
+
+
+def cutlass_tile(form: str, fast_accumulation: bool) -> int:
+    """The tile configuration CUTLASS_TILE asks for, for one GEMM.
+
+    Args:
+        form: "rows" (fprop, dgrad) or "contraction" (wgrad).
+        fast_accumulation: the GEMM's accumulation.
+
+    Returns:
+        The ops' tile argument (0: the kernel's own choice).
+    """
+    if isinstance(CUTLASS_TILE, dict):
+        return CUTLASS_TILE.get((form, fast_accumulation), 0)
+    return CUTLASS_TILE
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,7 +93,8 @@ def _grouped_fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tenso
         return a.new_empty((0, n), dtype=out_dtype)
     if use_cutlass(a.device):
         out = torch.ops.transformer_fp8.grouped_fp8_gemm_sm90(a, a_scale_inv, b, b_scale_inv, offs,
-                                                              not use_split_accumulator, CUTLASS_TILE)
+                                                              not use_split_accumulator,
+                                                              cutlass_tile("rows", not use_split_accumulator))
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
     scale_a = a_scale_inv.expand(m).contiguous()
     scale_b = b_scale_inv.reshape(-1, 1).expand(g, n).contiguous()
@@ -116,8 +133,9 @@ def _grouped_fp8_gemm_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: t
         a = a_t.to(torch.bfloat16).mul_(a_scale_inv * b_scale_inv)
         out = torch._grouped_mm(a, b_t.to(torch.bfloat16).t(), offs=offs)
     elif cutlass:
-        out = torch.ops.transformer_fp8.grouped_fp8_gemm_wgrad_sm90(a_t, a_scale_inv, b_t, b_scale_inv, offs,
-                                                                    WGRAD_FAST_ACCUMULATION, CUTLASS_TILE)
+        fast = WGRAD_FAST_ACCUMULATION
+        out = torch.ops.transformer_fp8.grouped_fp8_gemm_wgrad_sm90(a_t, a_scale_inv, b_t, b_scale_inv, offs, fast,
+                                                                    cutlass_tile("contraction", fast))
     else:
         out = torch._scaled_grouped_mm(a_t, b_t.t(), a_scale_inv.expand(g * n).contiguous(),
                                        b_scale_inv.expand(g * k).contiguous(), offs=offs, out_dtype=torch.bfloat16,

@@ -147,8 +147,20 @@ def test_sm90_ops_cpu_reference_matches_grouped_ops():
     out = ops.grouped_fp8_gemm_wgrad_sm90(a_t, sa, b_t, sa, offs, True, 2)
     assert out.dtype == torch.bfloat16 and out.shape == (4, 16, 32)
     assert torch.equal(out, ops.grouped_fp8_gemm_wgrad(a_t, sa, b_t, sa, offs, torch.bfloat16))
+    for tile in range(6):  # (every tile configuration is the same float32-summed reference here)
+        assert torch.equal(ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offs, tile % 2 == 0, tile),
+                           ops.grouped_fp8_gemm(a, sa, b, sb, offs, torch.bfloat16))
     with pytest.raises(ValueError, match="tile: expected 0"):
-        ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offs, False, 4)
+        ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offs, False, 6)
+
+
+def test_cutlass_tile_per_form(monkeypatch):
+    """CUTLASS_TILE as one tile for every call, or per (form, accumulation) with 0 (the kernel's choice) elsewhere."""
+    monkeypatch.setattr(grouped_gemm, "CUTLASS_TILE", {("rows", True): 4, ("contraction", False): 3})
+    assert grouped_gemm.cutlass_tile("rows", True) == 4 and grouped_gemm.cutlass_tile("rows", False) == 0
+    assert grouped_gemm.cutlass_tile("contraction", False) == 3 and grouped_gemm.cutlass_tile("contraction", True) == 0
+    monkeypatch.setattr(grouped_gemm, "CUTLASS_TILE", 5)
+    assert all(grouped_gemm.cutlass_tile(form, fast) == 5 for form in ("rows", "contraction") for fast in (False, True))
 
 
 def test_backend_flag_is_checked():
@@ -212,10 +224,14 @@ def random_splits(groups, rows, multiple, generator):
     return sizes.tolist()
 
 
+# every (tile, accumulation) pair our kernel is built with
+TILE_CONFIGS = [(tile, fast) for tile in (0, 1, 2, 3, 4, 5) for fast in (False, True)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", (0, 1, 2, 3))
-@pytest.mark.parametrize("fast_accumulation", (False, True))
-@pytest.mark.parametrize("groups,rows,n,k", ((8, 1000, 384, 1024), (33, 700, 160, 272), (3, 5, 16, 16)))
+@pytest.mark.parametrize("tile,fast_accumulation", TILE_CONFIGS)
+@pytest.mark.parametrize("groups,rows,n,k", ((8, 1000, 384, 1024), (33, 700, 160, 272), (3, 5, 16, 16),
+                                             (64, 3000, 2816, 256)))
 def test_cuda_sm90_grouped_gemm_every_config(tile, fast_accumulation, groups, rows, n, k):
     """Our kernel, each tile configuration and accumulation, on several CTA tiles per group, K-loops longer than the
     promotion interval, ragged edges (N, K not multiples of the tiles) and empty groups, against float64."""
@@ -235,8 +251,7 @@ def test_cuda_sm90_grouped_gemm_every_config(tile, fast_accumulation, groups, ro
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", (0, 1, 2, 3))
-@pytest.mark.parametrize("fast_accumulation", (False, True))
+@pytest.mark.parametrize("tile,fast_accumulation", TILE_CONFIGS)
 @pytest.mark.parametrize("groups,rows,n,k", ((8, 4096, 384, 272), (17, 1024, 160, 256)))
 def test_cuda_sm90_grouped_wgrad_every_config(tile, fast_accumulation, groups, rows, n, k):
     if not cutlass_built():

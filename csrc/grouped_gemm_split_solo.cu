@@ -1,0 +1,15 @@
+// One tile configuration of the grouped FP8 GEMM (csrc/grouped_gemm_kernel.cuh): split accumulator (float32 promotion
+// every 128 K elements), cooperative 128x192x128 tiles, no clusters (no multicast, and no rounding of a group's M or N
+// tiles up to a cluster's).
+#include "grouped_gemm_kernel.cuh"
+
+namespace tfp8::grouped {
+
+GroupedConfigEntry split_solo_config() {
+  return entry_of<
+      GroupedGemmConfig<cute::Shape<cute::_128, cute::_192, cute::_128>, cute::Shape<cute::_1, cute::_1, cute::_1>,
+                        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                        cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>>();
+}
+
+}  // namespace tfp8::grouped
