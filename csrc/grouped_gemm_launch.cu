@@ -119,21 +119,23 @@ namespace {
 
 using grouped::current_device;
 
-// kAuto's choice (benchmarks/RESULTS.md, MoE sections of 2026-11-26 sessions 3 and 6). Forward with fast accumulation:
-// groups of many rows take 128x256 tiles in 1x2 clusters (wide: a group's M tiles are not rounded up to cluster pairs,
-// which the 2x1 clusters of the large tiles do, and no uneven group leaves half a cluster idle); small groups the
-// pingpong 128x128 ones (fewer rows of a group's last tile wasted). Split accumulator: the 128x192 tiles, in 1x2
-// clusters for the rows form (the dgrad) for the same reason, in 2x1 clusters for the wgrad (its output tiles are
-// the same for every group). Fast-accumulation wgrad: the large tiles.
-constexpr int64_t kWideFromRowsPerGroup = 512;
+// kAuto's choice, from H100 runs of benchmarks/bench_moe.py over three shapes of uneven groups (8 experts of 2048 rows
+// on average, 64 of 768 and 64 of 256) and the MoE layer (RESULTS.md, MoE sections of 2026-11-26 sessions 3 and 6).
+// Forward with fast accumulation: groups of many rows take 128x256 tiles without clusters (solo: no group's M or N
+// tiles rounded up to a cluster's, and the wider tile reads B once per 256 columns), smaller groups the pingpong
+// 128x128 tiles (less of a group's last tile wasted). Split accumulator: the 128x192 tiles, in 1x2 clusters (wide)
+// for the rows form (the dgrad) and for the wgrad of long groups, in 2x1 clusters otherwise. Fast-accumulation wgrad:
+// the large tiles.
+constexpr int64_t kLargeGroupRows = 1024;
 
 GroupedTile auto_tile(const GroupedFp8GemmArgs& args) {
+  const bool large_groups = args.rows >= kLargeGroupRows * std::max(args.groups, 1);
   if (args.kind == GroupedKind::kContraction) {
-    return args.fast_accumulation ? GroupedTile::kLarge : GroupedTile::kAlt;
+    if (args.fast_accumulation) return GroupedTile::kLarge;
+    return large_groups ? GroupedTile::kWide : GroupedTile::kAlt;
   }
   if (!args.fast_accumulation) return GroupedTile::kWide;
-  const int64_t rows_per_group = args.rows / std::max(args.groups, 1);
-  return rows_per_group >= kWideFromRowsPerGroup ? GroupedTile::kWide : GroupedTile::kSmall;
+  return large_groups ? GroupedTile::kSolo : GroupedTile::kSmall;
 }
 
 GroupedConfigEntry pick_config(const GroupedFp8GemmArgs& args) {
