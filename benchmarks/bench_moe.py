@@ -3,7 +3,8 @@
 1. Grouped GEMM TFLOP/s, forward form (out [M, N] = x_g W_gᵀ per group) and weight-gradient form (dW_g = dy_gᵀ x_g),
    uneven group sizes (drawn once, seeded; the wgrad's rounded to multiples of 16, which its kernel needs):
    - fp8 grouped (op): tfp8.grouped_fp8_gemm / grouped_fp8_gemm_wgrad on grouped_gemm.BACKEND's kernel (auto: ours);
-   - fp8 grouped (ours, large / small tiles): our CUTLASS kernel's ops (grouped_fp8_gemm_sm90, _wgrad_sm90) directly;
+   - fp8 grouped (ours, large / small / alt / wide / solo tiles): our CUTLASS kernel's ops (grouped_fp8_gemm_sm90,
+     _wgrad_sm90) directly, one tile configuration each (csrc/grouped_gemm.h);
    - fp8 grouped (torch kernel): torch._scaled_grouped_mm (rowwise scales, per-tensor ones expanded);
    - bf16 grouped: torch._grouped_mm on the same shapes;
    - fp8 loop: one tfp8.fp8_gemm (our cuBLASLt dense GEMM) per group, sizes known on the host;
@@ -18,11 +19,14 @@
    expert) and a BF16 composition on torch._grouped_mm (no host sync), and under block scaling (device splits).
    Target: FP8 >= 1.4x BF16. Rows that undo one
    of MoELayer's FP8 choices measure what it brings: the permutation without 16-row padding (padded wgrad copies),
-   the SwiGLU as its own op (not fused into fc1's backward cast).
+   the SwiGLU as its own op (not fused into fc1's backward cast); rows "tiles: ..." run MoELayer with our kernel's
+   tile configurations chosen per GEMM form (grouped_gemm.CUTLASS_TILE's dict): the kernel's own choice of session 3
+   and single changes to it, beside the current choice (the plain row).
 Times: GPU time per call (timing.gpu_time_ms), variants interleaved in rounds (timing.run_rounds): medians.
 
 Usage: python benchmarks/bench_moe.py [--json bench_moe.json] [--rounds 5] [--skip-layer] [--skip-gemm]
-       [--gemm-shapes mixtral,64-top2,deepseek-v2-lite] [--profile top_kernels.txt]
+       [--gemm-shapes mixtral,64-top2,deepseek-v2-lite] [--gemm-variants PREFIXES] [--layer-variants PREFIXES]
+       [--profile top_kernels.txt]   (PREFIXES: comma-separated starts of variant names; a name's own commas split it)
 """
 import argparse
 import json
