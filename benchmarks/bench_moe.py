@@ -26,7 +26,7 @@ Times: GPU time per call (timing.gpu_time_ms), variants interleaved in rounds (t
 
 Usage: python benchmarks/bench_moe.py [--json bench_moe.json] [--rounds 5] [--skip-layer] [--skip-gemm]
        [--gemm-shapes mixtral,64-top2,deepseek-v2-lite] [--gemm-variants PREFIXES] [--layer-variants PREFIXES]
-       [--profile top_kernels.txt]   (PREFIXES: comma-separated starts of variant names; a name's own commas split it)
+       [--profile top_kernels.txt]   (PREFIXES: starts of variant names separated by ';')
 """
 import argparse
 import json
@@ -406,9 +406,9 @@ def main():
     parser.add_argument("--gemm-shapes", default=",".join(GEMM_SHAPES),
                         help=f"comma-separated grouped GEMM shapes, from {list(GEMM_SHAPES)}")
     parser.add_argument("--gemm-variants", default="", metavar="PREFIXES",
-                        help="comma-separated name prefixes: only the grouped GEMM variants they start (default all)")
+                        help="name prefixes separated by ';': only the grouped GEMM variants they start (default all)")
     parser.add_argument("--layer-variants", default="", metavar="PREFIXES",
-                        help="comma-separated name prefixes: only the MoE layer variants they start (default all)")
+                        help="name prefixes separated by ';': only the MoE layer variants they start (default all)")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="also profile 3 steps of the FP8 delayed layer (device and host splits): top kernels "
                              "printed and written to FILE")
@@ -422,7 +422,7 @@ def main():
             parser.error(f"--gemm-shapes: expected names from {list(GEMM_SHAPES)}, got {name!r}")
     for shape_name in shape_names:
         measures, info = gemm_measures(*GEMM_SHAPES[shape_name], iters=args.iters,
-                                       variants=tuple(p for p in args.gemm_variants.split(",") if p))
+                                       variants=tuple(p for p in args.gemm_variants.split(";") if p))
         info["shape"] = shape_name
         stats = run_rounds(measures, args.rounds)
         info["tflops"] = stats
@@ -446,7 +446,7 @@ def main():
             for name, (rel, worst) in info["wgrad_precision"].items():
                 print(f"| {name} | {rel:.2e} | {worst:.2e} |")
     if not args.skip_layer:
-        measures, info = layer_measures(args.iters, tuple(p for p in args.layer_variants.split(",") if p))
+        measures, info = layer_measures(args.iters, tuple(p for p in args.layer_variants.split(";") if p))
         stats = run_rounds(measures, args.rounds)
         info["ms"] = stats
         results["layer"] = info
