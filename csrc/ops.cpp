@@ -189,6 +189,11 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // d(t) of rope_fwd for grad_out (t's shape, the same rules): each pair (g_i, g_j) ->
   // (g_i cos f_i + g_j sin f_j, g_j cos f_j - g_i sin f_i), the rotation by the negated angle when f_i == f_j.
   m.def("rope_bwd(Tensor grad_out, Tensor freqs, str qkv_format, bool interleaved=False) -> Tensor");
+  // rope_fwd / rope_bwd writing into out (t's / grad_out's shape and dtype, any strides with a contiguous last dim):
+  // either the input itself, the same view (in place), or a tensor of another storage. E.g. q and k rotated straight
+  // into their places in one fused-QKV-shaped buffer, and their gradients rotated back in place.
+  m.def("rope_fwd_into(Tensor t, Tensor freqs, str qkv_format, bool interleaved, Tensor(a!) out) -> ()");
+  m.def("rope_bwd_into(Tensor grad_out, Tensor freqs, str qkv_format, bool interleaved, Tensor(a!) out) -> ()");
 
   // --- loss family --- cross-entropy of a chunk of float32 logits [rows, classes] against int64 targets [rows] (a
   // row whose target is ignore_index counts for nothing): (loss_rows [rows] float32 = logsumexp(row) - row[target], 0

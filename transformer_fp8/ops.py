@@ -242,6 +242,16 @@ def _(grad_out, freqs, qkv_format, interleaved=False):
     return grad_out.new_empty(grad_out.shape)
 
 
+@_register_fake("transformer_fp8::rope_fwd_into")
+def _(t, freqs, qkv_format, interleaved, out):
+    return None
+
+
+@_register_fake("transformer_fp8::rope_bwd_into")
+def _(grad_out, freqs, qkv_format, interleaved, out):
+    return None
+
+
 @_register_fake("transformer_fp8::cross_entropy_chunk")
 def _(logits, targets, ignore_index, grad_dtype):
     dlogits = logits.new_empty(logits.shape, dtype=grad_dtype) if grad_dtype is not None else logits.new_empty(0)
