@@ -1,15 +1,18 @@
 // adamw_step_'s kernel: one launch updates up to AdamWTable::kCapacity tensors; a block takes one chunk of
-// AdamWTable::kChunk elements of one tensor (found by binary search over the table's first_block), each thread
-// issues the 16-byte loads of all four tensors for kUnroll vectors before the first use (a memory-bound loop needs
-// many bytes in flight), then computes and stores. Tensors whose four pointers are not all 16-byte aligned, and the
-// tail of a tensor, take the one-element path. Every float32 operation is rounded on its own (__f*_rn: no FMA
-// contraction), as the CPU reference computes it, so both give the same bits.
+// AdamWTable::kChunk elements of one tensor (found by binary search over the table's first_block); a thread loads
+// one 16-byte vector of each of the four tensors, updates it and stores three, kThreads vectors apart. Tensors whose
+// four pointers are not all 16-byte aligned, and a tensor's last elements short of a vector, take the one-element
+// path. Every float32 operation is rounded on its own (__f*_rn: no FMA contraction), as the CPU reference computes
+// it, so both give the same bits.
 #include "optim.h"
 
 namespace tfp8 {
 namespace {
 
 constexpr int kThreads = 256;
+// Enough resident warps that some compute while others wait for memory: the update is a few dozen float32
+// instructions per element (two IEEE divisions and a square root), too many to hide behind few warps.
+constexpr int kMinBlocksPerSm = 4;
 
 template <typename T>
 struct Vec {
@@ -45,11 +48,10 @@ __device__ __forceinline__ int entry_of_block(const AdamWTable& table, int block
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     adamw_kernel(const __grid_constant__ AdamWTable table, const AdamWScalars s) {
   constexpr int kVec = Vec<T>::kSize;
-  constexpr int kUnroll = AdamWTable::kChunk / (kThreads * kVec);
-  static_assert(kUnroll >= 1 && AdamWTable::kChunk % (kThreads * kVec) == 0, "a chunk is whole vectors per thread");
+  static_assert(AdamWTable::kChunk % kVec == 0, "chunks start at 16-byte boundaries");
   const int e = entry_of_block(table, blockIdx.x);
   const int64_t begin = static_cast<int64_t>(blockIdx.x - table.first_block[e]) * AdamWTable::kChunk;
   const int64_t end = min(begin + AdamWTable::kChunk, table.numel[e]);
@@ -61,26 +63,21 @@ __global__ void __launch_bounds__(kThreads)
                          reinterpret_cast<uintptr_t>(exp_avg) | reinterpret_cast<uintptr_t>(exp_avg_sq)) %
                         16) == 0;
   int64_t scalar_from = begin;
-  if (aligned && end - begin == AdamWTable::kChunk) {  // a whole chunk of whole vectors
-    Vec<T> p[kUnroll], g[kUnroll], m[kUnroll], v[kUnroll];
+  if (aligned) {  // whole vectors: chunks start at multiples of kChunk, so at 16-byte boundaries
+    const int64_t vector_end = begin + (end - begin) / kVec * kVec;
+#pragma unroll 1
+    for (int64_t i = begin + int64_t{threadIdx.x} * kVec; i < vector_end; i += int64_t{kThreads} * kVec) {
+      Vec<T> p = *reinterpret_cast<const Vec<T>*>(param + i);
+      const Vec<T> g = *reinterpret_cast<const Vec<T>*>(grad + i);
+      Vec<T> m = *reinterpret_cast<const Vec<T>*>(exp_avg + i);
+      Vec<T> v = *reinterpret_cast<const Vec<T>*>(exp_avg_sq + i);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = begin + (static_cast<int64_t>(u) * kThreads + threadIdx.x) * kVec;
-      p[u] = *reinterpret_cast<const Vec<T>*>(param + i);
-      g[u] = *reinterpret_cast<const Vec<T>*>(grad + i);
-      m[u] = *reinterpret_cast<const Vec<T>*>(exp_avg + i);
-      v[u] = *reinterpret_cast<const Vec<T>*>(exp_avg_sq + i);
+      for (int k = 0; k < kVec; ++k) adamw_element(p.v[k], g.v[k], m.v[k], v.v[k], s);
+      *reinterpret_cast<Vec<T>*>(param + i) = p;
+      *reinterpret_cast<Vec<T>*>(exp_avg + i) = m;
+      *reinterpret_cast<Vec<T>*>(exp_avg_sq + i) = v;
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) adamw_element(p[u].v[k], g[u].v[k], m[u].v[k], v[u].v[k], s);
-      const int64_t i = begin + (static_cast<int64_t>(u) * kThreads + threadIdx.x) * kVec;
-      *reinterpret_cast<Vec<T>*>(param + i) = p[u];
-      *reinterpret_cast<Vec<T>*>(exp_avg + i) = m[u];
-      *reinterpret_cast<Vec<T>*>(exp_avg_sq + i) = v[u];
-    }
-    scalar_from = end;
+    scalar_from = vector_end;
   }
   for (int64_t i = scalar_from + threadIdx.x; i < end; i += kThreads) {
     adamw_element(param[i], grad[i], exp_avg[i], exp_avg_sq[i], s);

@@ -3,6 +3,7 @@ the CPU reference (vector and one-element paths, unaligned tensors, tails, more 
 opcheck, argument errors."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,6 +71,24 @@ def test_cpu_reference_follows_torch_adamw_over_steps():
         ops.adamw_step_(ours, grads, *moments, **HYPER, step=step)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_reference_is_ieee_float32_op_by_op():
+    """float32: the CPU reference equals numpy's float32 arithmetic (IEEE, each operation rounded) bit for bit, the
+    rounding the CUDA kernel's __f*_rn intrinsics make (the GPU test compares the two)."""
+    state = make_state([(300, 7)], torch.float32, seed=5)
+    p, g, m, v = (lst[0].numpy().copy() for lst in state)
+    ops.adamw_step_(*state, **HYPER, step=5)
+    f32 = np.float32
+    lr_wd, b1, omb1, b2, omb2, eps, step_size, bc2 = (f32(x) for x in (
+        HYPER["lr"] * HYPER["weight_decay"], HYPER["beta1"], 1 - HYPER["beta1"], HYPER["beta2"], 1 - HYPER["beta2"],
+        HYPER["eps"], HYPER["lr"] / (1 - HYPER["beta1"] ** 5), math.sqrt(1 - HYPER["beta2"] ** 5)))
+    p = p - lr_wd * p
+    m = b1 * m + omb1 * g
+    v = b2 * v + (omb2 * g) * g
+    p = p - (step_size * m) / (np.sqrt(v) / bc2 + eps)
+    for got, want in zip((state[0][0], state[2][0], state[3][0]), (p, m, v)):
+        assert np.array_equal(got.numpy(), want)
 
 
 def test_opcheck_cpu():
@@ -174,5 +193,5 @@ def test_cuda_rejects_cpu_and_mixed_tensors():
     state = tuple([t.cuda() for t in lst] for lst in make_state([(4, 6), (3,)], torch.bfloat16))
     with pytest.raises(RuntimeError, match=r"exp_avgs\[1\]: expected a tensor on cuda"):
         ops.adamw_step_(state[0], state[1], [state[2][0], state[2][1].cpu()], state[3], **HYPER, step=1)
-    with pytest.raises(RuntimeError, match=r"params\[1\]: expected torch.bfloat16 \(params\[0\]'s dtype"):
+    with pytest.raises(RuntimeError, match=r"params\[1\]: expected (torch.bfloat16|BFloat16) \(params\[0\]'s dtype"):
         ops.adamw_step_([state[0][0], state[0][1].half()], state[1], state[2], state[3], **HYPER, step=1)

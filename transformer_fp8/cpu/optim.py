@@ -72,7 +72,7 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wei
         p = p - lr_wd * p
         m = b1 * exp_avg.float() + omb1 * g
         v = b2 * exp_avg_sq.float() + (omb2 * g) * g
-        denom = v.sqrt() / bc2 + eps32
+        denom = v.double().sqrt().float() / bc2 + eps32  # (correctly rounded, as CUDA's: torch's CPU sqrt is not)
         param.copy_(p - (step_size * m) / denom)
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
