@@ -1,10 +1,11 @@
 """FusedAdamW: torch.optim.AdamW's update (decoupled weight decay) in one op, adamw_step_, per group, dtype and device.
 
-The CUDA kernel updates up to 192 tensors per launch with 16-byte accesses, near the GPU's memory bandwidth (the
-update reads four tensors and writes three: it is memory-bound). Numerics: float32 math, every operation rounded on
-its own, the moments stored in the parameter's dtype as torch.optim.AdamW keeps them; the CPU reference kernel gives
-the same bits. Supported: dense gradients, amsgrad=False; the state dict has torch.optim.AdamW's keys ("step",
-"exp_avg", "exp_avg_sq"; "step" a Python int), and it loads torch.optim.AdamW's state dict.
+The CUDA kernel updates up to 192 tensors per launch with 16-byte accesses (the update reads four tensors and writes
+three: it is memory-bound; benchmarks/bench_optim.py times it against torch's fused AdamW). Numerics: float32 math,
+every operation rounded on its own, the moments stored in the parameter's dtype as torch.optim.AdamW keeps them; the
+CPU reference kernel gives the same bits. Supported: dense gradients, amsgrad=False; the state dict has
+torch.optim.AdamW's keys ("step", "exp_avg", "exp_avg_sq"; "step" a Python int), and it loads torch.optim.AdamW's
+state dict.
 """
 from collections import defaultdict
 from typing import Iterable, Tuple
