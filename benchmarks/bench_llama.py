@@ -10,7 +10,8 @@ of memory while building them all) builds, times and frees each variant in turn 
 reversed every other round. The table prints the median tokens/s over the rounds and its range.
 
 Config: vocab 32000 (untied head), hidden 2048, intermediate 8192, 16 layers, 32 heads / 8 KV heads; batch 4 x seq
-2048 of random tokens; torch.optim.AdamW(fused=True) on the BF16 parameters for every variant (BF16 moments).
+2048 of random tokens; torch.optim.AdamW(fused=True) on the BF16 parameters for every variant but ours-fp8-fused-adamw
+(BF16 moments).
 Variants:
   ours-fp8 / ours-bf16  convert_llama, loss by causal_lm_loss (chunked LM head + cross-entropy: no [8192, 32000]
                         logits); inside / outside fp8_autocast
@@ -21,6 +22,11 @@ Variants:
   hf-compile            regional compilation: each decoder layer, the final norm and the loss function compiled
                         (torch.compile, default mode); the causal-mask builder stays eager, so SDPA gets is_causal=True
                         and native GQA, as in eager
+  ours-fp8-fused-adamw  (not run by default) ours-fp8 with our FusedAdamW (te.FusedAdamW: the same update, one fused
+                        op) instead of torch.optim.AdamW(fused=True)
+  ours-fp8-unfused-rope (not run by default) ours-fp8 with MultiheadAttention.fused_rope_split off: the separate QKV
+                        split, RoPE kernels and V copy, and the dq / dk / dv copies into the QKV gradient (the path
+                        before split_qkv_rope)
   ours-fp8-checkpointed / hf-eager-checkpointed  (not run by default) ours-fp8 and hf-eager with each decoder layer's
                         activations recomputed in the backward (integrations.gradient_checkpointing_enable)
   hf-compile-model      torch.compile(model) (not run by default): with torch < 2.14 transformers then materialises the
@@ -48,6 +54,7 @@ import transformer_fp8 as te
 from timing import spread
 from transformer_fp8 import recipe
 from transformer_fp8.integrations import causal_lm_loss, convert_llama, gradient_checkpointing_enable
+from transformer_fp8.attention import MultiheadAttention
 from transformer_fp8.module.attention import DotProductAttention
 
 LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -57,7 +64,8 @@ LLAMA_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
 FP8_RECIPE = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
 VARIANTS = ("ours-fp8", "ours-fp8-hf-loss", "ours-bf16", "hf-eager", "hf-eager-chunked-loss", "hf-compile",
-            "hf-compile-model", "ours-fp8-torch-sdpa", "ours-fp8-checkpointed", "hf-eager-checkpointed")
+            "hf-compile-model", "ours-fp8-torch-sdpa", "ours-fp8-checkpointed", "hf-eager-checkpointed",
+            "ours-fp8-fused-adamw", "ours-fp8-unfused-rope")
 DEFAULT_VARIANTS = VARIANTS[:6]
 PROFILE_ROWS = 30
 PHASES = ("forward", "backward", "optimizer", "between")
@@ -80,6 +88,10 @@ def build(variant, seed, config, device):
             for module in model.modules():
                 if isinstance(module, DotProductAttention):
                     module.attention_backend = "torch"
+        if variant == "ours-fp8-unfused-rope":
+            for module in model.modules():
+                if isinstance(module, MultiheadAttention):
+                    module.fused_rope_split = False
 
         def loss(ids):
             with te.fp8_autocast(enabled=fp8, fp8_recipe=FP8_RECIPE):
@@ -159,7 +171,10 @@ class Runner:
         synchronize(device)
         before_build = allocated(device)
         self.model, self.loss_fn = build(variant, args.seed, config, device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, fused=self.cuda)
+        if variant == "ours-fp8-fused-adamw":
+            self.optimizer = te.FusedAdamW(self.model.parameters(), lr=args.lr)
+        else:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, fused=self.cuda)
         generator = torch.Generator(device=device).manual_seed(args.seed)
         self.batches = [torch.randint(0, config["vocab_size"], (args.batch, args.seq), device=device,
                                       generator=generator) for _ in range(4)]

@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--trace", default=None, help="also write the Chrome trace here")
     parser.add_argument("--analyse", default=None, help="analyse this Chrome trace instead of running a step")
+    parser.add_argument("--shapes", action="store_true",
+                        help="record the host operators' input shapes in the trace (bytes per kernel offline)")
     args = parser.parse_args()
     if args.analyse:
         with open(args.analyse) as f:
@@ -137,7 +139,8 @@ def main() -> None:
     syncs = collections.Counter(str(w.message).splitlines()[0][:120] for w in caught
                                 if "synchroniz" in str(w.message).lower())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                            torch.profiler.ProfilerActivity.CUDA],
+                                record_shapes=args.shapes) as prof:
         runner.step()  # (a step issued from an idle GPU, then the analysed one, issued while that one runs)
         runner.step()
         torch.cuda.synchronize()

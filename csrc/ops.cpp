@@ -167,6 +167,17 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("delayed_scaling_update(Tensor(a!)[] amax_histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
         "float fp8_max, float margin, str amax_compute_algo) -> ()");
 
+  // --- optim family --- one AdamW step (decoupled weight decay, torch.optim.AdamW's update) over lists of tensors:
+  // params[i], grads[i], exp_avgs[i], exp_avg_sqs[i] contiguous, of one shape, one dtype (float32, float16 or
+  // bfloat16; one dtype and device for the whole call); step >= 1 is the step being taken. Scalars computed in double
+  // and rounded once to float32: lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, eps,
+  // step_size = lr / (1 - beta1**step), bc2 = sqrt(1 - beta2**step). Per element in float32, each operation rounded:
+  // g = -grad if maximize else grad; p = param - (lr * weight_decay) * param; m = beta1 * exp_avg + (1 - beta1) * g;
+  // v = beta2 * exp_avg_sq + ((1 - beta2) * g) * g; param = p - (step_size * m) / (sqrt(v) / bc2 + eps); exp_avg = m,
+  // exp_avg_sq = v (rounded to the dtype). In place; grads are read only.
+  m.def("adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool maximize=False) -> ()");
+
   // --- rope family --- rotary position embeddings. t [s, b, h, d] (qkv_format "sbhd") or [b, s, h, d] ("bshd") of
   // float32/float16/bfloat16, last dim contiguous, any strides elsewhere (q, k, v may be views of a fused QKV tensor);
   // freqs float32 angles [>= s, 1 or b, 1, rot_dim] (rows past s unused), last dim contiguous, rot_dim even,
@@ -178,6 +189,11 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // d(t) of rope_fwd for grad_out (t's shape, the same rules): each pair (g_i, g_j) ->
   // (g_i cos f_i + g_j sin f_j, g_j cos f_j - g_i sin f_i), the rotation by the negated angle when f_i == f_j.
   m.def("rope_bwd(Tensor grad_out, Tensor freqs, str qkv_format, bool interleaved=False) -> Tensor");
+  // rope_fwd / rope_bwd writing into out (t's / grad_out's shape and dtype, any strides with a contiguous last dim):
+  // either the input itself, the same view (in place), or a tensor of another storage. E.g. q and k rotated straight
+  // into their places in one fused-QKV-shaped buffer, and their gradients rotated back in place.
+  m.def("rope_fwd_into(Tensor t, Tensor freqs, str qkv_format, bool interleaved, Tensor(a!) out) -> ()");
+  m.def("rope_bwd_into(Tensor grad_out, Tensor freqs, str qkv_format, bool interleaved, Tensor(a!) out) -> ()");
 
   // --- loss family --- cross-entropy of a chunk of float32 logits [rows, classes] against int64 targets [rows] (a
   // row whose target is ignore_index counts for nothing): (loss_rows [rows] float32 = logsumexp(row) - row[target], 0

@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs a, int ro
     const int64_t si = a.seq_first ? tok / a.b : tok % a.s;
     const int64_t bi = a.seq_first ? tok % a.b : tok / a.s;
     const T* src = x + si * a.x_stride_s + bi * a.x_stride_b;
-    T* dst = out + tok * a.h * a.d;
+    T* dst = out + si * a.out_stride_s + bi * a.out_stride_b;
     if (block >= rot_blocks) {
       const int col = static_cast<int>(a.rot_dim) + (block - rot_blocks) * kPassCh;
 #pragma unroll
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs a, int ro
         if (head >= heads) break;
         alignas(16) T v[kPassCh];
         load<kVector>(src + head * a.x_stride_h + col, v);
-        store<kVector>(dst + head * a.d + col, v);
+        store<kVector>(dst + head * a.out_stride_h + col, v);
       }
       continue;
     }
@@ -113,9 +113,9 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeArgs a, int ro
         } else {
 #pragma unroll
           for (int k = 0; k < CH; ++k) rotate_pair<INVERSE>(va[j][k], vb[j][k], ca[k], sa[k], cb[k], sb[k]);
-          store<kVector>(dst + head * a.d + col_b, vb[j]);
+          store<kVector>(dst + head * a.out_stride_h + col_b, vb[j]);
         }
-        store<kVector>(dst + head * a.d + col_a, va[j]);
+        store<kVector>(dst + head * a.out_stride_h + col_a, va[j]);
       }
     }
   }
@@ -136,7 +136,8 @@ bool vector_fits(const RopeArgs& a) {
   constexpr int v = 16 / sizeof(T);
   const int64_t pair_span = a.interleaved ? a.rot_dim : a.rot_dim / 2;
   return aligned(a.x, 16) && aligned(a.out, 16) && a.d % v == 0 && a.rot_dim % v == 0 && pair_span % v == 0 &&
-         a.x_stride_s % v == 0 && a.x_stride_b % v == 0 && a.x_stride_h % v == 0;
+         a.x_stride_s % v == 0 && a.x_stride_b % v == 0 && a.x_stride_h % v == 0 && a.out_stride_s % v == 0 &&
+         a.out_stride_b % v == 0 && a.out_stride_h % v == 0;
 }
 
 template <typename T, int CH, bool INTERLEAVED, bool INVERSE>

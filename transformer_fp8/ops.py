@@ -227,6 +227,11 @@ def _(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo):
     return None
 
 
+@_register_fake("transformer_fp8::adamw_step_")
+def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, maximize=False):
+    return None
+
+
 @_register_fake("transformer_fp8::rope_fwd")
 def _(t, freqs, qkv_format, interleaved=False):
     return t.new_empty(t.shape)  # contiguous, whatever t's strides
@@ -235,6 +240,16 @@ def _(t, freqs, qkv_format, interleaved=False):
 @_register_fake("transformer_fp8::rope_bwd")
 def _(grad_out, freqs, qkv_format, interleaved=False):
     return grad_out.new_empty(grad_out.shape)
+
+
+@_register_fake("transformer_fp8::rope_fwd_into")
+def _(t, freqs, qkv_format, interleaved, out):
+    return None
+
+
+@_register_fake("transformer_fp8::rope_bwd_into")
+def _(grad_out, freqs, qkv_format, interleaved, out):
+    return None
 
 
 @_register_fake("transformer_fp8::cross_entropy_chunk")

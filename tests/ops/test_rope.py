@@ -293,3 +293,61 @@ def test_cuda_bad_inputs_raise(case):
 def test_cuda_rejects_freqs_on_another_device():
     with pytest.raises(RuntimeError, match="freqs: expected a tensor on cuda"):
         ops.rope_fwd(torch.randn(4, 2, 3, 16, device="cuda"), torch.zeros(4, 1, 1, 16), "sbhd")
+
+
+# ------------------------------------------------------------------------------------- rope_fwd_into / rope_bwd_into
+def _into_cases(device, dtype=torch.bfloat16):
+    """(op name, input, out): into a strided view of a fused-QKV-shaped buffer, into a contiguous tensor, in place."""
+    q, k, _ = fused_qkv_views("bshd", 6, 2, 4, 2, 16, dtype, device)
+    q_out, k_out, _ = fused_qkv_views("bshd", 6, 2, 4, 2, 16, dtype, device)
+    t = torch.randn(6, 2, 3, 16, dtype=dtype, device=device)
+    return [("rope_fwd_into", q, q_out), ("rope_bwd_into", k, k_out), ("rope_fwd_into", t, torch.empty_like(t)),
+            ("rope_bwd_into", t.clone(), None)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_into_equals_the_allocating_ops(device, dtype):
+    """out = the allocating op's result, bit for bit, wherever out lies (strided, contiguous, the input itself);
+    the input is left alone unless it is out."""
+    freqs = random_freqs(6, 1, 16, device)
+    for name, t, out in _into_cases(device, dtype):
+        fmt = "bshd" if t.shape[1] == 6 else "sbhd"
+        want = getattr(ops, name.replace("_into", ""))(t, freqs, fmt)
+        before = t.clone()
+        target = t if out is None else out
+        getattr(ops, name)(t, freqs, fmt, False, target)
+        assert torch.equal(target, want), name
+        if out is not None:
+            assert torch.equal(t, before)
+
+
+def test_into_opcheck_cpu():
+    freqs = random_freqs(6, 1, 16)
+    for name, t, out in _into_cases("cpu"):
+        fmt = "bshd" if t.shape[1] == 6 else "sbhd"
+        torch.library.opcheck(getattr(ops, name).default, (t, freqs, fmt, False, t.clone() if out is None else out))
+
+
+@pytest.mark.gpu
+def test_into_opcheck_cuda():
+    freqs = random_freqs(6, 1, 16, "cuda")
+    for name, t, out in _into_cases("cuda"):
+        fmt = "bshd" if t.shape[1] == 6 else "sbhd"
+        torch.library.opcheck(getattr(ops, name).default, (t, freqs, fmt, False, t.clone() if out is None else out))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_into_rejects_bad_out(device):
+    t = torch.randn(4, 2, 3, 16, device=device)
+    f = torch.zeros(4, 1, 1, 16, device=device)
+    errors = (ValueError, TypeError, RuntimeError)
+    with pytest.raises(errors, match=r"out: expected (torch.float32|Float) \(t's dtype\)"):
+        ops.rope_fwd_into(t, f, "sbhd", False, t.half())
+    with pytest.raises(errors, match=r"out: expected shape \(4, 2, 3, 16\)|out: expected shape \[4, 2, 3, 16\]"):
+        ops.rope_bwd_into(t, f, "sbhd", False, t[:2].clone())
+    with pytest.raises(errors, match="out: expected a contiguous last dim"):
+        ops.rope_fwd_into(t, f, "sbhd", False, torch.empty(4, 2, 16, 3, device=device).transpose(2, 3))
+    wide = torch.randn(4, 2, 3, 32, device=device)
+    with pytest.raises(errors, match="out: expected t itself .* or a tensor of another storage"):
+        ops.rope_fwd_into(wide[..., :16], f, "sbhd", False, wide[..., 16:])

@@ -10,7 +10,7 @@ from ..module.layernorm_linear import LayerNormLinear
 from ..module.linear import Linear
 from ..module.norm import RMSNorm
 from ..module._residual_relay import ResidualGradRelay
-from .qkv_split import split_qkv
+from .qkv_split import rope_split_fits, split_qkv, split_qkv_rope
 from .rope import apply_rotary_pos_emb
 from .dot_product_attention import (QK_NORM_TYPES, DotProductAttention)
 
@@ -98,6 +98,9 @@ class MultiheadAttention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(kv_channels, **norm_args), RMSNorm(kv_channels, **norm_args)
         else:
             self.q_norm = self.k_norm = None
+        # Training with RoPE and no q/k norm: split and rotate in one node (qkv_split.split_qkv_rope); False: the
+        # separate split, rope and v copy (kept to compare against).
+        self.fused_rope_split = True
 
     def _split_qkv(self, qkv, fold=False):
         """[*lead, (h + 2g) * d] -> q [*lead, h, d], k and v [*lead, g, d]; fold: the groups folded into the batch
@@ -139,13 +142,19 @@ class MultiheadAttention(nn.Module):
         else:
             qkv = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
         fold = self._folds_groups(attention_mask, attn_mask_type, rotary_pos_emb)
-        q, k, v = self._split_qkv(qkv, fold)
-        if self.q_norm is not None and (self.qk_norm_before_rope or rotary_pos_emb is None):
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rotary_pos_emb is not None:
-            q, k, v = self.rotate_qk(q, k, v, rotary_pos_emb, self.qkv_format)
-            if self.q_norm is not None and not self.qk_norm_before_rope:
+        if rotary_pos_emb is not None and self.q_norm is None and self.fused_rope_split and \
+                rope_split_fits(qkv, self.heads, self.groups, self.qkv_weight_interleaved, fold, self.qkv_format):
+            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            q, k, v = split_qkv_rope(qkv, self.heads, self.groups, self.head_dim, self.qkv_weight_interleaved,
+                                     q_freqs, k_freqs, self.qkv_format)
+        else:
+            q, k, v = self._split_qkv(qkv, fold)
+            if self.q_norm is not None and (self.qk_norm_before_rope or rotary_pos_emb is None):
                 q, k = self.q_norm(q), self.k_norm(k)
+            if rotary_pos_emb is not None:
+                q, k, v = self.rotate_qk(q, k, v, rotary_pos_emb, self.qkv_format)
+                if self.q_norm is not None and not self.qk_norm_before_rope:
+                    q, k = self.q_norm(q), self.k_norm(k)
         with model_parallel_rng(self.tp is not None):  # dropout on this rank's heads
             if checkpoint_core_attention and torch.is_grad_enabled():
                 from ..checkpoint import checkpoint  # (here: checkpoint.py imports the modules)

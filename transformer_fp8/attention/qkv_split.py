@@ -11,8 +11,12 @@ The backward writes dq, dk, dv into ONE new qkv-shaped gradient with three strid
 slicing backward would zero-fill a full-size gradient per output and sum them (for the guide layer: 3 fills,
 3 copies and 2 adds of 192 MiB). When dq, dk, dv arrive as the q, k, v views of
 one gradient laid out like qkv (the cuDNN attention backend writes them so), that gradient is returned: no copies.
+split_qkv_rope does the split and RoPE on q and k in one node whose q, k, v are views of one new qkv-like buffer, so
+that the same holds with RoPE (its backward rotates dq and dk back in place).
 """
 import torch
+
+from ..ops import tfp8
 
 
 def _parts(qkv, heads, groups, head_dim, interleaved, fold=False):
@@ -122,3 +126,70 @@ def split_qkv(qkv, heads, groups, head_dim, interleaved, fold=False):
     if not qkv.requires_grad or not torch.is_grad_enabled():
         return _outputs(qkv, heads, groups, head_dim, interleaved, fold)
     return _SplitQKV.apply(qkv, heads, groups, head_dim, interleaved, fold)
+
+
+def rope_split_fits(qkv, heads, groups, interleaved, fold, tensor_format):
+    """Whether split_qkv_rope takes this case: a fused QKV output in training (grad enabled, qkv requires grad),
+    q a strided view of it (the [q | k | v] layout, or interleaved without GQA), not folded, sbhd / bshd."""
+    return (torch.is_grad_enabled() and qkv.requires_grad and not fold and qkv.dim() == 3 and qkv.is_contiguous()
+            and not (interleaved and heads != groups) and tensor_format in ("sbhd", "bshd"))
+
+
+def _q_view(part, interleaved):
+    """The q part of _parts as [*lead, h, d] (interleaved MHA: [*lead, h, 1, d] -> [*lead, h, d])."""
+    return part.squeeze(-2) if interleaved else part
+
+
+class _SplitQKVRope(torch.autograd.Function):
+    """split_qkv_rope: RoPE'd q and k, and v, written into ONE new buffer laid out like qkv; the backward rotates dq
+    and dk back in place when they arrive as views of one qkv-like gradient (cuDNN's backward writes them so: then
+    that gradient is dqkv, nothing is copied), else into a new dqkv."""
+
+    @staticmethod
+    def forward(ctx, qkv, heads, groups, head_dim, interleaved, q_freqs, k_freqs, tensor_format):
+        ctx.set_materialize_grads(False)
+        ctx.args = (qkv.shape, heads, groups, head_dim, interleaved, tensor_format)
+        ctx.save_for_backward(q_freqs, k_freqs)
+        out = torch.empty_like(qkv)
+        q_in, k_in, v_in = _parts(qkv, heads, groups, head_dim, interleaved)
+        q_out, k_out, v_out = _parts(out, heads, groups, head_dim, interleaved)
+        q_in, q_out = _q_view(q_in, interleaved), _q_view(q_out, interleaved)
+        tfp8.rope_fwd_into(q_in, q_freqs, tensor_format, False, q_out)
+        tfp8.rope_fwd_into(k_in, k_freqs, tensor_format, False, k_out)
+        _copy(v_out, v_in)
+        return q_out, k_out, v_out
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        qkv_shape, heads, groups, head_dim, interleaved, tensor_format = ctx.args
+        q_freqs, k_freqs = ctx.saved_tensors
+        none = (None,) * 7
+        fused = _fused_gradient(dq, dk, dv, qkv_shape, heads, groups, head_dim, interleaved, False)
+        if fused is not None:  # (in place: this gradient buffer was made for this backward by the attention's)
+            tfp8.rope_bwd_into(dq, q_freqs, tensor_format, False, dq)
+            tfp8.rope_bwd_into(dk, k_freqs, tensor_format, False, dk)
+            return (fused, *none)
+        some = next(g for g in (dq, dk, dv) if g is not None)
+        dqkv = some.new_empty(qkv_shape)
+        q_part, k_part, v_part = _parts(dqkv, heads, groups, head_dim, interleaved)
+        q_part = _q_view(q_part, interleaved)
+        for part, grad, freqs in ((q_part, dq, q_freqs), (k_part, dk, k_freqs)):
+            if grad is None:
+                part.zero_()
+            else:
+                grad = grad if grad.stride(-1) == 1 else grad.contiguous()  # (e.g. expanded, from a sum)
+                tfp8.rope_bwd_into(grad, freqs, tensor_format, False, part)
+        v_part.zero_() if dv is None else _copy(v_part, dv)
+        return (dqkv, *none)
+
+
+def split_qkv_rope(qkv, heads, groups, head_dim, interleaved, q_freqs, k_freqs, tensor_format):
+    """split_qkv then RoPE on q and k (apply_rotary_pos_emb's rotation, non-interleaved pairs) in one autograd node:
+    q, k (rotated) and v come back as views of ONE new buffer laid out like qkv (so attention's backward can write one
+    qkv-like gradient, rotated back in place: no copies), the memory of the three separate tensors the unfused path
+    makes. Only where rope_split_fits(...) says so. q_freqs, k_freqs: float32 angles [>= s, 1 or b, 1, rot_dim]."""
+    for name, freqs in (("q_freqs", q_freqs), ("k_freqs", k_freqs)):
+        if freqs.requires_grad:
+            raise ValueError(f"{name}: no gradient flows to the angles; pass {name}.detach()")
+    q_freqs, k_freqs = (f.float() if f.stride(-1) == 1 else f.float().contiguous() for f in (q_freqs, k_freqs))
+    return _SplitQKVRope.apply(qkv, heads, groups, head_dim, interleaved, q_freqs, k_freqs, tensor_format)

@@ -70,3 +70,31 @@ def rope_fwd(t, freqs, qkv_format, interleaved=False):
 @register("rope_bwd")
 def rope_bwd(grad_out, freqs, qkv_format, interleaved=False):
     return _rope(grad_out, freqs, qkv_format, interleaved, inverse=True, arg="grad_out")
+
+
+def _check_out(out, x, arg):
+    if out.dtype != x.dtype:
+        raise TypeError(f"out: expected {x.dtype} ({arg}'s dtype), got {out.dtype}")
+    if out.shape != x.shape:
+        raise ValueError(f"out: expected shape {tuple(x.shape)} ({arg}'s), got {tuple(out.shape)}")
+    if out.device != x.device:
+        raise ValueError(f"out: expected a tensor on {x.device}, got one on {out.device}")
+    if out.shape[3] > 1 and out.stride(3) != 1:
+        raise ValueError(f"out: expected a contiguous last dim, got strides {out.stride()}")
+    same = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
+    if not same and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError(f"out: expected {arg} itself (the same view: in place) or a tensor of another storage")
+
+
+@register("rope_fwd_into")
+def rope_fwd_into(t, freqs, qkv_format, interleaved, out):
+    result = _rope(t, freqs, qkv_format, interleaved, inverse=False, arg="t")
+    _check_out(out, t, "t")
+    out.copy_(result)
+
+
+@register("rope_bwd_into")
+def rope_bwd_into(grad_out, freqs, qkv_format, interleaved, out):
+    result = _rope(grad_out, freqs, qkv_format, interleaved, inverse=True, arg="grad_out")
+    _check_out(out, grad_out, "grad_out")
+    out.copy_(result)
