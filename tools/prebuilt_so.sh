@@ -22,6 +22,8 @@ work=$(mktemp -d)
 objects=()
 for object in "$build"/csrc/*.o; do
   name=$(basename "$object" .o)
+  # (an object whose source is gone, or not in this build's family selection, is a stale leftover: not linked)
+  grep -q "csrc/$name\.o:" "$build/build.ninja" || continue
   if grep -qx "$(realpath "$object")" <<< "$python_objects"; then
     # shellcheck disable=SC2086 # (the flags split into words on purpose)
     ${CXX:-c++} $cflags -c "csrc/$name.cpp" -o "$work/$name.o" $post_cflags
