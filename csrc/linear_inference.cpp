@@ -10,6 +10,8 @@
 // Registered as CompositeImplicitAutograd (as csrc/composite.cpp): CUDA kernels, the CPU reference and fake tensors
 // all run the same sequence of the underlying ops.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -50,19 +52,24 @@ void check_arguments(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
               w.size(0), "], got ", bias.has_value() ? bias->sizes() : at::IntArrayRef{});
 }
 
-at::Tensor fp8_linear_inference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv,
+// The op's sequence: inference_cast, then fp8_gemm; `direct`: through the CUDA kernels' entries (see
+// linear_inference.h) instead of the dispatcher (the same kernels, so the same values bit for bit).
+at::Tensor run_linear_inference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv,
                                 const at::Tensor& x_scale, at::ScalarType fp8_dtype, const at::Tensor& x_amax,
                                 const at::Tensor& x_scale_inv, const OptTensor& bias, bool current_scaling,
                                 double fp8_max, const OptTensor& history, const OptTensor& state_scale,
                                 const OptTensor& state_scale_inv, const OptTensor& backup, double margin,
-                                c10::string_view amax_compute_algo) {
+                                c10::string_view amax_compute_algo, bool direct) {
   static const auto cast = library_op<InferenceCast>("transformer_fp8::inference_cast");
   static const auto gemm = library_op<Gemm>("transformer_fp8::fp8_gemm");
   check_arguments(x, w, w_scale_inv, bias);
   const at::ScalarType out_dtype = x.scalar_type();
   const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
-  const at::Tensor xq = cast.call(x2, x_scale, fp8_dtype, x_amax, x_scale_inv, current_scaling, fp8_max, history,
-                                  state_scale, state_scale_inv, backup, margin, amax_compute_algo);
+  const at::Tensor xq = direct ? inference_cast_cuda_entry()(x2, x_scale, fp8_dtype, x_amax, x_scale_inv,
+                                                             current_scaling, fp8_max, history, state_scale,
+                                                             state_scale_inv, backup, margin, amax_compute_algo)
+                               : cast.call(x2, x_scale, fp8_dtype, x_amax, x_scale_inv, current_scaling, fp8_max,
+                                           history, state_scale, state_scale_inv, backup, margin, amax_compute_algo);
   // (a 16-bit output takes the bias in the GEMM epilogue, in its dtype; a float32 one gets it added afterwards, as
   // module/_gemm.py's fp8_gemm_bias does)
   const bool epilogue_bias = bias.has_value() && out_dtype != at::kFloat;
@@ -70,8 +77,10 @@ at::Tensor fp8_linear_inference(const at::Tensor& x, const at::Tensor& w, const 
   const OptTensor gemm_bias = !epilogue_bias                     ? std::nullopt
                               : bias->scalar_type() == out_dtype ? bias
                                                                  : OptTensor(bias->to(out_dtype));
-  at::Tensor out = std::get<0>(gemm.call(xq, x_scale_inv, w, w_scale_inv, out_dtype, gemm_bias, false, std::nullopt,
-                                         std::nullopt, /*use_split_accumulator=*/false, std::nullopt));
+  at::Tensor out;
+  if (!direct || !inference_gemm_cuda_entry()(xq, x_scale_inv, w, w_scale_inv, out_dtype, gemm_bias, out))
+    out = std::get<0>(gemm.call(xq, x_scale_inv, w, w_scale_inv, out_dtype, gemm_bias, false, std::nullopt,
+                                std::nullopt, /*use_split_accumulator=*/false, std::nullopt));
   if (bias.has_value() && !epilogue_bias) out.add_(*bias);
   if (x.dim() == 2) return out;
   std::vector<int64_t> sizes = x.sizes().vec();
@@ -79,7 +88,44 @@ at::Tensor fp8_linear_inference(const at::Tensor& x, const at::Tensor& w, const 
   return out.view(sizes);
 }
 
+at::Tensor fp8_linear_inference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv,
+                                const at::Tensor& x_scale, at::ScalarType fp8_dtype, const at::Tensor& x_amax,
+                                const at::Tensor& x_scale_inv, const OptTensor& bias, bool current_scaling,
+                                double fp8_max, const OptTensor& history, const OptTensor& state_scale,
+                                const OptTensor& state_scale_inv, const OptTensor& backup, double margin,
+                                c10::string_view amax_compute_algo) {
+  return run_linear_inference(x, w, w_scale_inv, x_scale, fp8_dtype, x_amax, x_scale_inv, bias, current_scaling,
+                              fp8_max, history, state_scale, state_scale_inv, backup, margin, amax_compute_algo,
+                              /*direct=*/false);
+}
+
+// Whether a tensor is a plain CUDA tensor: no Python subclass (fake tensors), functorch or functionalization wrapper,
+// whose ops must go through the dispatcher.
+bool plain_cuda(const at::Tensor& t) {
+  static const c10::DispatchKeySet wrappers({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                             c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::Functionalize,
+                                             c10::DispatchKey::FuncTorchGradWrapper});
+  return t.is_cuda() && !t.key_set().has_any(wrappers);
+}
+
+// Whether linear_inference may call the kernels' entries directly: both filled in, plain CUDA operands, no Python
+// dispatch mode (it must see the ops) and no RecordFunction callbacks (the profiler records the ops' names).
+bool direct_applies(const at::Tensor& x, const at::Tensor& w) {
+  return inference_cast_cuda_entry() != nullptr && inference_gemm_cuda_entry() != nullptr && plain_cuda(x) &&
+         plain_cuda(w) && c10::impl::TorchDispatchModeTLS::stack_len() == 0 && !at::hasCallbacks();
+}
+
 }  // namespace
+
+InferenceCastEntry& inference_cast_cuda_entry() {
+  static InferenceCastEntry entry = nullptr;
+  return entry;
+}
+
+InferenceGemmEntry& inference_gemm_cuda_entry() {
+  static InferenceGemmEntry entry = nullptr;
+  return entry;
+}
 
 at::Tensor linear_inference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale_inv,
                             const at::Tensor& x_scale, at::ScalarType fp8_dtype, const at::Tensor& x_amax,
@@ -90,6 +136,10 @@ at::Tensor linear_inference(const at::Tensor& x, const at::Tensor& w, const at::
   // (the caller needs no gradient: below autograd, so that neither this call nor the composite's inner ops pass
   // through the autograd layer, as the C++ Linear node's forward does)
   at::AutoDispatchBelowADInplaceOrView below_autograd;
+  if (direct_applies(x, w))
+    return run_linear_inference(x, w, w_scale_inv, x_scale, fp8_dtype, x_amax, x_scale_inv, bias, current_scaling,
+                                fp8_max, history, state_scale, state_scale_inv, backup, margin,
+                                use_max ? "max" : "most_recent", /*direct=*/true);
   return op.call(x, w, w_scale_inv, x_scale, fp8_dtype, x_amax, x_scale_inv, bias, current_scaling, fp8_max, history,
                  state_scale, state_scale_inv, backup, margin, use_max ? "max" : "most_recent");
 }

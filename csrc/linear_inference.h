@@ -17,4 +17,22 @@ at::Tensor linear_inference(const at::Tensor& x, const at::Tensor& w, const at::
                             const std::optional<at::Tensor>& state_scale_inv, const std::optional<at::Tensor>& backup,
                             double margin, bool use_max);
 
+// The CUDA kernels' own entries, for linear_inference to call without the dispatcher (three dispatcher calls fewer
+// per call: the composite, inference_cast and fp8_gemm). The CUDA families fill them in when their objects load
+// (csrc/quantize_inference_binding.cpp, csrc/gemm_inference.cpp); null in a build without those families, where the
+// dispatcher path runs.
+// inference_cast's CUDA kernel (arguments: the op's, csrc/ops.cpp).
+using InferenceCastEntry = at::Tensor (*)(const at::Tensor&, const at::Tensor&, at::ScalarType, const at::Tensor&,
+                                          const at::Tensor&, bool, double, const std::optional<at::Tensor>&,
+                                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                          const std::optional<at::Tensor>&, double, c10::string_view);
+// fp8_gemm's CUDA kernel for the inference call's one case (fast accumulation, optional bias of the output's dtype,
+// no GELU, residual or FP8 output): writes `out` and returns true when the operands need no padding or copy (fp8_gemm
+// would run the same cuBLASLt plan on them), else returns false and leaves the call to fp8_gemm.
+using InferenceGemmEntry = bool (*)(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
+                                    const at::Tensor& b_scale_inv, at::ScalarType out_dtype,
+                                    const std::optional<at::Tensor>& bias, at::Tensor& out);
+InferenceCastEntry& inference_cast_cuda_entry();
+InferenceGemmEntry& inference_gemm_cuda_entry();
+
 }  // namespace tfp8

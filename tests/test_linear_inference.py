@@ -113,6 +113,79 @@ def test_op_with_the_delayed_update(device, dtype):
         assert torch.equal(getattr(state, name), getattr(ref_state, name)), name
 
 
+def entry_args(a, state=None, backup=None):
+    """_C.linear_inference's positional arguments from op_args' dict (+ a delayed state's update arguments)."""
+    update = (None, None, None, None, 0.0, True) if state is None else (
+        state.amax_history, state.scale, state.scale_inv, backup, 1.0, False)
+    return (a["x"], a["w"], a["w_scale_inv"], a["x_scale"], a["fp8_dtype"], a["x_amax"], a["x_scale_inv"], a["bias"],
+            a["current_scaling"], a["fp8_max"], *update)
+
+
+class _SeenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the names of the ops dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("current", [False, True])
+@pytest.mark.parametrize("dtype,bias,k,n,lead", [
+    (torch.bfloat16, True, 64, 32, ()), (torch.float16, True, 48, 128, (2,)), (torch.bfloat16, False, 64, 32, ()),
+    (torch.float32, True, 64, 32, ()),   # float32 output: bias added after the GEMM
+    (torch.bfloat16, True, 40, 24, ()),  # K, N to pad: the direct GEMM declines, fp8_gemm pads
+])
+@pytest.mark.parametrize("delayed_update", [False, True])
+def test_direct_entry_equals_the_dispatcher_path(current, dtype, bias, k, n, lead, delayed_update):
+    # _C.linear_inference calls the CUDA kernels' entries without the dispatcher (plain CUDA tensors, no dispatch
+    # mode, no profiler): output, scaling tensors, state and backup bit for bit those of the dispatcher's op, which
+    # runs under a dispatch mode (that sees the ops) and under the profiler (that records them)
+    if current and delayed_update:
+        pytest.skip("the state's update is delayed scaling's")
+    from transformer_fp8 import _C
+    torch.manual_seed(0)
+    base = op_args("cuda", current, k=k, n=n, dtype=dtype, bias=bias, lead=lead)
+    runs = []
+    for how in ("direct", "op", "mode", "profiler"):
+        a = clone_args(base)
+        state = make_state("cuda", 4) if delayed_update else None
+        backup = torch.zeros(4, 3, device="cuda") if delayed_update else None
+        if state is not None:
+            a.update(x_scale=state.scales[0], x_amax=state.amaxes[0])
+        if how == "direct":
+            out = _C.linear_inference(*entry_args(a, state, backup))
+        elif how == "op":
+            update = {} if state is None else dict(history=state.amax_history, state_scale=state.scale,
+                                                   state_scale_inv=state.scale_inv, backup=backup, margin=1.0,
+                                                   amax_compute_algo="most_recent")
+            out = ops.fp8_linear_inference(**a, **update)
+        elif how == "mode":
+            with _SeenOps() as seen:
+                out = _C.linear_inference(*entry_args(a, state, backup))
+            assert any("inference_cast" in name for name in seen.names), seen.names
+            assert any("fp8_gemm" in name for name in seen.names), seen.names
+        else:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = _C.linear_inference(*entry_args(a, state, backup))
+            names = {e.key for e in prof.key_averages()}
+            assert "transformer_fp8::fp8_linear_inference" in names, sorted(names)
+        kept = [a["x_scale"], a["x_amax"], a["x_scale_inv"]]
+        if state is not None:
+            kept += [state.amax_history, state.scale, state.scale_inv, backup]
+        runs.append((how, out, kept))
+    _, ref, ref_kept = runs[1]
+    assert ref.dtype == dtype and ref.shape == (*lead, 24, n)
+    for how, out, kept in runs:
+        assert torch.equal(out, ref), how
+        for got, want in zip(kept, ref_kept):
+            assert torch.equal(got, want), how
+
+
 @pytest.mark.parametrize("current", [False, True])
 def test_opcheck_cpu(current):
     # (test_schema compares inputs with torch.allclose, which has no float8 kernel; see test_gemm.py)
