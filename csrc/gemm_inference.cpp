@@ -4,6 +4,7 @@
 // Anything else (a shape to pad, a misaligned operand, a bias of another dtype, any argument fp8_gemm would refuse)
 // answers false, and the caller calls fp8_gemm, which runs or raises its clear error.
 #include <ATen/ATen.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <optional>
@@ -42,7 +43,8 @@ bool inference_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, const at
                             bias->is_contiguous() && bias->device() == a.device() && aligned16(*bias)))
     return false;
   const c10::cuda::CUDAGuard guard(a.device());
-  out = at::empty({m, n}, a.options().dtype(out_dtype));
+  // (the CUDA allocation at::empty's CUDA kernel makes, without its dispatcher call)
+  out = at::detail::empty_cuda({m, n}, out_dtype, a.device(), std::nullopt);
   // (the fields fp8_gemm's operand_args and epilogue set for this case, in the same values)
   Fp8GemmArgs args{};
   args.a = a.data_ptr();

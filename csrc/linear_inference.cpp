@@ -8,7 +8,9 @@
 // scaling's amax and scale, or delayed scaling's update of the module's forward state, which the training path runs
 // at the autocast's exit) and the GEMM. The values are those of the training path's ops bit for bit.
 // Registered as CompositeImplicitAutograd (as csrc/composite.cpp): CUDA kernels, the CPU reference and fake tensors
-// all run the same sequence of the underlying ops.
+// all run the same sequence of the underlying ops. The pybind entry skips the dispatcher altogether for plain CUDA
+// tensors (no dispatch mode, no profiler): it calls the two CUDA kernels' own entries (linear_inference.h), which
+// are what the dispatcher would reach, so the values stay the same bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>

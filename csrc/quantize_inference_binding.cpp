@@ -2,6 +2,7 @@
 // output's allocation, one launch on the current stream. While the stream is being captured into a CUDA graph, and
 // for an empty input, the op sequence of the contract runs instead (a cooperative launch is not captured everywhere;
 // an empty input launches nothing).
+#include <ATen/cuda/EmptyTensor.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -112,7 +113,9 @@ at::Tensor inference_cast(const at::Tensor& x, const at::Tensor& scale, at::Scal
     return op_sequence(x, scale, fp8_dtype, amax, scale_inv, current_scaling, update, history, state_scale,
                        state_scale_inv, backup, fp8_max, margin, amax_compute_algo);
   }
-  at::Tensor q = at::empty(x.sizes(), x.options().dtype(fp8_dtype));
+  // (the CUDA allocation at::empty's CUDA kernel makes, without its dispatcher call: a small layer's inference is
+  // host-bound)
+  at::Tensor q = at::detail::empty_cuda(x.sizes(), fp8_dtype, x.device(), std::nullopt);
   InferenceCastArgs args{x.data_ptr(),
                          static_cast<uint8_t*>(q.data_ptr()),
                          x.numel(),
