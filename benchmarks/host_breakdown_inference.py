@@ -106,9 +106,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_breakdown_inference.py: needs CUDA")
-    calls = pieces(args.m, args.k, args.n)
-    samples: Dict[str, list] = {name: [] for name in calls}
-    with torch.no_grad():
+    with torch.no_grad():  # (the module takes its inference path only where no gradient is needed)
+        calls = pieces(args.m, args.k, args.n)
+        samples: Dict[str, list] = {name: [] for name in calls}
         for r in range(args.rounds):
             names = list(calls)
             if r % 2:
