@@ -18,8 +18,10 @@ Run: python benchmarks/bench_stack.py [--impls ours,te] [--recipes bf16,delayed,
 """
 import argparse
 import collections
+import contextlib
 import importlib
 import json
+import os
 import re
 import sys
 
@@ -27,7 +29,10 @@ import torch
 
 from timing import fmt_spread, run_rounds
 
-RECIPES = ("bf16", "delayed", "current", "block", "bf16-recompute")
+RECIPES = ("bf16", "delayed", "current", "block", "bf16-recompute", "block-generic-dswiglu")
+# "block-generic-dswiglu" (ours only): Float8BlockScaling with the d(SwiGLU) cast on the generic block cast kernel
+# (TFP8_BLOCK_DSWIGLU_WIDE=0 set around its steps): the A/B of the wide kernel in interleaved rounds of one process
+RECIPE_ENV = {"block-generic-dswiglu": {"TFP8_BLOCK_DSWIGLU_WIDE": "0"}}
 # "bf16-recompute" (ours only): BF16 with the modules' recompute_in_backward on: norm(x) and act(fc1_out) recomputed
 # in the backward instead of kept (module/_high_precision.py); "bf16": the modules' defaults (kept, as TE's)
 FULL = dict(layers=16, hidden=2048, ffn=8192, heads=32, groups=8, vocab=32000, batch=4, seq=2048)
@@ -56,7 +61,7 @@ def make_recipe(recipe_module, name: str):
         return recipe_module.DelayedScaling(fp8_format=recipe_module.Format.HYBRID, amax_history_len=16)
     if name == "current":
         return recipe_module.Float8CurrentScaling()
-    if name == "block":
+    if name in ("block", "block-generic-dswiglu"):
         return recipe_module.Float8BlockScaling()
     raise ValueError(f"recipe: expected one of {RECIPES}, got {name!r}")
 
@@ -165,10 +170,16 @@ def print_saved(key: str, report: dict) -> None:
         print(f"| {name} | {entry['MiB']:.1f} | {', '.join(f'{k} x{n}' for k, n in kinds.items())} |")
 
 
-def kernel_split(variant, steps: int = 2) -> dict:
+def kernel_split(variant, steps: int = 2, top: int = 0) -> dict:
     """GPU kernel time per step of `variant` by category (profile_gaps.category: gemm, attention, norm, activation,
     cast/transpose, optimizer, loss, other) over `steps` profiled steps after its warm-up, with "kernels" (their sum)
-    and "step" (the steps' wall time between CUDA events): ms per step. CUDA only."""
+    and "step" (the steps' wall time between CUDA events): ms per step. CUDA only.
+
+    Args:
+        variant: a built, warmed-up Variant.
+        steps: profiled steps.
+        top: also list the `top` kernels by GPU time under "top": [kernel name, ms per step, launches per step].
+    """
     from torch.profiler import ProfilerActivity, profile
 
     from profile_gaps import category
@@ -180,23 +191,47 @@ def kernel_split(variant, steps: int = 2) -> dict:
             variant.loss = variant.step().detach()
         end.record()
         end.synchronize()
-    split = collections.Counter()
+    split, kernels = collections.Counter(), []
     for avg in prof.key_averages():
         if avg.device_type == torch.autograd.DeviceType.CUDA and avg.self_device_time_total > 0:
-            split[category(avg.key)] += avg.self_device_time_total / 1e3 / steps
+            ms = avg.self_device_time_total / 1e3 / steps
+            split[category(avg.key)] += ms
+            kernels.append([avg.key[:160], round(ms, 3), avg.count / steps])
     result = {k: round(v, 3) for k, v in sorted(split.items())}
     result["kernels"] = round(sum(split.values()), 3)
     result["step"] = round(start.elapsed_time(end) / steps, 3)
+    if top:
+        result["top"] = sorted(kernels, key=lambda row: -row[1])[:top]
     return result
 
 
 def print_kernel_splits(splits: dict) -> None:
     """The kernel_split of every variant as one table (ms per step)."""
-    columns = sorted({k for split in splits.values() for k in split} - {"kernels", "step"}) + ["kernels", "step"]
+    columns = sorted({k for split in splits.values() for k in split} - {"kernels", "step", "top"}) + ["kernels", "step"]
     print("\nKernel time per step by category, ms (torch.profiler, one profiled pair of steps per variant)")
     print("| variant | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
     for key, split in splits.items():
         print(f"| {key} | " + " | ".join(f"{split.get(c, 0.0):.2f}" for c in columns) + " |")
+    for key, split in splits.items():
+        if split.get("top"):
+            print(f"\nTop kernels of {key} (ms per step, launches per step)")
+            for name, ms, launches in split["top"]:
+                print(f"  {ms:8.3f} {launches:6.1f}  {name[:120]}")
+
+
+@contextlib.contextmanager
+def environment(values: dict):
+    """Sets the environment variables `values` inside the block and restores their former values after it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class Variant:
@@ -206,6 +241,7 @@ class Variant:
         te, recipe_module = load_impl(impl)
         self.te, self.recipe = te, make_recipe(recipe_module, recipe_name)
         self.device, self.tokens_per_step = device, shape["batch"] * shape["seq"]
+        self.env = RECIPE_ENV.get(recipe_name, {})
         cuda = device == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -239,8 +275,9 @@ class Variant:
 
     def step(self) -> torch.Tensor:
         """One training step; returns the loss (not synchronised)."""
-        loss = self.forward()
-        loss.backward()
+        with environment(self.env):
+            loss = self.forward()
+            loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
@@ -278,6 +315,8 @@ def main() -> None:
                         help="also report what one forward saves for the backward, by module (saved_for_backward)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile two steps of every variant: kernel time by category (CUDA only)")
+    parser.add_argument("--profile-top", type=int, default=0,
+                        help="with --profile: also list this many kernels by GPU time per variant")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -311,7 +350,7 @@ def main() -> None:
             saved[key] = saved_for_backward(v.model, v.forward)
             v.optimizer.zero_grad(set_to_none=True)
             print_saved(key, saved[key])
-    splits = {key: kernel_split(v) for key, v in variants.items()} if args.profile else {}
+    splits = {key: kernel_split(v, top=args.profile_top) for key, v in variants.items()} if args.profile else {}
     if splits:
         print_kernel_splits(splits)
     measures = {key: (lambda v=v: v.round(args.steps)) for key, v in variants.items()}

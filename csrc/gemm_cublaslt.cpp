@@ -8,9 +8,11 @@
 // A descriptor is only ever used by the thread that owns it. One handle per device, shared, kept for the process.
 //
 // Algorithm choice (autotuning, on unless TFP8_GEMM_AUTOTUNE=0): the fastest of the heuristic's first
-// kAutotuneCandidates answers, timed on the plan's first call outside CUDA graph capture (each candidate once to
-// warm up, then kAutotuneRuns times between two events on the call's stream; the host waits for them once per
-// plan). The candidates write the call's own output, workspace and GELU aux; the chosen algorithm then runs once more,
+// kAutotuneCandidates answers, timed on the plan's first call outside CUDA graph capture: each candidate runs once
+// to warm up (its time sizes its timed stretch: enough runs for kAutotuneStretchMs, kAutotuneRuns at least), then
+// kAutotuneRounds rounds time every candidate's stretch between two events on the call's stream, round-robin, and
+// each candidate keeps its best round (a short GEMM timed over 3 runs once let clock and launch jitter pick a slower
+// algorithm). The host waits for the events; once per plan. The candidates write the call's own output, workspace and GELU aux; the chosen algorithm then runs once more,
 // so the output is its result. Accumulating calls (C = D), calls inside a capture and TFP8_GEMM_AUTOTUNE=0 take the
 // heuristic's first answer. (H100: the first answer was the fastest for most split-accumulator GEMMs, and 10-18%
 // slower than the best for fast-accumulation ones at M*N*K >= 1.4e11: benchmarks/RESULTS.md.)
@@ -38,7 +40,10 @@ namespace {
 // Plans a thread keeps before it drops them all (a bound for workloads whose shapes keep changing).
 constexpr size_t kMaxPlansPerThread = 1024;
 constexpr int kAutotuneCandidates = 8;
-constexpr int kAutotuneRuns = 3;
+constexpr int kAutotuneRuns = 3;          // timed runs per stretch, at least
+constexpr int kAutotuneMaxRuns = 64;      // ... and at most
+constexpr float kAutotuneStretchMs = 0.3f;  // a stretch's length sought
+constexpr int kAutotuneRounds = 2;
 
 // TFP8_GEMM_AUTOTUNE: "0" off, unset or anything else on, "verbose" on and printing each plan's candidate times.
 int autotune_mode() {
@@ -300,29 +305,51 @@ bool capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+// Milliseconds of `runs` back-to-back runs of `algo` on g, between two events on the stream.
+float time_runs(Plan& plan, const cublasLtMatmulAlgo_t& algo, const Fp8GemmArgs& g, cudaStream_t stream, int runs,
+                cudaEvent_t start, cudaEvent_t end) {
+  TFP8_CUDA_CHECK(cudaEventRecord(start, stream));
+  for (int r = 0; r < runs; ++r) run(plan, algo, g, stream);
+  TFP8_CUDA_CHECK(cudaEventRecord(end, stream));
+  TFP8_CUDA_CHECK(cudaEventSynchronize(end));
+  float ms = 0.0f;
+  TFP8_CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
+  return ms;
+}
+
 // Times plan.candidates on g (see the file comment), keeps the fastest as plan.algo and clears the candidates.
 void autotune(Plan& plan, const Fp8GemmArgs& g, cudaStream_t stream) {
   cudaEvent_t start, end;
   TFP8_CUDA_CHECK(cudaEventCreate(&start));
   TFP8_CUDA_CHECK(cudaEventCreate(&end));
-  float best_ms = -1.0f;
-  size_t best = 0;
-  std::string report;
+  struct Timed {
+    size_t index;   // into plan.candidates
+    int runs;       // per timed stretch
+    float best_ms;  // per run, over the rounds
+  };
+  std::vector<Timed> timed;
   for (size_t i = 0; i < plan.candidates.size(); ++i) {
     const auto& candidate = plan.candidates[i];
     if (candidate.workspaceSize > g.workspace_bytes) continue;
-    run(plan, candidate.algo, g, stream);
-    TFP8_CUDA_CHECK(cudaEventRecord(start, stream));
-    for (int r = 0; r < kAutotuneRuns; ++r) run(plan, candidate.algo, g, stream);
-    TFP8_CUDA_CHECK(cudaEventRecord(end, stream));
-    TFP8_CUDA_CHECK(cudaEventSynchronize(end));
-    float ms = 0.0f;
-    TFP8_CUDA_CHECK(cudaEventElapsedTime(&ms, start, end));
-    if (best_ms < 0 || ms < best_ms) best_ms = ms, best = i;
-    report += " " + std::to_string(ms / kAutotuneRuns);
+    const float warm_ms = time_runs(plan, candidate.algo, g, stream, 1, start, end);
+    const int runs = std::clamp(static_cast<int>(kAutotuneStretchMs / std::max(warm_ms, 1e-3f)), kAutotuneRuns,
+                                kAutotuneMaxRuns);
+    timed.push_back({i, runs, -1.0f});
   }
+  for (int round = 0; round < kAutotuneRounds; ++round)
+    for (Timed& t : timed) {
+      const float ms = time_runs(plan, plan.candidates[t.index].algo, g, stream, t.runs, start, end) / t.runs;
+      if (t.best_ms < 0 || ms < t.best_ms) t.best_ms = ms;
+    }
   TFP8_CUDA_CHECK(cudaEventDestroy(start));
   TFP8_CUDA_CHECK(cudaEventDestroy(end));
+  size_t best = 0;
+  float best_ms = -1.0f;
+  std::string report;
+  for (const Timed& t : timed) {
+    if (best_ms < 0 || t.best_ms < best_ms) best_ms = t.best_ms, best = t.index;
+    report += " " + std::to_string(t.best_ms) + " (x" + std::to_string(t.runs) + ")";
+  }
   if (autotune_mode() == 2)
     std::fprintf(stderr, "tfp8 GEMM autotune (%s): ms per candidate%s; chose %zu\n", describe(g).c_str(),
                  report.c_str(), best);

@@ -116,12 +116,6 @@ struct DactLoader {
     return swiglu_grad(to_float(dy[row * f + c]), to_float(input[row * 2 * f + c]),
                        to_float(input[row * 2 * f + f + c]), col >= f);
   }
-
-  // act::swiglu_backward's d gate (or d up) with fast_sigmoid.
-  static __device__ __forceinline__ float swiglu_grad(float dy, float gate, float up, bool up_half) {
-    const float sig = fast_sigmoid(gate);
-    return up_half ? dy * gate * sig : dy * up * sig * (1.0f + gate * (1.0f - sig));
-  }
 };
 
 template <typename T, Activation A>
@@ -136,6 +130,7 @@ void launch_typed(const DactBlockCastArgs& p, cudaStream_t stream) {
 
 void launch_dact_block_cast(const DactBlockCastArgs& p, cudaStream_t stream) {
   if (p.cast.two_d) throw std::invalid_argument("dact_block_cast: 1x128 tiles only");
+  if (static_cast<Activation>(p.activation) == Activation::kSwiglu && launch_dswiglu_block_cast_wide(p, stream)) return;
   TFP8_DISPATCH_HIGH_PRECISION(
       p.cast.in_type, T, switch (static_cast<Activation>(p.activation)) {
         case Activation::kGelu: launch_typed<T, Activation::kGelu>(p, stream); break;

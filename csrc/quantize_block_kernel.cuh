@@ -196,6 +196,13 @@ __device__ __forceinline__ void load_interior(const T* x, int64_t row0, int64_t 
 // activation_bwd plus a plain cast 0.48 ms).
 __device__ __forceinline__ float fast_sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 
+// act::swiglu_backward's d gate (up_half false) or d up (true) of one element, with fast_sigmoid: the d(SwiGLU) casts'
+// one formula (up is not read for d up).
+__device__ __forceinline__ float swiglu_grad(float dy, float gate, float up, bool up_half) {
+  const float sig = fast_sigmoid(gate);
+  return up_half ? dy * gate * sig : dy * up * sig * (1.0f + gate * (1.0f - sig));
+}
+
 // Row `row`, columns col .. col + 3 of a [rows, cols] matrix x with row stride ld, as float: one unguarded word when
 // interior (the tile in bounds, vec), else load4. Loaders that combine several inputs per element go row by row
 // with it, so that only one row of each extra input is live (all 16 rows of three inputs took 218 registers).

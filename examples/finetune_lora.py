@@ -183,7 +183,7 @@ def parse_args(argv):
     p.add_argument("--seq-len", type=base.positive_int, help="tokens per sequence (default 1024 GPU, 64 CPU)")
     p.add_argument("--lr", type=base.positive_float, help="peak learning rate (default 1e-3; 2e-4 with --model)")
     p.add_argument("--warmup-steps", type=base.positive_int,
-                   help="steps of the linear learning-rate warmup (default: 5%% of --steps)")
+                   help="steps of the linear learning-rate warmup (default: 20%% of --steps)")
     p.add_argument("--max-grad-norm", type=base.positive_float, default=1.0)
     p.add_argument("--prompt", default="The ", help="prompt of the generated sample")
     p.add_argument("--new-tokens", type=base.positive_int, default=40, help="tokens of the generated sample")

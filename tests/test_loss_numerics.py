@@ -31,7 +31,7 @@ def _model(args):
 
 def test_warmup_steps_sets_the_linear_warmup(tmp_path):
     default, longer = _args(tmp_path), _args(tmp_path, "--warmup-steps", "10")
-    assert [ex.lr_at(s, default) for s in (0, 1)] == pytest.approx([5e-4, 1e-3])  # 5% of 40 steps: 2
+    assert [ex.lr_at(s, default) for s in (0, 3, 7)] == pytest.approx([1.25e-4, 5e-4, 1e-3])  # 20% of 40 steps: 8
     assert [ex.lr_at(s, longer) for s in (0, 4, 9)] == pytest.approx([1e-4, 5e-4, 1e-3])
     assert ex.lr_at(10, longer) == pytest.approx(1e-3)  # the cosine starts at the peak
     assert ex.lr_at(39, longer) < ex.lr_at(20, longer) < 1e-3

@@ -282,3 +282,26 @@ def test_bad_inputs_cuda(case):
     match, call = bad_calls("cuda")[case]
     with pytest.raises(BAD, match=match):
         call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(128, 2 * 128), (384, 2 * 640), (2048, 2 * 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("rowwise,transpose", [(True, True), (True, False), (False, True)])
+def test_dact_swiglu_wide_kernel_matches_generic(monkeypatch, shape, dtype, fp8_dtype, rowwise, transpose):
+    """The wide d(SwiGLU) kernel (m, f multiples of 128, 16-bit, no dbias) writes the very bytes and scales of the
+    generic block cast kernel (TFP8_BLOCK_DSWIGLU_WIDE=0), and both stay close to the CPU reference."""
+    dy, x = _dact_inputs("swiglu", shape, dtype, "cuda")
+    dy = dy * torch.logspace(-3, 3, shape[0], device="cuda", dtype=dtype)[:, None]  # rows of very different amax
+    wide = tfp8.dact_block_cast(dy, x, "swiglu", fp8_dtype, rowwise, transpose)
+    monkeypatch.setenv("TFP8_BLOCK_DSWIGLU_WIDE", "0")
+    generic = tfp8.dact_block_cast(dy, x, "swiglu", fp8_dtype, rowwise, transpose)
+    for a, b in zip(wide[:4], generic[:4]):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a.view(torch.uint8) if a.dtype == fp8_dtype else a,
+                           b.view(torch.uint8) if b.dtype == fp8_dtype else b)
+    if rowwise and transpose:
+        assert wide[0].view(torch.uint8).any() and wide[2].view(torch.uint8).any()  # (not all zeros)
+        _assert_close_to_cpu(wide, tfp8.dact_block_cast(dy.cpu(), x.cpu(), "swiglu", fp8_dtype, True, True),
+                             fp8_dtype)
