@@ -29,10 +29,10 @@ import torch
 
 from timing import fmt_spread, run_rounds
 
-RECIPES = ("bf16", "delayed", "current", "block", "bf16-recompute", "block-generic-dswiglu")
-# "block-generic-dswiglu" (ours only): Float8BlockScaling with the d(SwiGLU) cast on the generic block cast kernel
-# (TFP8_BLOCK_DSWIGLU_WIDE=0 set around its steps): the A/B of the wide kernel in interleaved rounds of one process
-RECIPE_ENV = {"block-generic-dswiglu": {"TFP8_BLOCK_DSWIGLU_WIDE": "0"}}
+RECIPES = ("bf16", "delayed", "current", "block", "bf16-recompute", "block-generic")
+# "block-generic" (ours only): Float8BlockScaling with every block cast on the generic kernel (TFP8_BLOCK_WIDE=0 set
+# around its steps): the A/B of the wide kernel (csrc/quantize_block_wide.cuh) in interleaved rounds of one process
+RECIPE_ENV = {"block-generic": {"TFP8_BLOCK_WIDE": "0"}}
 # "bf16-recompute" (ours only): BF16 with the modules' recompute_in_backward on: norm(x) and act(fc1_out) recomputed
 # in the backward instead of kept (module/_high_precision.py); "bf16": the modules' defaults (kept, as TE's)
 FULL = dict(layers=16, hidden=2048, ffn=8192, heads=32, groups=8, vocab=32000, batch=4, seq=2048)
@@ -61,7 +61,7 @@ def make_recipe(recipe_module, name: str):
         return recipe_module.DelayedScaling(fp8_format=recipe_module.Format.HYBRID, amax_history_len=16)
     if name == "current":
         return recipe_module.Float8CurrentScaling()
-    if name in ("block", "block-generic-dswiglu"):
+    if name in ("block", "block-generic"):
         return recipe_module.Float8BlockScaling()
     raise ValueError(f"recipe: expected one of {RECIPES}, got {name!r}")
 

@@ -120,7 +120,7 @@ Fp8GemmArgs gemm_args(const PaddedOperands& p, int64_t a_block_dim, int64_t b_bl
 
 at::Tensor block_fp8_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, int64_t a_block_dim, const at::Tensor& b,
                           const at::Tensor& b_scale_inv, int64_t b_block_dim, at::ScalarType out_dtype,
-                          const std::optional<at::Tensor>& bias) {
+                          const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
   check_operands(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim);
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
               "out_dtype: expected torch.float32, torch.float16 or torch.bfloat16, got ", out_dtype);
@@ -134,11 +134,22 @@ at::Tensor block_fp8_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, in
                 dims(bias->sizes()));
     check_same_device(*bias, a, "bias");
   }
+  if (residual.has_value()) {
+    check_cuda(*residual, "residual");
+    TORCH_CHECK(residual->scalar_type() == out_dtype, "residual: expected dtype ", out_dtype, " (out_dtype), got ",
+                residual->scalar_type());
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m && residual->size(1) == n, "residual: expected shape ",
+                dims({m, n}), ", got ", dims(residual->sizes()));
+    TORCH_CHECK(residual->is_contiguous(), "residual: expected a contiguous tensor, got strides ",
+                dims(residual->strides()));
+    check_same_device(*residual, a, "residual");
+  }
   const c10::cuda::CUDAGuard guard(a.device());
   if (m == 0 || n == 0) return at::empty({m, n}, a.options().dtype(out_dtype));
-  if (a.size(1) == 0) {  // an empty sum: zeros (+ bias)
+  if (a.size(1) == 0) {  // an empty sum: zeros (+ bias) (+ residual)
     at::Tensor out = at::zeros({m, n}, a.options().dtype(out_dtype));
-    return bias.has_value() ? out.add_(*bias) : out;
+    if (bias.has_value()) out.add_(*bias);
+    return residual.has_value() ? out.add_(*residual) : out;
   }
   const PaddedOperands p = pad_operands(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim);
   at::Tensor out = at::empty({p.m_pad, p.n_pad}, a.options().dtype(out_dtype));
@@ -154,10 +165,15 @@ at::Tensor block_fp8_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, in
     args.bias = bias_p.data_ptr();
     args.bias_type = to_dtype(bias_p.scalar_type(), "bias");
   }
+  // the residual as cuBLASLt's C (beta = 1) where it has the output's layout; else added after the GEMM
+  const bool fused_residual = residual.has_value() && p.m_pad == m && p.n_pad == n &&
+                              reinterpret_cast<uintptr_t>(residual->data_ptr()) % 16 == 0;
+  if (fused_residual) args.residual = residual->data_ptr();
   const at::Tensor workspace = attach_workspace(args, a.options());
   fp8_gemm_cublaslt(args, current_stream());
   if (p.m_pad != m) out = out.narrow(0, 0, m);  // (leading rows: still contiguous)
-  return p.n_pad == n ? out : out.narrow(1, 0, n).contiguous();
+  if (p.n_pad != n) out = out.narrow(1, 0, n).contiguous();
+  return residual.has_value() && !fused_residual ? out.add_(*residual) : out;
 }
 
 void block_fp8_gemm_accumulate(const at::Tensor& a, const at::Tensor& a_scale_inv, int64_t a_block_dim,

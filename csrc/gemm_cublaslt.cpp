@@ -40,8 +40,8 @@ namespace {
 // Plans a thread keeps before it drops them all (a bound for workloads whose shapes keep changing).
 constexpr size_t kMaxPlansPerThread = 1024;
 constexpr int kAutotuneCandidates = 8;
-constexpr int kAutotuneRuns = 3;          // timed runs per stretch, at least
-constexpr int kAutotuneMaxRuns = 64;      // ... and at most
+constexpr int kAutotuneRuns = 3;            // timed runs per stretch, at least
+constexpr int kAutotuneMaxRuns = 64;        // ... and at most
 constexpr float kAutotuneStretchMs = 0.3f;  // a stretch's length sought
 constexpr int kAutotuneRounds = 2;
 

@@ -60,11 +60,12 @@ TORCH_LIBRARY(transformer_fp8, m) {
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   // q [M, K] FP8 with its scale_inv (block_cast's layout for block_dim) -> out_dtype [M, K] = q * scale_inv of its tile
   m.def("block_dequantize(Tensor input, Tensor scale_inv, int block_dim, ScalarType out_dtype) -> Tensor");
-  // out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T (+ bias [N]) in out_dtype (float32 / float16 / bfloat16):
-  // "TN" as fp8_gemm, each operand [rows, K] block-scaled along its rows as block_cast made it (a_block_dim /
-  // b_block_dim: 1 = 1x128 tiles, 2 = 128x128 blocks; not both 2); split accumulator (cuBLASLt takes no other).
+  // out [M, N] = (a * a_scale_inv) @ (b * b_scale_inv)^T (+ bias [N]) (+ residual [M, N] of out_dtype, contiguous)
+  // in out_dtype (float32 / float16 / bfloat16), computed in float32 and rounded once: "TN" as fp8_gemm, each operand
+  // [rows, K] block-scaled along its rows as block_cast made it (a_block_dim / b_block_dim: 1 = 1x128 tiles, 2 =
+  // 128x128 blocks; not both 2); split accumulator (cuBLASLt takes no other).
   m.def("block_fp8_gemm(Tensor a, Tensor a_scale_inv, int a_block_dim, Tensor b, Tensor b_scale_inv, "
-        "int b_block_dim, ScalarType out_dtype, Tensor? bias=None) -> Tensor");
+        "int b_block_dim, ScalarType out_dtype, Tensor? bias=None, Tensor? residual=None) -> Tensor");
   // out [M, N] float32 += the same product (wgrad into main_grad)
   m.def("block_fp8_gemm_accumulate(Tensor a, Tensor a_scale_inv, int a_block_dim, Tensor b, Tensor b_scale_inv, "
         "int b_block_dim, Tensor(a!) out) -> ()");

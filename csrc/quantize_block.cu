@@ -2,6 +2,7 @@
 // (quantize_block_kernel.cuh), and block_dequantize. Layouts: transformer_fp8/quantization/block.py.
 #include "activation_common.cuh"
 #include "quantize_block_kernel.cuh"
+#include "quantize_block_wide.cuh"
 
 namespace tfp8 {
 namespace {
@@ -82,9 +83,54 @@ struct PackedInputLoader : InputLoader<T, kNone> {
   static constexpr int kMinBlocks = 3;
 };
 
+// The wide kernel's loaders (interior tiles): 16-bit x itself, kept as loaded (1x128 or 128x128), and SwiGLU(x).
+template <typename T>
+struct PackedWideLoader {
+  using Tile = PackedTile8<T>;
+  static constexpr int kMinBlocks = 3;
+  static constexpr bool kTwoDOk = true;
+  const T* x;
+  int64_t k;
+  __device__ __forceinline__ int64_t column_tile(unsigned block_x, unsigned) const { return block_x; }
+  __device__ __forceinline__ void load(int64_t row0, int64_t col, int64_t, PackedTile8<T>& tile) const {
+    load_8_words(x, row0, col, k, tile.w);
+  }
+};
+
+template <typename T>
+struct SwigluWideLoader {
+  using Tile = FloatTile8;
+  static constexpr int kMinBlocks = 2;
+  static constexpr bool kTwoDOk = false;
+  const T* x;  // [m, 2k] = [gate | up]
+  int64_t k;
+  __device__ __forceinline__ int64_t column_tile(unsigned block_x, unsigned) const { return block_x; }
+  __device__ __forceinline__ void load(int64_t row0, int64_t col, int64_t, FloatTile8& tile) const {
+    Word4<T> gate[kWideRows], up[kWideRows];
+    load_8_words(x, row0, col, 2 * k, gate);
+    load_8_words(x + k, row0, col, 2 * k, up);
+#pragma unroll
+    for (int i = 0; i < kWideRows; ++i) {
+      float u[kCols];
+      word_floats<T>(gate[i], tile.v[i]);
+      word_floats<T>(up[i], u);
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) tile.v[i][j] = apply_act<kSwiglu>(tile.v[i][j], u[j]);
+    }
+  }
+};
+
 template <typename T, int kAct>
 void launch_input(const BlockCastArgs& a, cudaStream_t stream) {
   const T* x = static_cast<const T*>(a.x);
+  if constexpr (sizeof(T) == 2 && (kAct == kNone || kAct == kSwiglu)) {
+    const void* inputs[1] = {a.x};
+    if (wide_fits(a, inputs, 1)) {
+      if constexpr (kAct == kNone) launch_wide(PackedWideLoader<T>{x, a.k}, a, stream);
+      else launch_wide(SwigluWideLoader<T>{x, a.k}, a, stream);
+      return;
+    }
+  }
   const bool vec = a.k % kCols == 0 && aligned16(a.x);
   if constexpr (kAct == kNone && sizeof(T) == 2) {
     PackedInputLoader<T> loader;

@@ -30,8 +30,8 @@ struct DactBlockCastArgs {
 };
 void launch_dact_block_cast(const DactBlockCastArgs& args, cudaStream_t stream);
 
-// The d(SwiGLU) case of launch_dact_block_cast on its wide kernel (csrc/quantize_block_dswiglu.cu) when the problem
-// fits it (16-bit input, m and f multiples of 128, aligned, 1x128, no column sums, TFP8_BLOCK_DSWIGLU_WIDE not "0");
+// The d(SwiGLU) case of launch_dact_block_cast on the wide kernel (csrc/quantize_block_dswiglu.cu) when the problem
+// fits it (16-bit input, m and f multiples of 128, aligned, 1x128, no column sums, TFP8_BLOCK_WIDE not "0");
 // returns false, launching nothing, otherwise.
 bool launch_dswiglu_block_cast_wide(const DactBlockCastArgs& args, cudaStream_t stream);
 

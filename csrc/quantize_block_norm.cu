@@ -4,6 +4,7 @@
 // read twice (statistics, cast) instead of norm -> y -> cast's four passes, and no y buffer is allocated.
 #include "quantize_block_fused.h"
 #include "quantize_block_kernel.cuh"
+#include "quantize_block_wide.cuh"
 
 namespace tfp8 {
 namespace {
@@ -114,6 +115,49 @@ struct NormLoader {
   }
 };
 
+// NormLoader's interior tiles on the wide kernel (quantize_block_wide.cuh): the same math on 8 rows per warp.
+template <typename T, typename W, bool kLayerNorm>
+struct NormWideLoader {
+  using Tile = FloatTile8;
+  static constexpr int kMinBlocks = 2;
+  static constexpr bool kTwoDOk = false;
+  const T* x;
+  const W* gamma;
+  const W* beta;  // null: none
+  const float* mean;
+  const float* rstd;
+  float gamma_offset;
+  int64_t k;
+
+  __device__ __forceinline__ int64_t column_tile(unsigned block_x, unsigned) const { return block_x; }
+
+  __device__ __forceinline__ void load(int64_t row0, int64_t col, int64_t, FloatTile8& tile) const {
+    Word4<T> w[kWideRows];
+    float mu[kWideRows], rs[kWideRows], g[kCols], b[kCols];
+    load_8_words(x, row0, col, k, w);
+#pragma unroll
+    for (int i = 0; i < kWideRows; ++i) {
+      mu[i] = kLayerNorm ? mean[row0 + i] : 0.0f;
+      rs[i] = rstd[row0 + i];
+    }
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      g[j] = __fadd_rn(to_float(gamma[col + j]), gamma_offset);
+      b[j] = beta != nullptr ? to_float(beta[col + j]) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kWideRows; ++i) {
+      word_floats<T>(w[i], tile.v[i]);
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        float y = __fmul_rn(__fmul_rn(tile.v[i][j] - mu[i], rs[i]), g[j]);
+        if (beta != nullptr) y = __fadd_rn(y, b[j]);
+        tile.v[i][j] = y;
+      }
+    }
+  }
+};
+
 template <typename T, typename W, bool kLayerNorm>
 void launch_typed(const NormBlockCastArgs& p, cudaStream_t stream) {
   const BlockCastArgs& a = p.cast;
@@ -124,6 +168,15 @@ void launch_typed(const NormBlockCastArgs& p, cudaStream_t stream) {
   row_stats_kernel<T, kLayerNorm>
       <<<blocks, kStatsWarps * 32, 0, stream>>>(x, a.m, a.k, p.eps, stats_vec, p.mean, p.rstd);
   TFP8_CUDA_CHECK(cudaGetLastError());
+  if constexpr (sizeof(T) == 2) {
+    const void* inputs[1] = {x};
+    if (wide_fits(a, inputs, 1)) {
+      const NormWideLoader<T, W, kLayerNorm> wide{
+          x, static_cast<const W*>(p.weight), static_cast<const W*>(p.bias), p.mean, p.rstd, p.gamma_offset, a.k};
+      launch_wide(wide, a, stream);
+      return;
+    }
+  }
   const NormLoader<T, W, kLayerNorm> loader{x,
                                             static_cast<const W*>(p.weight),
                                             static_cast<const W*>(p.bias),

@@ -107,7 +107,7 @@ def _(input, scale_inv, block_dim, out_dtype):
 
 
 @_register_fake("transformer_fp8::block_fp8_gemm")
-def _(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out_dtype, bias=None):
+def _(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out_dtype, bias=None, residual=None):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 

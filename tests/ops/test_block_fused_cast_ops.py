@@ -291,11 +291,11 @@ def test_bad_inputs_cuda(case):
 @pytest.mark.parametrize("rowwise,transpose", [(True, True), (True, False), (False, True)])
 def test_dact_swiglu_wide_kernel_matches_generic(monkeypatch, shape, dtype, fp8_dtype, rowwise, transpose):
     """The wide d(SwiGLU) kernel (m, f multiples of 128, 16-bit, no dbias) writes the very bytes and scales of the
-    generic block cast kernel (TFP8_BLOCK_DSWIGLU_WIDE=0), and both stay close to the CPU reference."""
+    generic block cast kernel (TFP8_BLOCK_WIDE=0), and both stay close to the CPU reference."""
     dy, x = _dact_inputs("swiglu", shape, dtype, "cuda")
     dy = dy * torch.logspace(-3, 3, shape[0], device="cuda", dtype=dtype)[:, None]  # rows of very different amax
     wide = tfp8.dact_block_cast(dy, x, "swiglu", fp8_dtype, rowwise, transpose)
-    monkeypatch.setenv("TFP8_BLOCK_DSWIGLU_WIDE", "0")
+    monkeypatch.setenv("TFP8_BLOCK_WIDE", "0")
     generic = tfp8.dact_block_cast(dy, x, "swiglu", fp8_dtype, rowwise, transpose)
     for a, b in zip(wide[:4], generic[:4]):
         assert a.shape == b.shape and a.dtype == b.dtype
@@ -305,3 +305,25 @@ def test_dact_swiglu_wide_kernel_matches_generic(monkeypatch, shape, dtype, fp8_
         assert wide[0].view(torch.uint8).any() and wide[2].view(torch.uint8).any()  # (not all zeros)
         _assert_close_to_cpu(wide, tfp8.dact_block_cast(dy.cpu(), x.cpu(), "swiglu", fp8_dtype, True, True),
                              fp8_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("normalization,with_bias", [("RMSNorm", False), ("LayerNorm", True), ("LayerNorm", False)])
+@pytest.mark.parametrize("weight_float32", [False, True])
+@pytest.mark.parametrize("rowwise,transpose", [(True, True), (True, False), (False, True)])
+def test_norm_block_cast_wide_kernel_matches_generic(monkeypatch, normalization, with_bias, weight_float32, rowwise,
+                                                     transpose):
+    """The fused norm cast on the wide kernel (interior 16-bit problems) writes the very bytes, scales and statistics
+    of the generic kernel (TFP8_BLOCK_WIDE=0)."""
+    x, weight, bias = _norm_inputs((384, 2048), normalization, with_bias, torch.bfloat16,
+                                   weight_dtype=torch.float32 if weight_float32 else torch.bfloat16)
+    x, weight = x.cuda(), weight.cuda()
+    bias = None if bias is None else bias.cuda()
+    args = (x, weight, bias, normalization, 1e-5, False, E4M3, rowwise, transpose)
+    wide = tfp8.norm_block_cast(*args)
+    monkeypatch.setenv("TFP8_BLOCK_WIDE", "0")
+    generic = tfp8.norm_block_cast(*args)
+    for a, b in zip(wide, generic):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a, b.view(torch.uint8) if b.dtype == E4M3 else b)
+    assert wide[0 if rowwise else 2].view(torch.uint8).any()

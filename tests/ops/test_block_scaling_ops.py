@@ -187,6 +187,12 @@ def test_gemm_bias_and_dtypes():
     torch.testing.assert_close(out, (exact + bias.float()).bfloat16())
     half = tfp8.block_fp8_gemm(xq, xs, 1, wq, ws, 2, torch.float16, bias.half())
     assert half.dtype == torch.float16
+    residual = torch.randn(32, 48, dtype=torch.bfloat16) * 10
+    with_residual = tfp8.block_fp8_gemm(xq, xs, 1, wq, ws, 2, torch.bfloat16, bias, residual)
+    # one rounding of the float32 sum, not (product + bias) rounded, then + residual rounded again
+    torch.testing.assert_close(with_residual, (exact.double() + bias.double() + residual.double()).bfloat16(),
+                               rtol=2**-8, atol=0)
+    assert torch.equal(with_residual, (exact + bias.float() + residual.float()).bfloat16())
 
 
 # ---------------------------------------------------------------- opcheck and bad input
@@ -204,6 +210,8 @@ def opcheck_cases(device):
         (tfp8.block_activation_cast.default, (x, "swiglu", E4M3), {"transpose": True}),
         (tfp8.block_fp8_gemm.default, (xq, xs, 1, wq, ws, 2, torch.bfloat16), {}),
         (tfp8.block_fp8_gemm_accumulate.default, (xqt, xst, 1, xqt, xst, 1, torch.zeros(160, 160, device=device)), {}),
+        (tfp8.block_fp8_gemm.default, (xq, xs, 1, wq, ws, 2, torch.bfloat16),
+         {"residual": torch.randn(40, 48, device=device, dtype=torch.bfloat16)}),
     ]
 
 
@@ -211,7 +219,7 @@ def opcheck_cases(device):
 OPCHECK_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 def test_opcheck_cpu(case):
     op, args, kwargs = opcheck_cases("cpu")[case]
     torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_UTILS)
@@ -240,10 +248,14 @@ def bad_calls(device):
                                                                             torch.zeros(32, 32, device=device).half())),
         ("activation: expected one of", lambda: tfp8.block_activation_cast(x, "tanh", E4M3)),
         ("swiglu expects an even", lambda: tfp8.block_activation_cast(x[:, :127].contiguous(), "swiglu", E4M3)),
+        ("residual: expected dtype", lambda: tfp8.block_fp8_gemm(xq, xs, 1, wq, ws, 2, torch.bfloat16, None,
+                                                                  torch.zeros(32, 32, device=device))),
+        ("residual: expected shape", lambda: tfp8.block_fp8_gemm(xq, xs, 1, wq, ws, 2, torch.float32, None,
+                                                                  torch.zeros(32, 31, device=device))),
     ]
 
 
-@pytest.mark.parametrize("case", range(14))
+@pytest.mark.parametrize("case", range(16))
 def test_bad_inputs_cpu(case):
     match, call = bad_calls("cpu")[case]
     with pytest.raises(BAD, match=match):
@@ -294,18 +306,59 @@ def test_activation_cast_cuda_matches_cpu(activation, shape, dtype):
 
 
 @pytest.mark.gpu
-def test_cast_cuda_special_values():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # (bfloat16 takes the wide kernel)
+def test_cast_cuda_special_values(dtype):
     x = torch.zeros(256, 384)
     x[:, 128:256] = 1e-30
     x[:, 256:] = torch.randn(256, 128) * 1e4
     x[7, 300] = float("nan")
     x[200, 10] = float("inf")
+    x = x.to(dtype)
     for block_dim in (1, 2):
         for eps in (0.0, 1e-6):
             cpu = tfp8.block_cast(x, E4M3, block_dim, True, True, eps, True)
             cuda = tfp8.block_cast(x.cuda(), E4M3, block_dim, True, True, eps, True)
             for ours, ref in zip(cuda, cpu):
-                assert torch.equal(ours.cpu().view(torch.uint8), ref.view(torch.uint8))
+                assert torch.equal(_nan_positive(ours.cpu()), _nan_positive(ref))
+
+
+def _nan_positive(t):
+    """t's bytes with E4M3's two NaN encodings (0x7F, 0xFF) made one: the sign of a NaN carries nothing (the CPU
+    reference writes 0xFF for a bfloat16 NaN, the kernels 0x7F)."""
+    raw = t.view(torch.uint8).clone()
+    if t.dtype == E4M3:
+        raw[raw == 0xFF] = 0x7F
+    return raw
+
+
+def _same_outputs(a, b):
+    """Two casts' (q, scale_inv, qt, scale_inv_t): same shapes, dtypes and bytes."""
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(128, 128), (384, 640), (2048, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("block_dim", [1, 2])
+@pytest.mark.parametrize("rowwise,transpose", [(True, True), (True, False), (False, True)])
+def test_wide_kernel_matches_generic(monkeypatch, shape, dtype, fp8_dtype, block_dim, rowwise, transpose):
+    """The wide block cast kernel (interior 16-bit problems, csrc/quantize_block_wide.cuh) writes the very bytes and
+    scales of the generic one (TFP8_BLOCK_WIDE=0): plain casts (1x128 and 128x128) and the SwiGLU forward cast."""
+    x = _data(shape, dtype, "cuda")
+    swiglu_x = _data((shape[0], 2 * shape[1]), dtype, "cuda") / 8
+    wide = [tfp8.block_cast(x, fp8_dtype, block_dim, rowwise, transpose, 0.0, block_dim == 1)]
+    if block_dim == 1:
+        wide.append(tfp8.block_activation_cast(swiglu_x, "swiglu", fp8_dtype, rowwise, transpose))
+    monkeypatch.setenv("TFP8_BLOCK_WIDE", "0")
+    generic = [tfp8.block_cast(x, fp8_dtype, block_dim, rowwise, transpose, 0.0, block_dim == 1)]
+    if block_dim == 1:
+        generic.append(tfp8.block_activation_cast(swiglu_x, "swiglu", fp8_dtype, rowwise, transpose))
+    for a, b in zip(wide, generic):
+        _same_outputs(a, b)
+        assert any(t.view(torch.uint8).any() for t in (a[0], a[2]) if t.numel())  # (not all zeros)
 
 
 @pytest.mark.gpu
@@ -330,6 +383,11 @@ def test_gemm_cuda_matches_cpu(m, k, n, out_dtype):
     ref = tfp8.block_fp8_gemm(xq, xs, 1, wq, ws, 2, out_dtype, bias)
     out = tfp8.block_fp8_gemm(xq.cuda(), xs.cuda(), 1, wq.cuda(), ws.cuda(), 2, out_dtype, bias.cuda())
     assert_close_rel(out.cpu(), ref, tol, "with bias")
+    residual = (torch.randn(m, n) * ref.float().abs().mean()).to(out_dtype)
+    ref = tfp8.block_fp8_gemm(xq, xs, 1, wq, ws, 2, out_dtype, bias, residual)
+    out = tfp8.block_fp8_gemm(xq.cuda(), xs.cuda(), 1, wq.cuda(), ws.cuda(), 2, out_dtype, bias.cuda(),
+                              residual.cuda())
+    assert_close_rel(out.cpu(), ref, tol, "with bias and residual")
     acc = torch.randn(n, k)
     ref_acc = acc.clone()
     tfp8.block_fp8_gemm_accumulate(dqt, dst, 1, xqt, xst, 1, ref_acc)
@@ -339,14 +397,14 @@ def test_gemm_cuda_matches_cpu(m, k, n, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 def test_opcheck_cuda(case):
     op, args, kwargs = opcheck_cases("cuda")[case]
     torch.library.opcheck(op, args, kwargs, test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", range(14))
+@pytest.mark.parametrize("case", range(16))
 def test_bad_inputs_cuda(case):
     match, call = bad_calls("cuda")[case]
     with pytest.raises(BAD, match=match):

@@ -5,7 +5,7 @@ import torch
 
 from ._common import FP8_MAX, check_fp8_dtype, register, saturating_cast
 from .activation import act_forward, check_activation
-from .gemm import check_fp8_operand, check_operand_pair
+from .gemm import check_fp8_operand, check_operand_pair, check_residual
 
 BLOCK = 128
 HIGH_PRECISION = (torch.float32, torch.float16, torch.bfloat16)
@@ -204,8 +204,8 @@ def _product(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim):
 
 
 @register("block_fp8_gemm")
-def block_fp8_gemm(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out_dtype, bias=None):
-    """out [M, N] = dequantized a @ dequantized bᵀ (+ bias) in float32, returned in out_dtype."""
+def block_fp8_gemm(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out_dtype, bias=None, residual=None):
+    """out [M, N] = dequantized a @ dequantized bᵀ (+ bias) (+ residual) in float32, returned in out_dtype."""
     check_block_operands(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim)
     if out_dtype not in HIGH_PRECISION:
         raise ValueError(f"out_dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {out_dtype}")
@@ -217,9 +217,13 @@ def block_fp8_gemm(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim, out
             raise ValueError(f"bias: expected shape ({b.shape[0]},), got {tuple(bias.shape)}")
         if bias.device != a.device:
             raise ValueError(f"bias: expected a tensor on {a.device}, got one on {bias.device}")
+    if residual is not None:
+        check_residual(a, b, out_dtype, False, residual)
     out = _product(a, a_scale_inv, a_block_dim, b, b_scale_inv, b_block_dim)
     if bias is not None:
         out = out + bias.float()
+    if residual is not None:
+        out = out + residual.float()
     return out.to(out_dtype)
 
 

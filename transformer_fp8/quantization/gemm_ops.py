@@ -3,8 +3,8 @@
 Each operand gives its rowwise data [rows, K] or, with transpose_a / transpose_b, its transposed copy data_t (the
 wgrad contracts over the tokens: dW = dyᵀ xᵀᵀ). The operands' layout picks the kernel: per-tensor ("tensor") goes to
 tfp8.fp8_gemm / fp8_gemm_accumulate, block-scaled ("block_1x128", "block_128x128", see block.py) to
-tfp8.block_fp8_gemm / block_fp8_gemm_accumulate (always the split accumulator; bias in the epilogue where its dtype
-fits, a residual added after the GEMM).
+tfp8.block_fp8_gemm / block_fp8_gemm_accumulate (always the split accumulator; bias and residual in the epilogue
+where the bias's dtype fits).
 """
 import torch
 
@@ -53,12 +53,13 @@ def gemm(a: FP8Operand, b: FP8Operand, out_dtype: torch.dtype, *, transpose_a: b
     a_data, a_scale_inv = _side(a, transpose_a, "a")
     b_data, b_scale_inv = _side(b, transpose_b, "b")
     if _block_pair(a, b):
-        fits = bias is not None and bias.dtype == (torch.float16 if out_dtype == torch.float16 else torch.bfloat16)
-        out = tfp8.block_fp8_gemm(a_data, a_scale_inv, BLOCK_DIM_OF_LAYOUT[a.layout], b_data, b_scale_inv,
-                                  BLOCK_DIM_OF_LAYOUT[b.layout], out_dtype, bias if fits else None)
-        if bias is not None and not fits:  # (a float32 bias of a float32 output: added in float32 after the GEMM)
-            out = out + bias.to(out_dtype)
-        return out if residual is None else out + residual
+        fits = bias is None or bias.dtype == (torch.float16 if out_dtype == torch.float16 else torch.bfloat16)
+        if not fits:  # (a float32 bias of a float32 output: bias, then residual, added in float32 after the GEMM)
+            out = tfp8.block_fp8_gemm(a_data, a_scale_inv, BLOCK_DIM_OF_LAYOUT[a.layout], b_data, b_scale_inv,
+                                      BLOCK_DIM_OF_LAYOUT[b.layout], out_dtype) + bias.to(out_dtype)
+            return out if residual is None else out + residual
+        return tfp8.block_fp8_gemm(a_data, a_scale_inv, BLOCK_DIM_OF_LAYOUT[a.layout], b_data, b_scale_inv,
+                                   BLOCK_DIM_OF_LAYOUT[b.layout], out_dtype, bias, residual)
     extra = {} if residual is None else {"residual": residual}
     return tfp8.fp8_gemm(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype, bias,
                          use_split_accumulator=use_split_accumulator, **extra)[0]
