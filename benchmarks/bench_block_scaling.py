@@ -20,14 +20,13 @@ Usage: python benchmarks/bench_block_scaling.py [--json out.json] [--rounds 5] [
 import argparse
 import json
 import os
-from contextlib import contextmanager
 
 import torch
 
 import transformer_fp8 as te
 from bench_gemm import graph_of, replay_ms
 from bench_stack import FULL, LlamaStack
-from timing import gpu_time_ms, run_rounds
+from timing import environment, gpu_time_ms, run_rounds
 from transformer_fp8 import recipe
 
 ops = torch.ops.transformer_fp8
@@ -222,21 +221,6 @@ STACK_RECIPES = {
     "block-unfused": ("Float8BlockScaling, unfused norm / dact casts (TFP8_BLOCK_FUSED=0)", recipe.Float8BlockScaling,
                       {"TFP8_BLOCK_FUSED": "0"}),
 }
-
-
-@contextmanager
-def environment(values):
-    """os.environ updated with `values` inside the block, restored after."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def stack_step(fp8_recipe, batch=4, seq=2048):

@@ -18,16 +18,14 @@ Run: python benchmarks/bench_stack.py [--impls ours,te] [--recipes bf16,delayed,
 """
 import argparse
 import collections
-import contextlib
 import importlib
 import json
-import os
 import re
 import sys
 
 import torch
 
-from timing import fmt_spread, run_rounds
+from timing import environment, fmt_spread, run_rounds
 
 RECIPES = ("bf16", "delayed", "current", "block", "bf16-recompute", "block-generic")
 # "block-generic" (ours only): Float8BlockScaling with every block cast on the generic kernel (TFP8_BLOCK_WIDE=0 set
@@ -217,21 +215,6 @@ def print_kernel_splits(splits: dict) -> None:
             print(f"\nTop kernels of {key} (ms per step, launches per step)")
             for name, ms, launches in split["top"]:
                 print(f"  {ms:8.3f} {launches:6.1f}  {name[:120]}")
-
-
-@contextlib.contextmanager
-def environment(values: dict):
-    """Sets the environment variables `values` inside the block and restores their former values after it."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class Variant:

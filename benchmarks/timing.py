@@ -16,10 +16,12 @@
 
 On a machine without CUDA the GPU measures fall back to the wall clock (smoke tests of the scripts only).
 """
+import contextlib
+import os
 import random
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -312,3 +314,23 @@ def fmt_spread(stats: Dict[str, object], digits: int = 2) -> str:
     if "error" in stats:
         return f"error: {stats['error']}"
     return f"{stats['median']:.{digits}f} ({stats['min']:.{digits}f}-{stats['max']:.{digits}f})"
+
+
+@contextlib.contextmanager
+def environment(values: Dict[str, str]) -> Iterator[None]:
+    """Sets the environment variables `values` inside the block and restores their former values after it (a
+    variant that switches a library setting read from the environment at each call, e.g. TFP8_BLOCK_WIDE).
+
+    Args:
+        values: variable name -> value.
+    """
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

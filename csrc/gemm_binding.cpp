@@ -13,6 +13,36 @@
 
 namespace tfp8 {
 
+// (declared in gemm_workspace.h)
+Fp8GemmArgs operand_args(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
+                         const at::Tensor& b_scale_inv, int64_t m, int64_t n, int64_t k, bool use_split_accumulator) {
+  Fp8GemmArgs args{};
+  args.a = a.data_ptr();
+  args.b = b.data_ptr();
+  args.a_scale_inv = a_scale_inv.data_ptr<float>();
+  args.b_scale_inv = b_scale_inv.data_ptr<float>();
+  args.a_type = to_dtype(a.scalar_type(), "a");
+  args.b_type = to_dtype(b.scalar_type(), "b");
+  args.m = m;
+  args.n = n;
+  args.k = k;
+  args.fast_accum = !use_split_accumulator;
+  return args;
+}
+
+// (declared in gemm_workspace.h)
+void check_residual(const at::Tensor& residual, at::ScalarType out_dtype, int64_t m, int64_t n, const at::Tensor& a) {
+  check_cuda(residual, "residual");
+  TORCH_CHECK(residual.scalar_type() == out_dtype, "residual: expected dtype ", out_dtype, " (out_dtype), got ",
+              residual.scalar_type());
+  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == m && residual.size(1) == n, "residual: expected shape ",
+              dims({m, n}), ", got ", dims(residual.sizes()));
+  TORCH_CHECK(residual.is_contiguous(), "residual: expected a contiguous tensor, got strides ",
+              dims(residual.strides()));
+  TORCH_CHECK(residual.device() == a.device(), "residual: expected a tensor on ", a.device().str(), ", got one on ",
+              residual.device().str());
+}
+
 // (declared in gemm_workspace.h) Gives the fully described GEMM `args` the workspace its algorithm needs (possibly
 // none): torch's own cuBLASLt workspace of the current stream when it is large enough (kept by torch per stream, also under graph capture: no
 // allocation per call, no second buffer; GEMMs on one stream run in order, so sharing it is safe), else a fresh
@@ -96,21 +126,6 @@ at::Tensor padded_bias(const at::Tensor& bias, int64_t n_to) {
   return out;
 }
 
-Fp8GemmArgs operand_args(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
-                         const at::Tensor& b_scale_inv, int64_t m, int64_t n, int64_t k, bool use_split_accumulator) {
-  Fp8GemmArgs args{};
-  args.a = a.data_ptr();
-  args.b = b.data_ptr();
-  args.a_scale_inv = a_scale_inv.data_ptr<float>();
-  args.b_scale_inv = b_scale_inv.data_ptr<float>();
-  args.a_type = to_dtype(a.scalar_type(), "a");
-  args.b_type = to_dtype(b.scalar_type(), "b");
-  args.m = m;
-  args.n = n;
-  args.k = k;
-  args.fast_accum = !use_split_accumulator;
-  return args;
-}
 
 std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
                                             const at::Tensor& b_scale_inv, at::ScalarType out_dtype,
@@ -143,18 +158,11 @@ std::tuple<at::Tensor, at::Tensor> fp8_gemm(const at::Tensor& a, const at::Tenso
   }
 
   if (residual.has_value()) {
-    check_cuda(*residual, "residual");
     TORCH_CHECK(!is_fp8(out_dtype) && !gelu,
                 "residual: only for a float32, float16 or bfloat16 out_dtype without "
                 "gelu, got out_dtype ",
                 out_dtype, gelu ? " with gelu" : "");
-    TORCH_CHECK(residual->scalar_type() == out_dtype, "residual: expected dtype ", out_dtype, " (out_dtype), got ",
-                residual->scalar_type());
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m && residual->size(1) == n, "residual: expected shape ",
-                dims({m, n}), ", got ", dims(residual->sizes()));
-    TORCH_CHECK(residual->is_contiguous(), "residual: expected a contiguous tensor, got strides ",
-                dims(residual->strides()));
-    check_on_device_of(*residual, a, "residual");
+    check_residual(*residual, out_dtype, m, n, a);
   }
 
   const c10::cuda::CUDAGuard guard(a.device());

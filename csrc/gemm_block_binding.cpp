@@ -134,16 +134,7 @@ at::Tensor block_fp8_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, in
                 dims(bias->sizes()));
     check_same_device(*bias, a, "bias");
   }
-  if (residual.has_value()) {
-    check_cuda(*residual, "residual");
-    TORCH_CHECK(residual->scalar_type() == out_dtype, "residual: expected dtype ", out_dtype, " (out_dtype), got ",
-                residual->scalar_type());
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m && residual->size(1) == n, "residual: expected shape ",
-                dims({m, n}), ", got ", dims(residual->sizes()));
-    TORCH_CHECK(residual->is_contiguous(), "residual: expected a contiguous tensor, got strides ",
-                dims(residual->strides()));
-    check_same_device(*residual, a, "residual");
-  }
+  if (residual.has_value()) check_residual(*residual, out_dtype, m, n, a);
   const c10::cuda::CUDAGuard guard(a.device());
   if (m == 0 || n == 0) return at::empty({m, n}, a.options().dtype(out_dtype));
   if (a.size(1) == 0) {  // an empty sum: zeros (+ bias) (+ residual)

@@ -46,17 +46,7 @@ bool inference_gemm(const at::Tensor& a, const at::Tensor& a_scale_inv, const at
   // (the CUDA allocation at::empty's CUDA kernel makes, without its dispatcher call)
   out = at::detail::empty_cuda({m, n}, out_dtype, a.device(), std::nullopt);
   // (the fields fp8_gemm's operand_args and epilogue set for this case, in the same values)
-  Fp8GemmArgs args{};
-  args.a = a.data_ptr();
-  args.b = b.data_ptr();
-  args.a_scale_inv = a_scale_inv.data_ptr<float>();
-  args.b_scale_inv = b_scale_inv.data_ptr<float>();
-  args.a_type = to_dtype(a.scalar_type(), "a");
-  args.b_type = to_dtype(b.scalar_type(), "b");
-  args.m = m;
-  args.n = n;
-  args.k = k;
-  args.fast_accum = true;  // (fp8_linear_inference's use_split_accumulator=false)
+  Fp8GemmArgs args = operand_args(a, a_scale_inv, b, b_scale_inv, m, n, k, /*use_split_accumulator=*/false);
   args.out = out.data_ptr();
   args.out_type = to_dtype(out_dtype, "out_dtype");
   args.ld_out = n;

@@ -86,26 +86,13 @@ struct DactLoader {
       load_words(input, row0, c, 2 * f, x);  // (x: gate; d up needs no up)
       if (up_half) {
 #pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-          float dv[kCols], gate[kCols];
-          word_floats<T>(d[i], dv);
-          word_floats<T>(x[i], gate);
-#pragma unroll
-          for (int j = 0; j < kCols; ++j) v[i][j] = swiglu_grad(dv[j], gate[j], 0.0f, true);
-        }
+        for (int i = 0; i < kRows; ++i) dswiglu_up_row<T>(d[i], x[i], v[i]);
         return;
       }
       Word4<T> u[kRows];
       load_words(input + f, row0, c, 2 * f, u);
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        float dv[kCols], gate[kCols], up[kCols];
-        word_floats<T>(d[i], dv);
-        word_floats<T>(x[i], gate);
-        word_floats<T>(u[i], up);
-#pragma unroll
-        for (int j = 0; j < kCols; ++j) v[i][j] = swiglu_grad(dv[j], gate[j], up[j], false);
-      }
+      for (int i = 0; i < kRows; ++i) dswiglu_gate_row<T>(d[i], x[i], u[i], v[i]);
     }
   }
 

@@ -33,26 +33,13 @@ struct DswigluWideLoader {
     load_8_words(input, row0, c, 2 * f, g);
     if (up_half) {  // (d up needs no up)
 #pragma unroll
-      for (int i = 0; i < kWideRows; ++i) {
-        float dv[kCols], gate[kCols];
-        word_floats<T>(d[i], dv);
-        word_floats<T>(g[i], gate);
-#pragma unroll
-        for (int j = 0; j < kCols; ++j) tile.v[i][j] = swiglu_grad(dv[j], gate[j], 0.0f, true);
-      }
+      for (int i = 0; i < kWideRows; ++i) dswiglu_up_row<T>(d[i], g[i], tile.v[i]);
       return;
     }
     Word4<T> u[kWideRows];
     load_8_words(input + f, row0, c, 2 * f, u);
 #pragma unroll
-    for (int i = 0; i < kWideRows; ++i) {
-      float dv[kCols], gate[kCols], up[kCols];
-      word_floats<T>(d[i], dv);
-      word_floats<T>(g[i], gate);
-      word_floats<T>(u[i], up);
-#pragma unroll
-      for (int j = 0; j < kCols; ++j) tile.v[i][j] = swiglu_grad(dv[j], gate[j], up[j], false);
-    }
+    for (int i = 0; i < kWideRows; ++i) dswiglu_gate_row<T>(d[i], g[i], u[i], tile.v[i]);
   }
 };
 

@@ -203,6 +203,27 @@ __device__ __forceinline__ float swiglu_grad(float dy, float gate, float up, boo
   return up_half ? dy * gate * sig : dy * up * sig * (1.0f + gate * (1.0f - sig));
 }
 
+// One row of a lane's 4 columns of d up (from dy's and gate's words) or of d gate (also up's words), as float.
+template <typename T>
+__device__ __forceinline__ void dswiglu_up_row(const Word4<T>& d, const Word4<T>& g, float (&v)[kCols]) {
+  float dv[kCols], gate[kCols];
+  word_floats<T>(d, dv);
+  word_floats<T>(g, gate);
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) v[j] = swiglu_grad(dv[j], gate[j], 0.0f, true);
+}
+
+template <typename T>
+__device__ __forceinline__ void dswiglu_gate_row(const Word4<T>& d, const Word4<T>& g, const Word4<T>& u,
+                                                 float (&v)[kCols]) {
+  float dv[kCols], gate[kCols], up[kCols];
+  word_floats<T>(d, dv);
+  word_floats<T>(g, gate);
+  word_floats<T>(u, up);
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) v[j] = swiglu_grad(dv[j], gate[j], up[j], false);
+}
+
 // Row `row`, columns col .. col + 3 of a [rows, cols] matrix x with row stride ld, as float: one unguarded word when
 // interior (the tile in bounds, vec), else load4. Loaders that combine several inputs per element go row by row
 // with it, so that only one row of each extra input is live (all 16 rows of three inputs took 218 registers).

@@ -57,17 +57,30 @@ __global__ void __launch_bounds__(kStatsWarps * 32)
   }
 }
 
-// Loads y = ((x - mean) * rstd) * (gamma + offset) [+ beta] (norm_fwd.cu's order, no fused multiply-adds).
-template <typename T, typename W, bool kLayerNorm>
-struct NormLoader {
-  static constexpr bool kTwoDOk = false;
+// y = ((x - mean) * rstd) * (gamma + offset) [+ beta] of one element (norm_fwd.cu's order, no fused multiply-adds).
+__device__ __forceinline__ float normalized(float x, float mu, float rs, float g, float b, bool has_beta) {
+  const float y = __fmul_rn(__fmul_rn(x - mu, rs), g);
+  return has_beta ? __fadd_rn(y, b) : y;
+}
+
+// What both norm loaders read: x [m, k], gamma / beta [k], mean / rstd [m] from row_stats_kernel.
+template <typename T, typename W>
+struct NormInputs {
   const T* x;
   const W* gamma;
   const W* beta;  // null: none
   const float* mean;
   const float* rstd;
   float gamma_offset;
+};
+
+// Loads y = normalized(x).
+template <typename T, typename W, bool kLayerNorm>
+struct NormLoader : NormInputs<T, W> {
+  static constexpr bool kTwoDOk = false;
   bool vec;
+  using NormInputs<T, W>::x, NormInputs<T, W>::gamma, NormInputs<T, W>::beta, NormInputs<T, W>::mean,
+      NormInputs<T, W>::rstd, NormInputs<T, W>::gamma_offset;
 
   __device__ __forceinline__ void load(const BlockCastArgs& a, int64_t row0, int64_t col, bool interior,
                                        float (&v)[kRows][kCols]) const {
@@ -91,11 +104,7 @@ struct NormLoader {
       for (int i = 0; i < kRows; ++i) {
         word_floats<T>(w[i], v[i]);
 #pragma unroll
-        for (int j = 0; j < kCols; ++j) {
-          float y = __fmul_rn(__fmul_rn(v[i][j] - mu[i], rs[i]), g[j]);
-          if (beta != nullptr) y = __fadd_rn(y, b[j]);
-          v[i][j] = y;
-        }
+        for (int j = 0; j < kCols; ++j) v[i][j] = normalized(v[i][j], mu[i], rs[i], g[j], b[j], beta != nullptr);
       }
       return;
     }
@@ -107,8 +116,7 @@ struct NormLoader {
       const float mu = kLayerNorm && in_row ? mean[row] : 0.0f, rs = in_row ? rstd[row] : 0.0f;
 #pragma unroll
       for (int j = 0; j < kCols; ++j) {
-        float y = __fmul_rn(__fmul_rn(v[i][j] - mu, rs), g[j]);
-        if (beta != nullptr) y = __fadd_rn(y, b[j]);
+        const float y = normalized(v[i][j], mu, rs, g[j], b[j], beta != nullptr);
         v[i][j] = in_row && col + j < a.k ? y : 0.0f;  // (the padding stays out of every amax)
       }
     }
@@ -117,17 +125,13 @@ struct NormLoader {
 
 // NormLoader's interior tiles on the wide kernel (quantize_block_wide.cuh): the same math on 8 rows per warp.
 template <typename T, typename W, bool kLayerNorm>
-struct NormWideLoader {
+struct NormWideLoader : NormInputs<T, W> {
   using Tile = FloatTile8;
   static constexpr int kMinBlocks = 2;
   static constexpr bool kTwoDOk = false;
-  const T* x;
-  const W* gamma;
-  const W* beta;  // null: none
-  const float* mean;
-  const float* rstd;
-  float gamma_offset;
   int64_t k;
+  using NormInputs<T, W>::x, NormInputs<T, W>::gamma, NormInputs<T, W>::beta, NormInputs<T, W>::mean,
+      NormInputs<T, W>::rstd, NormInputs<T, W>::gamma_offset;
 
   __device__ __forceinline__ int64_t column_tile(unsigned block_x, unsigned) const { return block_x; }
 
@@ -149,11 +153,8 @@ struct NormWideLoader {
     for (int i = 0; i < kWideRows; ++i) {
       word_floats<T>(w[i], tile.v[i]);
 #pragma unroll
-      for (int j = 0; j < kCols; ++j) {
-        float y = __fmul_rn(__fmul_rn(tile.v[i][j] - mu[i], rs[i]), g[j]);
-        if (beta != nullptr) y = __fadd_rn(y, b[j]);
-        tile.v[i][j] = y;
-      }
+      for (int j = 0; j < kCols; ++j)
+        tile.v[i][j] = normalized(tile.v[i][j], mu[i], rs[i], g[j], b[j], beta != nullptr);
     }
   }
 };
@@ -168,22 +169,17 @@ void launch_typed(const NormBlockCastArgs& p, cudaStream_t stream) {
   row_stats_kernel<T, kLayerNorm>
       <<<blocks, kStatsWarps * 32, 0, stream>>>(x, a.m, a.k, p.eps, stats_vec, p.mean, p.rstd);
   TFP8_CUDA_CHECK(cudaGetLastError());
+  const NormInputs<T, W> inputs{
+      x, static_cast<const W*>(p.weight), static_cast<const W*>(p.bias), p.mean, p.rstd, p.gamma_offset};
   if constexpr (sizeof(T) == 2) {
-    const void* inputs[1] = {x};
-    if (wide_fits(a, inputs, 1)) {
-      const NormWideLoader<T, W, kLayerNorm> wide{
-          x, static_cast<const W*>(p.weight), static_cast<const W*>(p.bias), p.mean, p.rstd, p.gamma_offset, a.k};
+    const void* read[1] = {x};
+    if (wide_fits(a, read, 1)) {
+      const NormWideLoader<T, W, kLayerNorm> wide{inputs, a.k};
       launch_wide(wide, a, stream);
       return;
     }
   }
-  const NormLoader<T, W, kLayerNorm> loader{x,
-                                            static_cast<const W*>(p.weight),
-                                            static_cast<const W*>(p.bias),
-                                            p.mean,
-                                            p.rstd,
-                                            p.gamma_offset,
-                                            a.k % kCols == 0 && aligned16(x)};
+  const NormLoader<T, W, kLayerNorm> loader{inputs, a.k % kCols == 0 && aligned16(x)};
   launch_with_loader(loader, a, stream);
 }
 
