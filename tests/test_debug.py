@@ -8,10 +8,10 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer_fp8 as te
 from tests.module.helpers import DEVICES, RECIPES
+from tests.utils import OpNames
 from transformer_fp8 import debug
 from transformer_fp8.module import base
 
@@ -387,16 +387,6 @@ def test_disable_fp8_refuses_what_it_cannot_do():
 
 # --- cost ---
 
-class AtenOps(TorchDispatchMode):
-    """Records the name of every op dispatched inside it (aten and ours)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
@@ -406,7 +396,7 @@ def test_no_extra_ops_unless_enabled(name):
     x = torch.randn(16, 64)
 
     def step_ops():
-        with AtenOps() as ops:
+        with OpNames() as ops:
             with te.fp8_autocast():
                 out = module(x.clone().requires_grad_())
             out.sum().backward()

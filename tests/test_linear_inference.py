@@ -16,7 +16,7 @@ import torch
 
 import transformer_fp8 as te
 from tests.test_inference_cast import make_state
-from tests.utils import FP8_RTOL, rel_error, scalar
+from tests.utils import FP8_RTOL, OpNames, rel_error, scalar
 from transformer_fp8 import recipe
 from transformer_fp8.module import linear as linear_module
 
@@ -121,16 +121,6 @@ def entry_args(a, state=None, backup=None):
             a["current_scaling"], a["fp8_max"], *update)
 
 
-class _SeenOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the names of the ops dispatched under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -166,7 +156,7 @@ def test_direct_entry_equals_the_dispatcher_path(device, current, dtype, bias, k
                                                    amax_compute_algo="most_recent")
             out = ops.fp8_linear_inference(**a, **update)
         elif how == "mode":
-            with _SeenOps() as seen:
+            with OpNames() as seen:
                 out = _C.linear_inference(*entry_args(a, state, backup))
             # (the mode sees the composite op or, where it decomposes first, the ops inside it)
             assert any("transformer_fp8" in name for name in seen.names), seen.names

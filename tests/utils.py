@@ -37,6 +37,18 @@ def scalar(value, device="cpu"):
     return torch.tensor([value], dtype=torch.float32, device=device)
 
 
+class OpNames(TorchDispatchMode):
+    """Inside `with OpNames() as ops:`, ops.names lists the name of every op dispatched (aten's and ours)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 class OpCalls(TorchDispatchMode):
     """Inside `with OpCalls(name, keep) as calls:`, calls.seen lists keep(arguments) for every call of
     torch.ops.transformer_fp8.<name>, also those a composite op (fp8_linear_fwd, ...) makes from C++. arguments:
