@@ -93,7 +93,7 @@ struct PackedWideLoader {
   int64_t k;
   __device__ __forceinline__ int64_t column_tile(unsigned block_x, unsigned) const { return block_x; }
   __device__ __forceinline__ void load(int64_t row0, int64_t col, int64_t, PackedTile8<T>& tile) const {
-    load_8_words(x, row0, col, k, tile.w);
+    load_words(x, row0, col, k, tile.w);
   }
 };
 
@@ -107,8 +107,8 @@ struct SwigluWideLoader {
   __device__ __forceinline__ int64_t column_tile(unsigned block_x, unsigned) const { return block_x; }
   __device__ __forceinline__ void load(int64_t row0, int64_t col, int64_t, FloatTile8& tile) const {
     Word4<T> gate[kWideRows], up[kWideRows];
-    load_8_words(x, row0, col, 2 * k, gate);
-    load_8_words(x + k, row0, col, 2 * k, up);
+    load_words(x, row0, col, 2 * k, gate);
+    load_words(x + k, row0, col, 2 * k, up);
 #pragma unroll
     for (int i = 0; i < kWideRows; ++i) {
       float u[kCols];

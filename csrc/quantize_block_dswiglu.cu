@@ -29,15 +29,15 @@ struct DswigluWideLoader {
     const bool up_half = col >= f;
     const int64_t c = up_half ? col - f : col;
     Word4<T> d[kWideRows], g[kWideRows];
-    load_8_words(dy, row0, c, f, d);
-    load_8_words(input, row0, c, 2 * f, g);
+    load_words(dy, row0, c, f, d);
+    load_words(input, row0, c, 2 * f, g);
     if (up_half) {  // (d up needs no up)
 #pragma unroll
       for (int i = 0; i < kWideRows; ++i) dswiglu_up_row<T>(d[i], g[i], tile.v[i]);
       return;
     }
     Word4<T> u[kWideRows];
-    load_8_words(input + f, row0, c, 2 * f, u);
+    load_words(input + f, row0, c, 2 * f, u);
 #pragma unroll
     for (int i = 0; i < kWideRows; ++i) dswiglu_gate_row<T>(d[i], g[i], u[i], tile.v[i]);
   }

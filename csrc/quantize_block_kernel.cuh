@@ -102,15 +102,15 @@ __device__ __forceinline__ void load4(const T* x, int64_t row, int64_t col, int6
 template <typename T>
 using Word4 = std::conditional_t<sizeof(T) == 4, float4, uint2>;
 
-// The lane's kRows words (4 elements each) of an interior tile of x (in bounds, vec), rows row0 .. row0 + 15: all
+// The lane's kN words (4 elements each) of an interior tile of x (in bounds, vec), rows row0 .. row0 + kN - 1: all
 // loads issued back to back, none used yet. Loaders of interior tiles fetch every input this way before computing
 // anything: a load behind a per-row branch or a use waits for the one before it, and a warp with one or two loads in
 // flight at a time leaves the memory system idle (the fused casts' first loaders went row by row and ran at a third
 // of the plain cast's bandwidth).
-template <typename T>
-__device__ __forceinline__ void load_words(const T* x, int64_t row0, int64_t col, int64_t ld, Word4<T> (&w)[kRows]) {
+template <typename T, int kN>
+__device__ __forceinline__ void load_words(const T* x, int64_t row0, int64_t col, int64_t ld, Word4<T> (&w)[kN]) {
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) w[i] = *reinterpret_cast<const Word4<T>*>(x + (row0 + i) * ld + col);
+  for (int i = 0; i < kN; ++i) w[i] = *reinterpret_cast<const Word4<T>*>(x + (row0 + i) * ld + col);
 }
 
 // The 4 elements of a word as float.
@@ -127,10 +127,13 @@ __device__ __forceinline__ void word_floats(const Word4<T>& w, float (&v)[kCols]
 // converts at each read (exact, a few integer instructions): half the registers, so that a plain cast of 16-bit data
 // fits 3 blocks per multiprocessor instead of 2, more loads in flight and more blocks to overlap each other's
 // reductions and stores.
-struct FloatTile {
-  float v[kRows][kCols];
+// (kN rows: 16 in block_cast_kernel, 8 in the wide kernel of quantize_block_wide.cuh)
+template <int kN>
+struct FloatRows {
+  float v[kN][kCols];
   __device__ __forceinline__ float at(int i, int j) const { return v[i][j]; }
 };
+using FloatTile = FloatRows<kRows>;
 
 // Element `half` (0: low 16 bits, 1: high) of a word of two 16-bit values as float. Volatile assembly: the compiler
 // may neither merge two conversions of one element nor hoist them, which would keep all 64 floats live again (at 80
@@ -151,11 +154,13 @@ __device__ __forceinline__ float unpack16(uint32_t word, int half) {
   }
 }
 
-template <typename T>
-struct PackedTile {
-  Word4<T> w[kRows];
+template <typename T, int kN>
+struct PackedRows {
+  Word4<T> w[kN];
   __device__ __forceinline__ float at(int i, int j) const { return unpack16<T>(j < 2 ? w[i].x : w[i].y, j % 2); }
 };
+template <typename T>
+using PackedTile = PackedRows<T, kRows>;
 
 // A loader's tile type (`using Tile = ...`; FloatTile when it names none, its load then filling a float array) and
 // its blocks per multiprocessor (the kernel's launch bounds).

@@ -138,7 +138,7 @@ struct NormWideLoader : NormInputs<T, W> {
   __device__ __forceinline__ void load(int64_t row0, int64_t col, int64_t, FloatTile8& tile) const {
     Word4<T> w[kWideRows];
     float mu[kWideRows], rs[kWideRows], g[kCols], b[kCols];
-    load_8_words(x, row0, col, k, w);
+    load_words(x, row0, col, k, w);
 #pragma unroll
     for (int i = 0; i < kWideRows; ++i) {
       mu[i] = kLayerNorm ? mean[row0 + i] : 0.0f;

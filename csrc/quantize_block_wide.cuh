@@ -45,24 +45,9 @@ inline bool wide_fits(const BlockCastArgs& a, const void* const* inputs, int n_i
   return true;
 }
 
-struct FloatTile8 {
-  float v[kWideRows][kCols];
-  __device__ __forceinline__ float at(int i, int j) const { return v[i][j]; }
-};
-
+using FloatTile8 = FloatRows<kWideRows>;
 template <typename T>
-struct PackedTile8 {
-  Word4<T> w[kWideRows];
-  __device__ __forceinline__ float at(int i, int j) const { return unpack16<T>(j < 2 ? w[i].x : w[i].y, j % 2); }
-};
-
-// Rows row0 .. row0 + 7, columns c .. c + 3 of x (row stride ld): every load issued before the first use.
-template <typename T>
-__device__ __forceinline__ void load_8_words(const T* x, int64_t row0, int64_t c, int64_t ld,
-                                             Word4<T> (&w)[kWideRows]) {
-#pragma unroll
-  for (int i = 0; i < kWideRows; ++i) w[i] = *reinterpret_cast<const Word4<T>*>(x + (row0 + i) * ld + c);
-}
+using PackedTile8 = PackedRows<T, kWideRows>;
 
 // The max over the warp of each of a lane's 8 row amaxes: after three halvings lanes 4r .. 4r + 3 hold partial maxes
 // of row r, combined by two shuffles; returns the max of row lane / 4.
