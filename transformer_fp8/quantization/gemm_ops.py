@@ -54,12 +54,12 @@ def gemm(a: FP8Operand, b: FP8Operand, out_dtype: torch.dtype, *, transpose_a: b
     b_data, b_scale_inv = _side(b, transpose_b, "b")
     if _block_pair(a, b):
         fits = bias is None or bias.dtype == (torch.float16 if out_dtype == torch.float16 else torch.bfloat16)
-        if not fits:  # (a float32 bias of a float32 output: bias, then residual, added in float32 after the GEMM)
-            out = tfp8.block_fp8_gemm(a_data, a_scale_inv, BLOCK_DIM_OF_LAYOUT[a.layout], b_data, b_scale_inv,
-                                      BLOCK_DIM_OF_LAYOUT[b.layout], out_dtype) + bias.to(out_dtype)
-            return out if residual is None else out + residual
-        return tfp8.block_fp8_gemm(a_data, a_scale_inv, BLOCK_DIM_OF_LAYOUT[a.layout], b_data, b_scale_inv,
-                                   BLOCK_DIM_OF_LAYOUT[b.layout], out_dtype, bias, residual)
+        out = tfp8.block_fp8_gemm(a_data, a_scale_inv, BLOCK_DIM_OF_LAYOUT[a.layout], b_data, b_scale_inv,
+                                  BLOCK_DIM_OF_LAYOUT[b.layout], out_dtype, *((bias, residual) if fits else ()))
+        if fits:
+            return out
+        out = out + bias.to(out_dtype)  # (a float32 bias of a float32 output: bias, then residual, after the GEMM)
+        return out if residual is None else out + residual
     extra = {} if residual is None else {"residual": residual}
     return tfp8.fp8_gemm(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype, bias,
                          use_split_accumulator=use_split_accumulator, **extra)[0]
