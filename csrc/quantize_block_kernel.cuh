@@ -358,24 +358,33 @@ struct MinBlocksOf : std::integral_constant<int, 2> {};
 template <typename L>
 struct MinBlocksOf<L, std::void_t<decltype(L::kMinBlocks)>> : std::integral_constant<int, L::kMinBlocks> {};
 
-template <DType F, bool kTwoD, typename Loader>
-__global__ void __launch_bounds__(kThreads, MinBlocksOf<Loader>::value)
-    block_cast_kernel(Loader loader, BlockCastArgs a) {
-  __shared__ float partial[kWarps][kBlockLen];  // per-warp column amaxes (1x128), or warp amaxes (128x128)
-  __shared__ float col_scale[kBlockLen];
-  __shared__ __align__(16) uint8_t tile_t[kBlockLen * kPitch];  // the transposed tile: row c holds column c of x
+// The max over the warp of each of a lane's 8 row amaxes (the wide kernel's rows): after three halvings lanes 4r ..
+// 4r + 3 hold partial maxes of row r, combined by two shuffles; returns the max of row lane / 4.
+__device__ __forceinline__ float warp_max_8_rows(const float (&rows)[8], int lane) {
+  float v4[4], v2[2], v1[1];
+  halve<8>(rows, v4, lane, 16);
+  halve<4>(v4, v2, lane, 8);
+  halve<2>(v2, v1, lane, 4);
+  const float m = max_bits(v1[0], __shfl_xor_sync(0xffffffffu, v1[0], 2));
+  return max_bits(m, __shfl_xor_sync(0xffffffffu, m, 1));
+}
+
+// What a block does with its tile once loaded, shared by block_cast_kernel and block_cast_wide_kernel
+// (quantize_block_wide.cuh): kNumWarps warps of kN rows each hold the 128x128 tile v (lane l: columns 4l .. 4l + 3,
+// rows row0 .. row0 + kN - 1). Finds the row / column / block amaxes and scales, writes scale_inv (and its
+// transposed layout), q from registers and qt through the shared byte tile. kEdges: tiles may cross the matrix's
+// edges (guarded stores, padding scales of 1) and may write column sums; without it the tile is interior.
+template <DType F, bool kTwoD, bool kEdges, int kNumWarps, int kN, typename Tile>
+__device__ __forceinline__ void cast_tile(const BlockCastArgs& a, const Tile& v, int64_t row0, int64_t col0, int64_t bx,
+                                          float (&partial)[kNumWarps][kBlockLen], float (&col_scale)[kBlockLen],
+                                          uint8_t* tile_t) {
+  static_assert(kN == 16 || kN == 8, "16 rows a warp (256 threads) or 8 (512)");
+  constexpr int kLanesPerRow = 32 / kN;  // (after the warp reduction, lanes holding one row's amax)
   constexpr float fp8_max = F == DType::kE4M3 ? 448.0f : 57344.0f;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t row0 = int64_t{blockIdx.y} * kBlockLen + warp * kRows;
-  const int64_t bx = column_tile(loader, blockIdx.x);  // (the tile column this block casts)
-  const int64_t col0 = bx * kBlockLen + lane * kCols;
-
-  typename TileOf<Loader>::type v;
-  const bool interior = loader.vec && int64_t{blockIdx.y + 1} * kBlockLen <= a.m && (bx + 1) * kBlockLen <= a.k;
-  load_tile(loader, a, row0, col0, interior, v);
-  float row_amax[kRows], col_amax[kCols] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float row_amax[kN], col_amax[kCols] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
+  for (int i = 0; i < kN; ++i) {
     row_amax[i] = 0.0f;
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
@@ -384,30 +393,39 @@ __global__ void __launch_bounds__(kThreads, MinBlocksOf<Loader>::value)
     }
   }
 
-  if (a.col_sums != nullptr) write_column_sums(a, bx, v, partial);
+  if constexpr (kEdges) {
+    if (a.col_sums != nullptr) write_column_sums(a, bx, v, partial);
+  }
 
-  // lane_scale: 128x128, the block's scale; 1x128, the scale of row lane / 2 (each row's is shuffled out where it is
-  // used, rather than 16 registers holding them all)
+  // lane_scale: 128x128, the block's scale; 1x128, the scale of row lane / kLanesPerRow (shuffled out where used)
   float lane_scale = 1.0f, my_col_scale[kCols];
   if constexpr (kTwoD) {
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) amax = max_abs(amax, row_amax[i]);
+    for (int i = 0; i < kN; ++i) amax = max_abs(amax, row_amax[i]);
     amax = warp_max_nonneg(amax);
     if (lane == 0) partial[warp][0] = amax;
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) amax = max_abs(amax, partial[w][0]);
+    for (int w = 0; w < kNumWarps; ++w) amax = max_abs(amax, partial[w][0]);
     const float scale = tile_scale(amax, fp8_max, a.amax_epsilon, a.power_2_scale);
     if (threadIdx.x == 0) store_block_scales(a, bx, inverse(scale));
     lane_scale = scale;
 #pragma unroll
     for (int j = 0; j < kCols; ++j) my_col_scale[j] = scale;
   } else {
-    if (a.q != nullptr) {  // lanes 2i and 2i + 1 find row i's scale, lane 2i writes its scale_inv (rows past m: 1)
-      const float scale = tile_scale(warp_max_rows(row_amax, lane), fp8_max, a.amax_epsilon, a.power_2_scale);
-      const int64_t row = row0 + lane / 2;
-      if (lane % 2 == 0 && row < a.scale_ld) a.scale_inv[bx * a.scale_ld + row] = row < a.m ? inverse(scale) : 1.0f;
+    if (a.q != nullptr) {  // the lanes of row r find its scale, the first of them writes its scale_inv
+      float row_max;
+      if constexpr (kN == 16) row_max = warp_max_rows(row_amax, lane);
+      else row_max = warp_max_8_rows(row_amax, lane);
+      const float scale = tile_scale(row_max, fp8_max, a.amax_epsilon, a.power_2_scale);
+      const int64_t row = row0 + lane / kLanesPerRow;
+      if constexpr (kEdges) {  // (rows past m: 1)
+        if (lane % kLanesPerRow == 0 && row < a.scale_ld)
+          a.scale_inv[bx * a.scale_ld + row] = row < a.m ? inverse(scale) : 1.0f;
+      } else {
+        if (lane % kLanesPerRow == 0) a.scale_inv[bx * a.scale_ld + row] = inverse(scale);
+      }
       lane_scale = scale;
     }
     if (a.qt != nullptr) {
@@ -417,12 +435,16 @@ __global__ void __launch_bounds__(kThreads, MinBlocksOf<Loader>::value)
       if (threadIdx.x < kBlockLen) {
         float amax = 0.0f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) amax = max_abs(amax, partial[w][threadIdx.x]);
+        for (int w = 0; w < kNumWarps; ++w) amax = max_abs(amax, partial[w][threadIdx.x]);
         const float scale = tile_scale(amax, fp8_max, a.amax_epsilon, a.power_2_scale);
         col_scale[threadIdx.x] = scale;
         const int64_t col = bx * kBlockLen + threadIdx.x;
-        if (col < a.scale_t_ld)
-          a.scale_inv_t[int64_t{blockIdx.y} * a.scale_t_ld + col] = col < a.k ? inverse(scale) : 1.0f;
+        if constexpr (kEdges) {
+          if (col < a.scale_t_ld)
+            a.scale_inv_t[int64_t{blockIdx.y} * a.scale_t_ld + col] = col < a.k ? inverse(scale) : 1.0f;
+        } else {
+          a.scale_inv_t[int64_t{blockIdx.y} * a.scale_t_ld + col] = inverse(scale);
+        }
       }
       __syncthreads();
 #pragma unroll
@@ -432,36 +454,56 @@ __global__ void __launch_bounds__(kThreads, MinBlocksOf<Loader>::value)
 
   if (a.q != nullptr) {
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const float rs = kTwoD ? lane_scale : __shfl_sync(0xffffffffu, lane_scale, 2 * i);
+    for (int i = 0; i < kN; ++i) {
+      const float rs = kTwoD ? lane_scale : __shfl_sync(0xffffffffu, lane_scale, kLanesPerRow * i);
       const float scale[kCols] = {rs, rs, rs, rs};
       const float row[kCols] = {v.at(i, 0), v.at(i, 1), v.at(i, 2), v.at(i, 3)};
-      store4(a.q, row0 + i, col0, a.m, a.k, pack4<F>(row, scale));
+      if constexpr (kEdges) store4(a.q, row0 + i, col0, a.m, a.k, pack4<F>(row, scale));
+      else *reinterpret_cast<uint32_t*>(a.q + (row0 + i) * a.k + col0) = pack4<F>(row, scale);
     }
   }
   if (a.qt == nullptr) return;
-    // Column c = 4 * lane + j of the tile, rows 16 * warp .. + 15: one 16-byte word of tile_t's row c.
+    // Column c = 4 * lane + j of the tile, rows kN * warp .. + kN - 1: one kN-byte piece of tile_t's row c.
 #pragma unroll
   for (int j = 0; j < kCols; ++j) {
-    uint32_t words[4];
+    uint32_t words[kN / 4];
 #pragma unroll
-    for (int g = 0; g < 4; ++g) {
+    for (int g = 0; g < kN / 4; ++g) {
       const float column[kCols] = {v.at(4 * g, j), v.at(4 * g + 1, j), v.at(4 * g + 2, j), v.at(4 * g + 3, j)};
       const float scale[kCols] = {my_col_scale[j], my_col_scale[j], my_col_scale[j], my_col_scale[j]};
       words[g] = pack4<F>(column, scale);
     }
-    *reinterpret_cast<uint4*>(tile_t + (lane * kCols + j) * kPitch + warp * kRows) = make_uint4(words[0], words[1],
-                                                                                                words[2], words[3]);
+    uint8_t* piece = tile_t + (lane * kCols + j) * kPitch + warp * kN;
+    if constexpr (kN == 16) *reinterpret_cast<uint4*>(piece) = make_uint4(words[0], words[1], words[2], words[3]);
+    else *reinterpret_cast<uint2*>(piece) = make_uint2(words[0], words[1]);
   }
   __syncthreads();
-  // qt rows: tile column 16 * warp + i; each lane stores 4 bytes (qt columns = x rows 4 * lane .. + 3 of the tile).
+  // qt rows: tile columns kN * warp + i; each lane stores 4 bytes (qt columns = x rows 4 * lane .. + 3 of the tile).
   const int64_t qt_col = int64_t{blockIdx.y} * kBlockLen + lane * 4;
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int c = warp * kRows + i;
+  for (int i = 0; i < kN; ++i) {
+    const int c = warp * kN + i;
     const uint32_t word = *reinterpret_cast<const uint32_t*>(tile_t + c * kPitch + lane * 4);
-    store4(a.qt, bx * kBlockLen + c, qt_col, a.k, a.m, word);
+    if constexpr (kEdges) store4(a.qt, bx * kBlockLen + c, qt_col, a.k, a.m, word);
+    else *reinterpret_cast<uint32_t*>(a.qt + (bx * kBlockLen + c) * a.m + qt_col) = word;
   }
+}
+
+template <DType F, bool kTwoD, typename Loader>
+__global__ void __launch_bounds__(kThreads, MinBlocksOf<Loader>::value)
+    block_cast_kernel(Loader loader, BlockCastArgs a) {
+  __shared__ float partial[kWarps][kBlockLen];  // per-warp column amaxes (1x128), or warp amaxes (128x128)
+  __shared__ float col_scale[kBlockLen];
+  __shared__ __align__(16) uint8_t tile_t[kBlockLen * kPitch];  // the transposed tile: row c holds column c of x
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t row0 = int64_t{blockIdx.y} * kBlockLen + warp * kRows;
+  const int64_t bx = column_tile(loader, blockIdx.x);  // (the tile column this block casts)
+  const int64_t col0 = bx * kBlockLen + lane * kCols;
+
+  typename TileOf<Loader>::type v;
+  const bool interior = loader.vec && int64_t{blockIdx.y + 1} * kBlockLen <= a.m && (bx + 1) * kBlockLen <= a.k;
+  load_tile(loader, a, row0, col0, interior, v);
+  cast_tile<F, kTwoD, true, kWarps, kRows>(a, v, row0, col0, bx, partial, col_scale, tile_t);
 }
 
 // Launches block_cast_kernel over a's [m, k] with `loader` (two_d only when Loader::kTwoDOk).

@@ -49,17 +49,6 @@ using FloatTile8 = FloatRows<kWideRows>;
 template <typename T>
 using PackedTile8 = PackedRows<T, kWideRows>;
 
-// The max over the warp of each of a lane's 8 row amaxes: after three halvings lanes 4r .. 4r + 3 hold partial maxes
-// of row r, combined by two shuffles; returns the max of row lane / 4.
-__device__ __forceinline__ float warp_max_8_rows(const float (&rows)[kWideRows], int lane) {
-  float v4[4], v2[2], v1[1];
-  halve<8>(rows, v4, lane, 16);
-  halve<4>(v4, v2, lane, 8);
-  halve<2>(v2, v1, lane, 4);
-  const float m = max_bits(v1[0], __shfl_xor_sync(0xffffffffu, v1[0], 2));
-  return max_bits(m, __shfl_xor_sync(0xffffffffu, m, 1));
-}
-
 // grid (k / 128, m / 128), kWideThreads threads.
 template <DType F, bool kTwoD, typename Loader>
 __global__ void __launch_bounds__(kWideThreads, Loader::kMinBlocks)
@@ -67,7 +56,6 @@ __global__ void __launch_bounds__(kWideThreads, Loader::kMinBlocks)
   __shared__ float partial[kWideWarps][kBlockLen];  // per-warp column amaxes (1x128), or warp amaxes (128x128)
   __shared__ float col_scale[kBlockLen];
   __shared__ __align__(16) uint8_t tile_t[kBlockLen * kPitch];  // the transposed tile: row c holds column c
-  constexpr float fp8_max = F == DType::kE4M3 ? 448.0f : 57344.0f;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row0 = int64_t{blockIdx.y} * kBlockLen + warp * kWideRows;
   const int64_t bx = loader.column_tile(blockIdx.x, gridDim.x);
@@ -75,84 +63,7 @@ __global__ void __launch_bounds__(kWideThreads, Loader::kMinBlocks)
 
   typename Loader::Tile v;
   loader.load(row0, col0, bx, v);
-  float row_amax[kWideRows], col_amax[kCols] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int i = 0; i < kWideRows; ++i) {
-    row_amax[i] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-      row_amax[i] = max_abs(row_amax[i], v.at(i, j));
-      col_amax[j] = max_abs(col_amax[j], v.at(i, j));
-    }
-  }
-
-  // lane_scale: 128x128, the block's scale; 1x128, the scale of row lane / 4 (shuffled out where it is used)
-  float lane_scale = 1.0f, my_col_scale[kCols];
-  if constexpr (kTwoD) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kWideRows; ++i) amax = max_abs(amax, row_amax[i]);
-    amax = warp_max_nonneg(amax);
-    if (lane == 0) partial[warp][0] = amax;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < kWideWarps; ++w) amax = max_abs(amax, partial[w][0]);
-    const float scale = tile_scale(amax, fp8_max, a.amax_epsilon, a.power_2_scale);
-    if (threadIdx.x == 0) store_block_scales(a, bx, inverse(scale));
-    lane_scale = scale;
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) my_col_scale[j] = scale;
-  } else {
-    if (a.q != nullptr) {  // lanes 4r .. 4r + 3 find row r's scale, lane 4r writes its scale_inv
-      lane_scale = tile_scale(warp_max_8_rows(row_amax, lane), fp8_max, a.amax_epsilon, a.power_2_scale);
-      if (lane % 4 == 0) a.scale_inv[bx * a.scale_ld + row0 + lane / 4] = inverse(lane_scale);
-    }
-    if (a.qt != nullptr) {
-#pragma unroll
-      for (int j = 0; j < kCols; ++j) partial[warp][lane * kCols + j] = col_amax[j];
-      __syncthreads();
-      if (threadIdx.x < kBlockLen) {
-        float amax = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWideWarps; ++w) amax = max_abs(amax, partial[w][threadIdx.x]);
-        const float scale = tile_scale(amax, fp8_max, a.amax_epsilon, a.power_2_scale);
-        col_scale[threadIdx.x] = scale;
-        a.scale_inv_t[int64_t{blockIdx.y} * a.scale_t_ld + bx * kBlockLen + threadIdx.x] = inverse(scale);
-      }
-      __syncthreads();
-#pragma unroll
-      for (int j = 0; j < kCols; ++j) my_col_scale[j] = col_scale[lane * kCols + j];
-    }
-  }
-
-  if (a.q != nullptr) {
-#pragma unroll
-    for (int i = 0; i < kWideRows; ++i) {
-      const float rs = kTwoD ? lane_scale : __shfl_sync(0xffffffffu, lane_scale, 4 * i);
-      const float scale[kCols] = {rs, rs, rs, rs};
-      const float row[kCols] = {v.at(i, 0), v.at(i, 1), v.at(i, 2), v.at(i, 3)};
-      *reinterpret_cast<uint32_t*>(a.q + (row0 + i) * a.k + col0) = pack4<F>(row, scale);
-    }
-  }
-  if (a.qt == nullptr) return;
-    // Column 4 * lane + j of the tile, rows 8 * warp .. + 7: one 8-byte piece of tile_t's row.
-#pragma unroll
-  for (int j = 0; j < kCols; ++j) {
-    const float scale[kCols] = {my_col_scale[j], my_col_scale[j], my_col_scale[j], my_col_scale[j]};
-    const float low[kCols] = {v.at(0, j), v.at(1, j), v.at(2, j), v.at(3, j)};
-    const float high[kCols] = {v.at(4, j), v.at(5, j), v.at(6, j), v.at(7, j)};
-    *reinterpret_cast<uint2*>(tile_t + (lane * kCols + j) * kPitch + warp * kWideRows) = make_uint2(
-        pack4<F>(low, scale), pack4<F>(high, scale));
-  }
-  __syncthreads();
-  // qt rows: tile columns 8 * warp .. + 7; each lane stores 4 bytes (qt columns = rows 4 * lane .. + 3 of the tile).
-  const int64_t qt_col = int64_t{blockIdx.y} * kBlockLen + lane * 4;
-#pragma unroll
-  for (int i = 0; i < kWideRows; ++i) {
-    const int tc = warp * kWideRows + i;
-    *reinterpret_cast<uint32_t*>(a.qt + (bx * kBlockLen + tc) * a.m +
-                                 qt_col) = *reinterpret_cast<const uint32_t*>(tile_t + tc * kPitch + lane * 4);
-  }
+  cast_tile<F, kTwoD, false, kWideWarps, kWideRows>(a, v, row0, col0, bx, partial, col_scale, tile_t);
 }
 
 // Launches block_cast_wide_kernel over a's [m, k] (wide_fits(a) checked by the caller).
