@@ -8,14 +8,15 @@
 // A descriptor is only ever used by the thread that owns it. One handle per device, shared, kept for the process.
 //
 // Algorithm choice (autotuning, on unless TFP8_GEMM_AUTOTUNE=0): the fastest of the heuristic's first
-// kAutotuneCandidates answers, timed on the plan's first call outside CUDA graph capture: each candidate runs once
-// to warm up (its time sizes its timed stretch: enough runs for kAutotuneStretchMs, kAutotuneRuns at least), then
-// kAutotuneRounds rounds time every candidate's stretch between two events on the call's stream, round-robin, and
-// each candidate keeps its best round (a short GEMM timed over 3 runs once let clock and launch jitter pick a slower
-// algorithm). The host waits for the events; once per plan. The candidates write the call's own output, workspace and GELU aux; the chosen algorithm then runs once more,
-// so the output is its result. Accumulating calls (C = D), calls inside a capture and TFP8_GEMM_AUTOTUNE=0 take the
-// heuristic's first answer. (H100: the first answer was the fastest for most split-accumulator GEMMs, and 10-18%
-// slower than the best for fast-accumulation ones at M*N*K >= 1.4e11: benchmarks/RESULTS.md.)
+// kAutotuneCandidates answers, timed on the plan's first call outside CUDA graph capture: each candidate runs once to
+// warm up and kAutotuneRuns times to size its timed stretch (enough runs for kAutotuneStretchMs), then kAutotuneRounds
+// rounds time every candidate's stretch between two events on the call's stream, round-robin, each candidate keeping
+// its best round (stretches of 3 runs, or sized from one cold run, let launch and clock jitter pick kernels that were
+// slower in steady state). The host waits for the events; once per plan. The candidates write the call's own
+// output, workspace and GELU aux; the chosen algorithm then runs once more, so the output is its result.
+// Accumulating calls (C = D), calls inside a capture and TFP8_GEMM_AUTOTUNE=0 take the heuristic's first answer.
+// (H100: the first answer was the fastest for most split-accumulator GEMMs, and 10-18% slower than the best for
+// fast-accumulation ones at M*N*K >= 1.4e11: benchmarks/RESULTS.md.)
 // TFP8_GEMM_AUTOTUNE_CANDIDATES=n asks for n answers instead of 8 (block-scaled GEMMs, H200: the heuristic offered
 // 1 algorithm for 1x128 x 128x128 and 3-7 for 1x128 x 1x128, so 8 already takes them all).
 #include <cublasLt.h>
@@ -41,8 +42,8 @@ namespace {
 constexpr size_t kMaxPlansPerThread = 1024;
 constexpr int kAutotuneCandidates = 8;
 constexpr int kAutotuneRuns = 3;            // timed runs per stretch, at least
-constexpr int kAutotuneMaxRuns = 64;        // ... and at most
-constexpr float kAutotuneStretchMs = 0.3f;  // a stretch's length sought
+constexpr int kAutotuneMaxRuns = 256;       // ... and at most
+constexpr float kAutotuneStretchMs = 1.0f;  // a stretch's length sought
 constexpr int kAutotuneRounds = 2;
 
 // TFP8_GEMM_AUTOTUNE: "0" off, unset or anything else on, "verbose" on and printing each plan's candidate times.
@@ -331,8 +332,9 @@ void autotune(Plan& plan, const Fp8GemmArgs& g, cudaStream_t stream) {
   for (size_t i = 0; i < plan.candidates.size(); ++i) {
     const auto& candidate = plan.candidates[i];
     if (candidate.workspaceSize > g.workspace_bytes) continue;
-    const float warm_ms = time_runs(plan, candidate.algo, g, stream, 1, start, end);
-    const int runs = std::clamp(static_cast<int>(kAutotuneStretchMs / std::max(warm_ms, 1e-3f)), kAutotuneRuns,
+    run(plan, candidate.algo, g, stream);  // (warm-up: its launch gap from an idle stream would count below)
+    const float estimate_ms = time_runs(plan, candidate.algo, g, stream, kAutotuneRuns, start, end) / kAutotuneRuns;
+    const int runs = std::clamp(static_cast<int>(kAutotuneStretchMs / std::max(estimate_ms, 1e-3f)), kAutotuneRuns,
                                 kAutotuneMaxRuns);
     timed.push_back({i, runs, -1.0f});
   }
