@@ -112,6 +112,8 @@ FULL = [
     Benchmark("bench_decode", ["benchmarks/bench_decode.py", "--json", "{json}"], 900,
               "README decoding row; RESULTS 'Greedy decoding'"),
     Benchmark("bench_rope", ["benchmarks/bench_rope.py", "--json", "{json}"], 120, "RESULTS 'RoPE'"),
+    Benchmark("bench_guide_recipes", ["benchmarks/bench_guide_recipes.py", "--rounds", "5", "--json", "{json}"], 600,
+              "RESULTS 'The guide layer under every recipe, ours and TE's' (TE's rows where it is installed)"),
     Benchmark("finetune_llama", ["examples/finetune_llama.py", "--out", "{out}/finetune_llama"], 900,
               "README finetune_llama row; RESULTS 'Main example'", json_name="finetune_llama/summary.json"),
     Benchmark("bench_distributed", ["-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -134,6 +136,9 @@ SMOKE = [  # (each script's CPU smoke mode: the changed scripts keep working; te
                                  "--iters", "2", "--json", "{json}"], 120, "smoke", gpus=0),
     Benchmark("op_host_cost", ["benchmarks/op_host_cost.py", "--device", "cpu", "--rounds", "2", "--iters", "4",
                                "--no-profile", "--json", "{json}"], 120, "smoke", gpus=0),
+    Benchmark("bench_guide_recipes", ["benchmarks/bench_guide_recipes.py", "--device", "cpu", "--tiny", "--impls",
+                                      "ours", "--rounds", "2", "--steps", "1", "--warmup", "1", "--json", "{json}"],
+              120, "smoke", gpus=0),
 ]
 
 

@@ -87,6 +87,14 @@ def test_quantize_and_op_host_cost_have_spreads(smoke):
     assert is_spread(costs["ratios"]["te.Linear / nn.Linear fwd+bwd"])
 
 
+def test_guide_recipes_rows_have_spreads_and_peaks(smoke):
+    variants = smoke["bench_guide_recipes"]["variants"]
+    assert set(variants) == {"ours/bf16", "ours/delayed", "ours/current", "ours/block"}
+    for key, row in variants.items():
+        assert is_spread(row) and len(row["rounds"]) == 2 and row["median"] > 0, key
+        assert "peak_gib" in row, key
+
+
 def test_summary_lists_every_smoke_benchmark(smoke):
     reproduce = load("reproduce")
     summary = smoke["__summary__"]
