@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # Built in every configuration: the schemas, the composite ops, the C++ autograd nodes and the Python module.
 BASE_SOURCES = ["csrc/ops.cpp", "csrc/composite.cpp", "csrc/autograd_linear.cpp", "csrc/autograd_attention.cpp",
                 "csrc/linear_inference.cpp", "csrc/python_module.cpp"]
-FAMILIES = ("quantize", "gemm", "norm", "activation", "scaling", "rope", "loss", "attention", "moe", "grouped")
+FAMILIES = ("quantize", "gemm", "norm", "activation", "scaling", "rope", "loss", "attention", "moe", "grouped",
+            "optim")
 
 
 def cuda_families():

@@ -56,7 +56,7 @@ LLAMA_LIKE_FOR_LIKE = "ours-fp8,ours-fp8-hf-loss,hf-eager,hf-eager-chunked-loss"
 # Ordered by priority: the README's headline rows first (a --budget-s that runs out skips the tail, not the head).
 QUICK = [
     Benchmark("bench_llama", ["benchmarks/bench_llama.py", "--rounds", "2", "--steps", "5", "--variants",
-                              LLAMA_LIKE_FOR_LIKE, "--json", "{json}"], 240,
+                              LLAMA_LIKE_FOR_LIKE + ",ours-fp8-fused-adamw", "--json", "{json}"], 300,
               "README Llama 1.1B row; RESULTS 'Llama 1.1B step, variants interleaved in rounds'"),
     Benchmark("bench_modules", ["benchmarks/bench_modules.py", "--rounds", "3", "--no-compile", "--skip",
                                 "inference", "host", "host-call", "--json", "{json}"], 150,

@@ -17,8 +17,9 @@ from . import debug  # (after .module, whose classes it hooks)
 from .module.base import FP8FallbackWarning, get_fp8_min_gemm_size, set_fp8_min_gemm_size
 from .permutation import moe_permute, moe_unpermute
 from . import moe  # (after .module and .permutation, which it builds on)
+from .optim import FusedAdamW
 
-__all__ = ["DotProductAttention", "FP8FallbackWarning", "Float8Tensor", "GroupedLinear", "LayerNorm",
+__all__ = ["DotProductAttention", "FP8FallbackWarning", "Float8Tensor", "FusedAdamW", "GroupedLinear", "LayerNorm",
            "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm", "RotaryPositionEmbedding",
            "TransformerLayer", "apply_rotary_pos_emb", "checkpoint", "cuda_kernels_available", "debug", "distributed",
            "fp8_autocast", "fp8_model_init", "get_fp8_min_gemm_size", "get_fp8_recipe", "is_fp8_enabled",

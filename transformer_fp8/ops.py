@@ -227,6 +227,11 @@ def _(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo):
     return None
 
 
+@_register_fake("transformer_fp8::adamw_step_")
+def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, maximize=False):
+    return None
+
+
 @_register_fake("transformer_fp8::rope_fwd")
 def _(t, freqs, qkv_format, interleaved=False):
     return t.new_empty(t.shape)  # contiguous, whatever t's strides
