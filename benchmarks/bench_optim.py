@@ -1,6 +1,7 @@
 """One AdamW step over the parameters of bench_llama.py's 1.1B Llama (BF16 parameters, gradients and moments, as
 bench_llama keeps them): torch.optim.AdamW(fused=True) against our te.FusedAdamW and te.optimizers.FusedAdam
-(float32 moments, and float32 master weights), interleaved rounds (timing.run_rounds).
+(float32 moments, and float32 master weights), and Transformer Engine's FusedAdam in the same two settings where it
+is installed, interleaved rounds (timing.run_rounds).
 Prints ms per step (gpu_time_ms: steps back to back between two CUDA events) and the bandwidth it implies: the step
 reads parameter, gradient and both moments and writes parameter and both moments, 7 x 2 bytes per parameter (TE's
 FusedAdam with float32 moments: 22 bytes; with float32 master weights too: 28, the parameter written only).
@@ -14,7 +15,12 @@ import json
 
 import torch
 
-import transformer_fp8 as te
+try:  # (Transformer Engine's FusedAdam rows where it is installed; imported first: it loads its own libraries)
+    from transformer_engine.pytorch.optimizers import FusedAdam as TEFusedAdam
+except (ImportError, OSError):
+    TEFusedAdam = None
+
+import transformer_fp8 as te  # noqa: E402
 from timing import gpu_time_ms, run_rounds
 
 BYTES_PER_PARAMETER = 7 * 2  # (BF16: 4 tensors read, 3 written)
@@ -59,6 +65,11 @@ def main() -> None:
                   "FusedAdam, f32 moments+master": te.optimizers.FusedAdam(
                       make_params(shapes, device), lr=1e-4, weight_decay=0.01, master_weights=True)}
     bytes_per_parameter = dict(zip(optimizers, (BYTES_PER_PARAMETER, BYTES_PER_PARAMETER, 22, 28)))
+    if TEFusedAdam is not None and device == "cuda":  # (the same two settings, TE 2.x's defaults otherwise)
+        optimizers["TE FusedAdam, f32 moments"] = TEFusedAdam(make_params(shapes, device), lr=1e-4, weight_decay=0.01)
+        optimizers["TE FusedAdam, f32 moments+master"] = TEFusedAdam(make_params(shapes, device), lr=1e-4,
+                                                                     weight_decay=0.01, master_weights=True)
+        bytes_per_parameter.update({"TE FusedAdam, f32 moments": 22, "TE FusedAdam, f32 moments+master": 28})
     for optimizer in optimizers.values():  # (one step each from the same state: compare the results)
         optimizer.step()
     diff = torch.stack([(a.double() - b.double()).norm() for a, b in zip(our_params, torch_params)]).norm()
