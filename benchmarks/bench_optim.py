@@ -1,8 +1,10 @@
 """One AdamW step over the parameters of bench_llama.py's 1.1B Llama (BF16 parameters, gradients and moments, as
-bench_llama keeps them): torch.optim.AdamW(fused=True) against our te.FusedAdamW, interleaved rounds
-(timing.run_rounds).
+bench_llama keeps them): torch.optim.AdamW(fused=True) against our te.FusedAdamW and te.optimizers.FusedAdam
+(float32 moments, and float32 master weights), and Transformer Engine's FusedAdam in the same two settings where it
+is installed, interleaved rounds (timing.run_rounds).
 Prints ms per step (gpu_time_ms: steps back to back between two CUDA events) and the bandwidth it implies: the step
-reads parameter, gradient and both moments and writes parameter and both moments, 7 x 2 bytes per parameter.
+reads parameter, gradient and both moments and writes parameter and both moments, 7 x 2 bytes per parameter (TE's
+FusedAdam with float32 moments: 22 bytes; with float32 master weights too: 28, the parameter written only).
 Also prints how far apart the two leave the parameters after one step from the same state (||ours - torch's|| /
 ||torch's||; a BF16 rounding is up to 2**-9 relative).
 
@@ -13,7 +15,12 @@ import json
 
 import torch
 
-import transformer_fp8 as te
+try:  # (Transformer Engine's FusedAdam rows where it is installed; imported first: it loads its own libraries)
+    from transformer_engine.pytorch.optimizers import FusedAdam as TEFusedAdam
+except (ImportError, OSError):
+    TEFusedAdam = None
+
+import transformer_fp8 as te  # noqa: E402
 from timing import gpu_time_ms, run_rounds
 
 BYTES_PER_PARAMETER = 7 * 2  # (BF16: 4 tensors read, 3 written)
@@ -52,7 +59,17 @@ def main() -> None:
     torch_params, our_params = make_params(shapes, device), make_params(shapes, device)
     numel = sum(p.numel() for p in torch_params)
     optimizers = {"torch AdamW(fused=True)": torch.optim.AdamW(torch_params, lr=1e-4, fused=device == "cuda"),
-                  "te.FusedAdamW": te.FusedAdamW(our_params, lr=1e-4)}
+                  "te.FusedAdamW": te.FusedAdamW(our_params, lr=1e-4),
+                  "FusedAdam, f32 moments": te.optimizers.FusedAdam(make_params(shapes, device), lr=1e-4,
+                                                                    weight_decay=0.01),
+                  "FusedAdam, f32 moments+master": te.optimizers.FusedAdam(
+                      make_params(shapes, device), lr=1e-4, weight_decay=0.01, master_weights=True)}
+    bytes_per_parameter = dict(zip(optimizers, (BYTES_PER_PARAMETER, BYTES_PER_PARAMETER, 22, 28)))
+    if TEFusedAdam is not None and device == "cuda":  # (the same two settings, TE 2.x's defaults otherwise)
+        optimizers["TE FusedAdam, f32 moments"] = TEFusedAdam(make_params(shapes, device), lr=1e-4, weight_decay=0.01)
+        optimizers["TE FusedAdam, f32 moments+master"] = TEFusedAdam(make_params(shapes, device), lr=1e-4,
+                                                                     weight_decay=0.01, master_weights=True)
+        bytes_per_parameter.update({"TE FusedAdam, f32 moments": 22, "TE FusedAdam, f32 moments+master": 28})
     for optimizer in optimizers.values():  # (one step each from the same state: compare the results)
         optimizer.step()
     diff = torch.stack([(a.double() - b.double()).norm() for a, b in zip(our_params, torch_params)]).norm()
@@ -65,8 +82,8 @@ def main() -> None:
           f"{args.rounds} interleaved rounds; ours vs torch after one step (relative, by norm): {worst:.2e}")
     for variant, r in results.items():
         ms = r["median"]
-        print(f"  {variant:26s} {ms:8.3f} ms ({r['min']:.3f}-{r['max']:.3f})  "
-              f"{BYTES_PER_PARAMETER * numel / ms / 1e9:6.2f} TB/s")
+        print(f"  {variant:30s} {ms:8.3f} ms ({r['min']:.3f}-{r['max']:.3f})  "
+              f"{bytes_per_parameter[variant] * numel / ms / 1e9:6.2f} TB/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=name, parameters=numel, tensors=len(shapes), first_step_max_rel_diff=worst,

@@ -168,17 +168,20 @@ TORCH_LIBRARY(transformer_fp8, m) {
   m.def("delayed_scaling_update(Tensor(a!)[] amax_histories, Tensor(b!)[] scales, Tensor(c!)[] scale_invs, "
         "float fp8_max, float margin, str amax_compute_algo) -> ()");
 
-  // --- optim family --- one AdamW step (decoupled weight decay, torch.optim.AdamW's update) over lists of tensors:
-  // params[i], grads[i], exp_avgs[i], exp_avg_sqs[i] contiguous, of one shape, one dtype (float32, float16 or
-  // bfloat16; one dtype and device for the whole call); step >= 1 is the step being taken. Scalars computed in double
-  // and rounded once to float32: lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, eps,
-  // step_size = lr / (1 - beta1**step), inv_bc2 = 1 / sqrt(1 - beta2**step). Per element in float32, each operation
-  // rounded:
-  // g = -grad if maximize else grad; p = param - (lr * weight_decay) * param; m = beta1 * exp_avg + (1 - beta1) * g;
-  // v = beta2 * exp_avg_sq + ((1 - beta2) * g) * g; param = p - (step_size * m) / (sqrt(v) * inv_bc2 + eps);
-  // exp_avg = m, exp_avg_sq = v (rounded to the dtype). In place; grads are read only.
+  // --- optim family --- one Adam step over lists of tensors (torch.optim.AdamW's update; TE's FusedAdam's options):
+  // params[i], grads[i] (the parameters' dtype), exp_avgs[i], exp_avg_sqs[i] (the moments' dtype: the parameters'
+  // or float32, one for the call) and, when given, master_params[i] (float32 master weights of 16-bit parameters),
+  // contiguous, of one shape; one parameter dtype and device for the whole call; step >= 1 is the step being taken.
+  // Scalars computed in double and rounded once to float32: lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2,
+  // eps, step_size = lr / (1 - beta1**step) and inv_bc2 = 1 / sqrt(1 - beta2**step) (lr and 1 without
+  // bias_correction). Per element in float32, each operation rounded: w = master_params[i] if given, else param;
+  // g = -grad if maximize else grad; decoupled_weight_decay: w = w - (lr * weight_decay) * w, else (L2) g = g +
+  // weight_decay * w; m = beta1 * exp_avg + (1 - beta1) * g; v = beta2 * exp_avg_sq + ((1 - beta2) * g) * g;
+  // w = w - (step_size * m) / (sqrt(v) * inv_bc2 + eps); master = w, param = w, exp_avg = m, exp_avg_sq = v (each
+  // rounded to its dtype). In place; grads are read only.
   m.def("adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-        "float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool maximize=False) -> ()");
+        "float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool maximize=False, "
+        "Tensor(d!)[]? master_params=None, bool bias_correction=True, bool decoupled_weight_decay=True) -> ()");
 
   // --- rope family --- rotary position embeddings. t [s, b, h, d] (qkv_format "sbhd") or [b, s, h, d] ("bshd") of
   // float32/float16/bfloat16, last dim contiguous, any strides elsewhere (q, k, v may be views of a fused QKV tensor);

@@ -1,7 +1,6 @@
 """Seeing what FP8 does: the small-shape fallback's warning, threshold switch and call counters (module/base.py), and
 transformer_fp8.debug (per-role stats against float64, fp8_disabled, zero cost until enabled, the report)."""
 import math
-import os
 import subprocess
 import sys
 import warnings
@@ -11,7 +10,7 @@ import torch
 
 import transformer_fp8 as te
 from tests.module.helpers import DEVICES, RECIPES
-from tests.utils import OpNames
+from tests.utils import OpNames, checkout_env
 from transformer_fp8 import debug
 from transformer_fp8.module import base
 
@@ -146,7 +145,7 @@ def test_threshold_from_environment(monkeypatch):
 
 
 def test_environment_variable_is_read_at_import():
-    env = dict(os.environ, TFP8_MIN_GEMM_SIZE="4096")
+    env = checkout_env(TFP8_MIN_GEMM_SIZE="4096")
     code = "import transformer_fp8 as te; print(te.get_fp8_min_gemm_size())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -5,12 +5,12 @@ flag named."""
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.utils import checkout_env
 
 pytest.importorskip("transformers")
 
@@ -237,11 +237,11 @@ def test_the_script_itself_reports_a_missing_model_folder(tmp_path):
     """As a user runs it: exit status 2 and one line naming the folder, no traceback, no Hub lookup."""
     missing = tmp_path / "nonexistent"
     result = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(missing), "--steps", "-3"],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            capture_output=True, text=True, timeout=300, env=checkout_env(HF_HUB_OFFLINE="1"))
     assert result.returncode == 2
     assert "argument --steps: expected a positive integer, got -3" in result.stderr  # the first error argparse meets
     assert "Traceback" not in result.stderr and "repo" not in result.stderr.lower()
     result = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(missing)], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            timeout=300, env=checkout_env(HF_HUB_OFFLINE="1"))
     assert result.returncode == 2 and f"--model: the folder {missing} does not exist" in result.stderr
     assert "Traceback" not in result.stderr

@@ -12,7 +12,7 @@ import torch
 
 import transformer_fp8 as te
 from tests.test_families import FAMILIES, VOCAB, tiny_model
-from tests.utils import rel_error
+from tests.utils import checkout_env, rel_error
 from transformer_fp8 import recipe
 from transformer_fp8.integrations import convert_model, save_hf_pretrained, to_hf_state_dict
 
@@ -63,7 +63,7 @@ def test_a_process_without_transformer_fp8_loads_the_checkpoint(tmp_path):
         torch.save(logits, {str(tmp_path / "logits.pt")!r})
         assert not any(name.startswith("transformer_fp8") for name in sys.modules)
     """)
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path)
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, env=checkout_env())
     with torch.no_grad():
         ours = converted(input_ids=ids).logits
     assert rel_error(torch.load(tmp_path / "logits.pt"), ours) < 1e-5

@@ -19,6 +19,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from transformer_fp8.integrations import FP8Trainer, FP8TrainerMixin  # noqa: E402  (after the skips)
 from transformer_fp8.integrations.trainer import use_fp8_checkpoint  # noqa: E402
+from tests.utils import checkout_env  # noqa: E402
 
 VOCAB, SEQ, SEQUENCES = 128, 32, 8
 TRAINING_FIELDS = {field.name for field in dataclasses.fields(transformers.TrainingArguments)}
@@ -205,4 +206,4 @@ def test_the_mixin_combines_with_another_trainer_subclass(tmp_path):
 def test_importing_the_integrations_does_not_import_the_trainer():
     code = ("import sys, transformer_fp8.integrations as i; assert 'transformers.trainer' not in sys.modules; "
             "i.FP8Trainer; assert 'transformers.trainer' in sys.modules; assert i.FP8Trainer is i.FP8Trainer")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env=checkout_env())

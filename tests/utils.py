@@ -1,4 +1,7 @@
 """Shared test helpers: relative error, FP8 tolerances, a recorder of our op calls."""
+import os
+from pathlib import Path
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -65,3 +68,17 @@ class OpCalls(TorchDispatchMode):
                          for i, a in enumerate(func._schema.arguments)}
             self.seen.append(self.keep(arguments))
         return func(*args, **kwargs)
+
+
+def checkout_env(**extra: str) -> dict:
+    """The environment for a Python subprocess of a test: this checkout first on PYTHONPATH (so the subprocess tests
+    this tree's transformer_fp8, whichever checkout pip's editable install points at), plus `extra`.
+
+    Args:
+        extra: more variables to set.
+    Returns:
+        a copy of os.environ with those changes.
+    """
+    root = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}

@@ -18,12 +18,13 @@ from .module.base import FP8FallbackWarning, get_fp8_min_gemm_size, set_fp8_min_
 from .permutation import moe_permute, moe_unpermute
 from . import moe  # (after .module and .permutation, which it builds on)
 from .optim import FusedAdamW
+from . import optimizers  # (TE's `optimizers.FusedAdam`)
 
 __all__ = ["DotProductAttention", "FP8FallbackWarning", "Float8Tensor", "FusedAdamW", "GroupedLinear", "LayerNorm",
            "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm", "RotaryPositionEmbedding",
            "TransformerLayer", "apply_rotary_pos_emb", "checkpoint", "cuda_kernels_available", "debug", "distributed",
            "fp8_autocast", "fp8_model_init", "get_fp8_min_gemm_size", "get_fp8_recipe", "is_fp8_enabled",
-           "make_graphed_callables", "moe", "moe_permute", "moe_unpermute", "quantization", "recipe",
+           "make_graphed_callables", "moe", "moe_permute", "moe_unpermute", "optimizers", "quantization", "recipe",
            "set_fp8_min_gemm_size"]
 
 __version__ = "0.1.0"

@@ -228,7 +228,8 @@ def _(amax_histories, scales, scale_invs, fp8_max, margin, amax_compute_algo):
 
 
 @_register_fake("transformer_fp8::adamw_step_")
-def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, maximize=False):
+def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, maximize=False,
+      master_params=None, bias_correction=True, decoupled_weight_decay=True):
     return None
 
 

@@ -197,3 +197,84 @@ def test_cuda_rejects_cpu_and_mixed_tensors():
         ops.adamw_step_(state[0], state[1], [state[2][0], state[2][1].cpu()], state[3], **HYPER, step=1)
     with pytest.raises(RuntimeError, match=r"params\[1\]: expected (torch.bfloat16|BFloat16) \(params\[0\]'s dtype"):
         ops.adamw_step_([state[0][0], state[0][1].half()], state[1], state[2], state[3], **HYPER, step=1)
+
+
+def ref_adam64(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, bias_correction=True,
+               decoupled=True):
+    """Adam in float64 with TE FusedAdam's options (L2 decay when not decoupled) -> (param, exp_avg, exp_avg_sq)."""
+    p, g, m, v = (t.double() for t in (param, grad, exp_avg, exp_avg_sq))
+    if decoupled:
+        p = p * (1 - lr * weight_decay)
+    else:
+        g = g + weight_decay * p
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    bc1, bc2 = (1 - beta1 ** step, 1 - beta2 ** step) if bias_correction else (1.0, 1.0)
+    return p - lr / bc1 * m / (v.sqrt() / math.sqrt(bc2) + eps), m, v
+
+
+def make_variant_state(shapes, param_dtype, moment_dtype, masters, device="cpu", seed=0):
+    """(params, grads, exp_avgs, exp_avg_sqs, master_params or None) with the moments in moment_dtype and, when
+    masters, float32 master weights (the params their rounding)."""
+    params, grads, exp_avgs, exp_avg_sqs = make_state(shapes, torch.float32, device, seed)
+    master_params = [p.clone() for p in params] if masters else None
+    cast = ([p.to(param_dtype) for p in params], [g.to(param_dtype) for g in grads],
+            [m.to(moment_dtype) for m in exp_avgs], [v.to(moment_dtype) for v in exp_avg_sqs])
+    return (*cast, master_params)
+
+
+# (param dtype, moment dtype, master weights, bias correction, decoupled decay)
+VARIANTS = [(torch.bfloat16, torch.float32, False, True, True), (torch.bfloat16, torch.float32, True, True, True),
+            (torch.float16, torch.float16, True, True, True), (torch.bfloat16, torch.bfloat16, False, False, True),
+            (torch.float32, torch.float32, False, True, False), (torch.bfloat16, torch.float32, True, False, False)]
+
+
+@pytest.mark.parametrize("param_dtype,moment_dtype,masters,bias_correction,decoupled", VARIANTS)
+def test_cpu_variants_match_float64(param_dtype, moment_dtype, masters, bias_correction, decoupled):
+    params, grads, exp_avgs, exp_avg_sqs, master_params = make_variant_state([(33, 17), (5,)], param_dtype,
+                                                                             moment_dtype, masters)
+    before = [(master_params or params)[i].clone() for i in range(2)]
+    m0, v0 = [m.clone() for m in exp_avgs], [v.clone() for v in exp_avg_sqs]
+    ops.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, **HYPER, step=3, maximize=False,
+                    master_params=master_params, bias_correction=bias_correction, decoupled_weight_decay=decoupled)
+    for i in range(2):
+        want_p, want_m, want_v = ref_adam64(before[i], grads[i], m0[i], v0[i], **HYPER, step=3,
+                                            bias_correction=bias_correction, decoupled=decoupled)
+        assert exp_avgs[i].dtype == moment_dtype and params[i].dtype == param_dtype
+        assert_close_rel(exp_avgs[i], want_m, STEP_RTOL[moment_dtype])
+        assert_close_rel(exp_avg_sqs[i], want_v, STEP_RTOL[moment_dtype])
+        if masters:
+            assert master_params[i].dtype == torch.float32
+            assert_close_rel(master_params[i], want_p, STEP_RTOL[torch.float32])
+            assert torch.equal(params[i], master_params[i].to(param_dtype))  # (the master, rounded)
+        else:
+            assert_close_rel(params[i], want_p, STEP_RTOL[param_dtype])
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda s: (*s[:4], [s[4][0]]), r"master_params: expected none or 2 tensors"),
+    (lambda s: (*s[:4], [s[4][0].bfloat16(), s[4][1]]), r"master_params\[0\]: expected torch.float32"),
+    (lambda s: (s[0], s[1], [s[2][0].half(), s[2][1]], s[3], s[4]), r"exp_avgs\[0\]: expected torch.bfloat16 \(the "),
+    (lambda s: (s[0], s[1], s[2], [s[3][0].bfloat16(), s[3][1]], s[4]), r"exp_avg_sqs\[0\]: expected torch.float32"),
+    (lambda s: ([p.float() for p in s[0]], [g.float() for g in s[1]], *s[2:]), r"master_params: float32 parameters"),
+])
+def test_cpu_rejects_bad_masters_and_moments(change, match):
+    state = make_variant_state([(4, 6), (3,)], torch.bfloat16, torch.float32, True)
+    params, grads, exp_avgs, exp_avg_sqs, master_params = change(state)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ops.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, **HYPER, step=1, master_params=master_params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("param_dtype,moment_dtype,masters,bias_correction,decoupled", VARIANTS)
+def test_cuda_variants_match_cpu_reference_bitwise(param_dtype, moment_dtype, masters, bias_correction, decoupled):
+    shapes = CUDA_SHAPES + [(1000,)]
+    cpu = make_variant_state(shapes, param_dtype, moment_dtype, masters, seed=6)
+    gpu = tuple(None if lst is None else [t.cuda() for t in lst] for lst in cpu)
+    gpu = (*gpu[:4], None if gpu[4] is None else [unaligned(t) if t.shape == (1000,) else t for t in gpu[4]])
+    for state in (cpu, gpu):
+        ops.adamw_step_(*state[:4], **HYPER, step=5, maximize=False, master_params=state[4],
+                        bias_correction=bias_correction, decoupled_weight_decay=decoupled)
+    for cpu_list, gpu_list in zip(cpu, gpu):
+        for a, b in zip(cpu_list or [], gpu_list or []):
+            assert torch.equal(a, b.cpu())
