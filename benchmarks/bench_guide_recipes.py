@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from bench_stack import load_impl, make_recipe
+from bench_stack import add_variant_arguments, build_variants, load_impl, make_recipe
 from timing import fmt_spread, run_rounds
 
 RECIPES = ("bf16", "delayed", "current", "block")
@@ -81,14 +81,7 @@ class GuideVariant:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--impls", default="ours,te", help="comma-separated: ours, te (te skipped if not installed)")
-    parser.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated from {RECIPES}")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round and variant")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="a small layer: a smoke test")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    add_variant_arguments(parser, RECIPES, rounds=5, tiny_help="a small layer: a smoke test")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -99,19 +92,8 @@ def main() -> None:
         sys.exit(f"bench_guide_recipes.py: --recipes: expected names from {RECIPES}, got {unknown}")
     shape = TINY if args.tiny else GUIDE
     impls = [i for i in args.impls.split(",") if i]
-    variants, skipped = {}, {}
-    for impl in sorted(impls, key=lambda i: i != "te"):  # (TE imported first: it loads its cuDNN libraries itself)
-        try:
-            load_impl(impl)
-        except (ImportError, OSError) as err:
-            skipped[impl] = f"not installed or not loadable ({type(err).__name__}: {err})"[:300]
-    for impl in impls:
-        for name in recipes if impl not in skipped else []:
-            key = f"{impl}/{name}"
-            try:
-                variants[key] = GuideVariant(impl, name, shape, args.device, args.warmup, args.seed)
-            except Exception as err:  # noqa: BLE001  (a recipe one package refuses is reported, the rest go on)
-                skipped[key] = f"{type(err).__name__}: {err}"[:300]
+    variants, skipped = build_variants(
+        impls, recipes, lambda impl, name: GuideVariant(impl, name, shape, args.device, args.warmup, args.seed))
     timings = run_rounds({k: (lambda v=v: v.round(args.steps)) for k, v in variants.items()}, args.rounds,
                          seed=args.seed)
     print(f"Guide TransformerLayer fwd+bwd ({shape}), {args.rounds} interleaved rounds of {args.steps} steps")

@@ -284,16 +284,51 @@ class Variant:
         return self.tokens_per_step * steps / seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_variant_arguments(parser: argparse.ArgumentParser, recipes: tuple, rounds: int, tiny_help: str) -> None:
+    """The arguments every {impl} x {recipe} benchmark takes (this script and bench_guide_recipes.py).
+
+    Args:
+        parser: where to add them. recipes: the recipe names offered. rounds: --rounds' default.
+        tiny_help: what --tiny builds.
+    """
     parser.add_argument("--impls", default="ours,te", help="comma-separated: ours, te (te skipped if not installed)")
-    parser.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated from {RECIPES}")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--recipes", default=",".join(recipes), help=f"comma-separated from {recipes}")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round and variant")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="2 small layers: a smoke test")
+    parser.add_argument("--tiny", action="store_true", help=tiny_help)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+
+
+def build_variants(impls: list, recipes: list, make) -> tuple:
+    """Every (impl, recipe) variant that builds: TE first (it loads its cuDNN libraries itself), a package that does
+    not import and a recipe one package refuses reported, not raised.
+
+    Args:
+        impls: "ours" / "te". recipes: recipe names. make: make(impl, recipe) -> a built variant.
+    Returns:
+        ({"impl/recipe": variant}, {impl or "impl/recipe": why it was skipped}).
+    """
+    variants, skipped = {}, {}
+    for impl in sorted(impls, key=lambda i: i != "te"):
+        try:
+            load_impl(impl)
+        except (ImportError, OSError) as err:
+            skipped[impl] = f"not installed or not loadable ({type(err).__name__}: {err})"[:300]
+    for impl in impls:
+        for name in recipes if impl not in skipped else []:
+            key = f"{impl}/{name}"
+            try:
+                variants[key] = make(impl, name)
+            except Exception as err:  # noqa: BLE001  (a recipe one package refuses is reported, the rest go on)
+                skipped[key] = f"{type(err).__name__}: {err}"[:300]
+    return variants, skipped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_variant_arguments(parser, RECIPES, rounds=3, tiny_help="2 small layers: a smoke test")
     parser.add_argument("--saved", action="store_true",
                         help="also report what one forward saves for the backward, by module (saved_for_backward)")
     parser.add_argument("--profile", action="store_true",
@@ -311,22 +346,9 @@ def main() -> None:
     for name in recipes:
         if name not in RECIPES:
             sys.exit(f"bench_stack.py: --recipes: expected names from {RECIPES}, got {name!r}")
-    variants, skipped = {}, {}
     impls = [i for i in args.impls.split(",") if i]
-    for impl in sorted(impls, key=lambda i: i != "te"):  # (TE imported first: it loads its cuDNN libraries itself)
-        try:
-            load_impl(impl)
-        except (ImportError, OSError) as err:
-            skipped[impl] = f"not installed or not loadable ({type(err).__name__}: {err})"[:300]
-    for impl in impls:
-        if impl in skipped:
-            continue
-        for name in recipes:
-            key = f"{impl}/{name}"
-            try:
-                variants[key] = Variant(impl, name, shape, args.device, args.warmup, args.seed)
-            except Exception as err:  # noqa: BLE001  (a recipe one package refuses is reported, the rest go on)
-                skipped[key] = f"{type(err).__name__}: {err}"[:300]
+    variants, skipped = build_variants(
+        impls, recipes, lambda impl, name: Variant(impl, name, shape, args.device, args.warmup, args.seed))
     saved = {}
     if args.saved:  # (after the warm-up: scaling state calibrated, FP8 weight caches built)
         for key, v in variants.items():

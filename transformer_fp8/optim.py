@@ -18,7 +18,59 @@ from . import ops  # noqa: F401  (registers the op's fake kernel)
 tfp8 = torch.ops.transformer_fp8
 
 
-class FusedAdamW(torch.optim.Optimizer):
+class FusedAdamBase(torch.optim.Optimizer):
+    """The step FusedAdamW and optimizers.FusedAdam share: the parameters with gradients bucketed by (device, dtype,
+    moment dtype, master weights kept, step), one adamw_step_ per bucket. Subclasses create the state (_state_of: a
+    dict with "step", "exp_avg", "exp_avg_sq" and optionally "master_param") and name the op's options (_options)."""
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    def _options(self, group: dict) -> Tuple[bool, bool, bool]:
+        """(maximize, bias_correction, decoupled_weight_decay) for the group's op calls."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step over every parameter with a gradient.
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss.
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        name = type(self).__name__
+        for group in self.param_groups:
+            buckets = defaultdict(lambda: ([], [], [], [], []))  # one op call per key: its five lists
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{name}: sparse gradients are not supported")
+                if not p.is_contiguous():
+                    raise ValueError(f"{name}: parameters must be contiguous (updated in place), got one of shape "
+                                     f"{tuple(p.shape)} with strides {p.stride()}")
+                state = self._state_of(p)
+                state["step"] += 1
+                master = state.get("master_param")
+                key = (p.device, p.dtype, state["exp_avg"].dtype, master is not None, state["step"])
+                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+                for target, tensor in zip(buckets[key], (p, grad, state["exp_avg"], state["exp_avg_sq"], master)):
+                    if tensor is not None:
+                        target.append(tensor)
+            beta1, beta2 = group["betas"]
+            maximize, bias_correction, decoupled = self._options(group)
+            for key, (params, grads, exp_avgs, exp_avg_sqs, masters) in buckets.items():
+                tfp8.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, float(group["lr"]), beta1, beta2, group["eps"],
+                                 group["weight_decay"], key[-1], maximize, masters or None, bias_correction, decoupled)
+        return loss
+
+
+class FusedAdamW(FusedAdamBase):
     """AdamW with torch.optim.AdamW's arguments and update rule, one fused kernel per step (see the module docstring).
 
     Args:
@@ -60,37 +112,5 @@ class FusedAdamW(torch.optim.Optimizer):
                 state[key] = state[key].to(p.dtype).contiguous()
         return state
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One AdamW step over every parameter with a gradient.
-
-        Args:
-            closure: optional callable that re-evaluates the model and returns the loss.
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            buckets = defaultdict(lambda: ([], [], [], []))  # (device, dtype, step) -> the op's four lists
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedAdamW: sparse gradients are not supported")
-                if not p.is_contiguous():
-                    raise ValueError(f"FusedAdamW: parameters must be contiguous (updated in place), got one of shape "
-                                     f"{tuple(p.shape)} with strides {p.stride()}")
-                state = self._state_of(p)
-                state["step"] += 1
-                lists = buckets[(p.device, p.dtype, state["step"])]
-                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-                for target, tensor in zip(lists, (p, grad, state["exp_avg"], state["exp_avg_sq"])):
-                    target.append(tensor)
-            beta1, beta2 = group["betas"]
-            for (_, _, step), (params, grads, exp_avgs, exp_avg_sqs) in buckets.items():
-                tfp8.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, float(group["lr"]), beta1, beta2, group["eps"],
-                                 group["weight_decay"], step, group["maximize"])
-        return loss
+    def _options(self, group: dict) -> Tuple[bool, bool, bool]:
+        return group["maximize"], True, True

@@ -10,15 +10,11 @@ capture of the step), master weights or moments in other dtypes (FP8 moments amo
 store_param_remainders. State per parameter: "step" (a Python int), "exp_avg", "exp_avg_sq" and, with master weights,
 "master_param".
 """
-from collections import defaultdict
 from typing import Iterable, Optional, Tuple
 
 import torch
 
-from . import ops  # noqa: F401  (registers the op's fake kernel)
-from .optim import FusedAdamW
-
-tfp8 = torch.ops.transformer_fp8
+from .optim import FusedAdamBase, FusedAdamW
 
 __all__ = ["FusedAdam", "FusedAdamW"]
 
@@ -28,7 +24,7 @@ def _refuse_unless(ok: bool, argument: str, expected: str, value) -> None:
         raise ValueError(f"{argument}: FusedAdam supports {expected}, got {value!r}")
 
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(FusedAdamBase):
     """Adam / AdamW in one fused op per parameter dtype, TE's `FusedAdam` arguments (see the module docstring).
 
     Args:
@@ -99,40 +95,5 @@ class FusedAdam(torch.optim.Optimizer):
                 state["master_param"] = p.detach().float().contiguous()
         return state
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One Adam step over every parameter with a gradient.
-
-        Args:
-            closure: optional callable that re-evaluates the model and returns the loss.
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            buckets = defaultdict(lambda: ([], [], [], [], []))  # one op call per key: its five lists
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedAdam: sparse gradients are not supported")
-                if not p.is_contiguous():
-                    raise ValueError(f"FusedAdam: parameters must be contiguous (updated in place), got one of shape "
-                                     f"{tuple(p.shape)} with strides {p.stride()}")
-                state = self._state_of(p)
-                state["step"] += 1
-                master = state.get("master_param")
-                key = (p.device, p.dtype, state["exp_avg"].dtype, master is not None, state["step"])
-                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-                for target, tensor in zip(buckets[key], (p, grad, state["exp_avg"], state["exp_avg_sq"], master)):
-                    if tensor is not None:
-                        target.append(tensor)
-            beta1, beta2 = group["betas"]
-            for key, (params, grads, exp_avgs, exp_avg_sqs, masters) in buckets.items():
-                tfp8.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, float(group["lr"]), beta1, beta2, group["eps"],
-                                 group["weight_decay"], key[-1], False, masters or None, group["bias_correction"],
-                                 self.adam_w_mode)
-        return loss
+    def _options(self, group: dict) -> Tuple[bool, bool, bool]:
+        return False, group["bias_correction"], self.adam_w_mode
