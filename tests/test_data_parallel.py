@@ -11,7 +11,6 @@ Checked: parameters and FP8 scales identical on both ranks, and equal to the sin
 order aside), with FP8 visibly different from a float32 run.
 """
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import torch.distributed as dist
 import transformer_fp8 as te
 from transformer_fp8 import recipe
 from tests.dist_utils import DEVICE, WORLD, free_port, run_workers
-from tests.utils import rel_error
+from tests.utils import checkout_env, rel_error
 
 TOKENS, HIDDEN, FFN, STEPS = 14, 32, 64, 3
 # Under torchrun with gloo, rank 1 of bench_distributed.py sometimes aborts at interpreter exit, after
@@ -126,7 +125,7 @@ def test_bench_distributed_smoke(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
            str(free_port()), str(root / "benchmarks" / "bench_distributed.py"), "--device", DEVICE, "--tiny",
            "--warmup", "1", "--iters", "2", "--json", str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    env = checkout_env()
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=180, env=env)
     if done.returncode != 0 and GLOO_EXIT_ABORT in done.stderr:  # (see GLOO_EXIT_ABORT) once more
         done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=180, env=env)
