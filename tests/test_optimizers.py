@@ -61,6 +61,26 @@ def test_moments_in_the_parameter_dtype_and_no_bias_correction():
         assert_close_rel(p.detach(), want, 4e-3)
 
 
+def test_state_dict_round_trip_keeps_float32_moments_and_masters():
+    """torch's load_state_dict casts state to the parameter's dtype: FusedAdam restores its float32 tensors, and the
+    next step equals the step of an optimizer that was never saved (bit for bit)."""
+    ours, other = models(dtype=torch.bfloat16)
+    kwargs = dict(master_weights=True, **HYPER)
+    optimizer = te.optimizers.FusedAdam(ours.parameters(), **kwargs)
+    train(ours, optimizer, steps=2)
+    other.load_state_dict(ours.state_dict())
+    restored = te.optimizers.FusedAdam(other.parameters(), **kwargs)
+    restored.load_state_dict(optimizer.state_dict())
+    for p in other.parameters():
+        state = restored.state[p]
+        assert state["exp_avg"].dtype == torch.float32 and state["master_param"].dtype == torch.float32
+    train(ours, optimizer, steps=1, seed=7)
+    train(other, restored, steps=1, seed=7)
+    for a, b in zip(ours.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(optimizer.state[a]["master_param"], restored.state[b]["master_param"])
+
+
 def test_zero_grad_zeroes_without_set_grad_none():
     ours, _ = models()
     optimizer = te.optimizers.FusedAdam(ours.parameters(), set_grad_none=False)

@@ -80,6 +80,23 @@ class FusedAdam(FusedAdamBase):
         """
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state saved by FusedAdam. torch.optim.Optimizer.load_state_dict casts every state tensor to its
+        parameter's dtype; float32 moments and master weights of 16-bit parameters are put back afterwards from the
+        loaded tensors themselves (not from the cast), in the dtype they were saved in.
+
+        Args:
+            state_dict: what state_dict() returned.
+        """
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        kept = {i: {key: value for key, value in state_dict["state"].get(i, {}).items()
+                    if key in ("exp_avg", "exp_avg_sq", "master_param") and torch.is_tensor(value)} for i in saved_ids}
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(saved_ids, params):
+            for key, value in kept[i].items():
+                self.state[p][key] = value.detach().to(device=p.device).clone()
+
     def _state_of(self, p: torch.Tensor) -> dict:
         """p's state, created on its first step: zero moments, a float32 master copy when kept, step 0."""
         state = self.state[p]
