@@ -3,7 +3,7 @@
 1. Grouped GEMM TFLOP/s, forward form (out [M, N] = x_g W_gᵀ per group) and weight-gradient form (dW_g = dy_gᵀ x_g),
    uneven group sizes (drawn once, seeded; the wgrad's rounded to multiples of 16, which its kernel needs):
    - fp8 grouped (op): tfp8.grouped_fp8_gemm / grouped_fp8_gemm_wgrad on grouped_gemm.BACKEND's kernel (auto: ours);
-   - fp8 grouped (ours, large / small / alt / wide / solo tiles): our CUTLASS kernel's ops (grouped_fp8_gemm_sm90,
+   - fp8 grouped (ours, large / small / alt / wide / solo / ping tiles): our CUTLASS kernel's ops (grouped_fp8_gemm_sm90,
      _wgrad_sm90) directly, one tile configuration each (csrc/grouped_gemm.h);
    - fp8 grouped (torch kernel): torch._scaled_grouped_mm (rowwise scales, per-tensor ones expanded);
    - bf16 grouped: torch._grouped_mm on the same shapes;
@@ -108,6 +108,7 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int,
         "fprop fp8 grouped (ours, alt tiles)": ours(3),
         "fprop fp8 grouped (ours, wide tiles)": ours(4),
         "fprop fp8 grouped (ours, solo tiles)": ours(5),
+        "fprop fp8 grouped (ours, ping tiles)": ours(6),
         "fprop-shape split accumulator (torch kernel)": lambda: torch._scaled_grouped_mm(
             x, w.transpose(-2, -1), scale_x, scale_w, offs=offs, out_dtype=torch.bfloat16),
         "fprop-shape split accumulator (ours, large tiles)": ours(1, fast=False),
@@ -171,6 +172,7 @@ def where_the_time_goes(groups: int, m: int, k: int, n: int, x: torch.Tensor, w:
         "fprop ours large tiles, equal groups": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, equal, True, 1),
         "fprop ours wide tiles, equal groups": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, equal, True, 4),
         "fprop ours solo tiles, equal groups": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, equal, True, 5),
+        "fprop ours ping tiles, equal groups": lambda: tfp8.grouped_fp8_gemm_sm90(x, one, w, one, equal, True, 6),
     }
 
 
@@ -329,6 +331,8 @@ def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module 
 TILES_SESSION3 = {("rows", True): 2, ("rows", False): 3, ("contraction", False): 3, ("contraction", True): 1}
 TILE_VARIANTS = {
     "session 3's": TILES_SESSION3,
+    # the auto choice of sessions 7-8 at this layer's groups of 2048 rows (forward solo; this session's auto: ping)
+    "session 8's": {("rows", True): 5, ("rows", False): 4, ("contraction", False): 4, ("contraction", True): 1},
     "forward large": {**TILES_SESSION3, ("rows", True): 1},
     "forward wide": {**TILES_SESSION3, ("rows", True): 4},
     "forward solo": {**TILES_SESSION3, ("rows", True): 5},

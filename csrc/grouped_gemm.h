@@ -18,8 +18,9 @@ enum class GroupedKind : int {
   kContraction = 1,
 };
 
-// The compiled kernel configurations (CTA tile M x N x 128 of FP8 K), five per accumulation; kAuto picks one from the
-// kind, the accumulation and the groups' average size (csrc/grouped_gemm_launch.cu says which and why).
+// The compiled kernel configurations (CTA tile M x N x 128 of FP8 K), six with fast accumulation and five with the
+// split accumulator; kAuto picks one from the kind, the accumulation and the groups' average size
+// (csrc/grouped_gemm_launch.cu says which and why).
 enum class GroupedTile : int {
   kAuto = 0,
   kLarge = 1,  // fast accumulation: cooperative 128x256, clusters 2x1; split: cooperative 128x128, clusters 2x1
@@ -27,6 +28,7 @@ enum class GroupedTile : int {
   kAlt = 3,    // fast accumulation: pingpong 64x256, clusters 1x2; split: cooperative 128x192, clusters 2x1
   kWide = 4,   // fast accumulation: cooperative 128x256, clusters 1x2; split: cooperative 128x192, clusters 1x2
   kSolo = 5,   // fast accumulation: cooperative 128x256, no clusters; split: cooperative 128x192, no clusters
+  kPing = 6,   // fast accumulation: pingpong 128x192, no clusters; split: solo's (no room for the promoted sums)
 };
 
 struct GroupedFp8GemmArgs {

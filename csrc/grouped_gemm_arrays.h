@@ -43,5 +43,6 @@ GroupedConfigEntry fast_wide_config();
 GroupedConfigEntry split_wide_config();
 GroupedConfigEntry fast_solo_config();
 GroupedConfigEntry split_solo_config();
+GroupedConfigEntry fast_ping_config();
 
 }  // namespace tfp8::grouped

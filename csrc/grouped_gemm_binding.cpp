@@ -24,8 +24,9 @@ void check_scale(const at::Tensor& t, const at::Tensor& ref, int64_t groups, con
 }
 
 GroupedTile to_tile(int64_t tile) {
-  TORCH_CHECK(tile >= 0 && tile <= 5,
-              "tile: expected 0 (auto), 1 (large), 2 (small), 3 (alt), 4 (wide) or 5 (solo), got ", num(tile));
+  TORCH_CHECK(tile >= 0 && tile <= 6,
+              "tile: expected 0 (auto), 1 (large), 2 (small), 3 (alt), 4 (wide), 5 (solo) or 6 (ping), got ",
+              num(tile));
   return static_cast<GroupedTile>(tile);
 }
 

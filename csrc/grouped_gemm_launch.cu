@@ -120,12 +120,13 @@ namespace {
 using grouped::current_device;
 
 // kAuto's choice, from H100 runs of benchmarks/bench_moe.py over three shapes of uneven groups (8 experts of 2048 rows
-// on average, 64 of 768 and 64 of 256) and the MoE layer (RESULTS.md, MoE sections of 2026-11-26 sessions 3 and 6).
-// Forward with fast accumulation: groups of many rows take 128x256 tiles without clusters (solo: no group's M or N
-// tiles rounded up to a cluster's, and the wider tile reads B once per 256 columns), smaller groups the pingpong
-// 128x128 tiles (less of a group's last tile wasted). Split accumulator: the 128x192 tiles, in 1x2 clusters (wide)
-// for the rows form (the dgrad) and for the wgrad of long groups, in 2x1 clusters otherwise. Fast-accumulation wgrad:
-// the large tiles.
+// on average, 64 of 768 and 64 of 256) and the MoE layer (RESULTS.md, MoE sections of 2026-11-26 sessions 3 and 6),
+// and of tools/grouped_gemm_probe.cu (RESULTS.md, 2026-11-27 session 9). Forward with fast accumulation: groups of
+// many rows take 128x256 tiles without clusters (solo: no group's M or N tiles rounded up to a cluster's, and the
+// wider tile reads B once per 256 columns), smaller groups the pingpong 128x192 tiles (one warpgroup's epilogue and
+// group switch under the other's MMAs; +5-9% over pingpong 128x128 at 64 experts of 768 and 256 rows). Split
+// accumulator: the 128x192 tiles, in 1x2 clusters (wide) for the rows form (the dgrad) and for the wgrad of long
+// groups, in 2x1 clusters otherwise. Fast-accumulation wgrad: the large tiles.
 constexpr int64_t kLargeGroupRows = 1024;
 
 GroupedTile auto_tile(const GroupedFp8GemmArgs& args) {
@@ -135,7 +136,7 @@ GroupedTile auto_tile(const GroupedFp8GemmArgs& args) {
     return large_groups ? GroupedTile::kWide : GroupedTile::kAlt;
   }
   if (!args.fast_accumulation) return GroupedTile::kWide;
-  return large_groups ? GroupedTile::kSolo : GroupedTile::kSmall;
+  return large_groups ? GroupedTile::kSolo : GroupedTile::kPing;
 }
 
 GroupedConfigEntry pick_config(const GroupedFp8GemmArgs& args) {
@@ -146,6 +147,7 @@ GroupedConfigEntry pick_config(const GroupedFp8GemmArgs& args) {
     case GroupedTile::kAlt: return args.fast_accumulation ? grouped::fast_alt_config() : grouped::split_alt_config();
     case GroupedTile::kWide: return args.fast_accumulation ? grouped::fast_wide_config() : grouped::split_wide_config();
     case GroupedTile::kSolo: return args.fast_accumulation ? grouped::fast_solo_config() : grouped::split_solo_config();
+    case GroupedTile::kPing: return args.fast_accumulation ? grouped::fast_ping_config() : grouped::split_solo_config();
     default: return args.fast_accumulation ? grouped::fast_large_config() : grouped::split_large_config();
   }
 }
