@@ -3,8 +3,8 @@
 1. Grouped GEMM TFLOP/s, forward form (out [M, N] = x_g W_gᵀ per group) and weight-gradient form (dW_g = dy_gᵀ x_g),
    uneven group sizes (drawn once, seeded; the wgrad's rounded to multiples of 16, which its kernel needs):
    - fp8 grouped (op): tfp8.grouped_fp8_gemm / grouped_fp8_gemm_wgrad on grouped_gemm.BACKEND's kernel (auto: ours);
-   - fp8 grouped (ours, large / small / alt / wide / solo / ping tiles): our CUTLASS kernel's ops (grouped_fp8_gemm_sm90,
-     _wgrad_sm90) directly, one tile configuration each (csrc/grouped_gemm.h);
+   - fp8 grouped (ours, large / small / alt / wide / solo / ping tiles): our CUTLASS kernel's ops
+     (grouped_fp8_gemm_sm90, _wgrad_sm90) directly, one tile configuration each (csrc/grouped_gemm.h);
    - fp8 grouped (torch kernel): torch._scaled_grouped_mm (rowwise scales, per-tensor ones expanded);
    - bf16 grouped: torch._grouped_mm on the same shapes;
    - fp8 loop: one tfp8.fp8_gemm (our cuBLASLt dense GEMM) per group, sizes known on the host;

@@ -30,13 +30,13 @@ using probe::ProbeProblem;
 namespace {
 
 #define CHECK(expr) TFP8_CUDA_CHECK(expr)
-#define CHECK_LT(expr)                                                                   \
-  do {                                                                                   \
-    cublasStatus_t s_ = (expr);                                                          \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                   \
-      std::fprintf(stderr, "%s: %s\n", #expr, cublasLtGetStatusString(s_));              \
-      std::exit(1);                                                                      \
-    }                                                                                    \
+#define CHECK_LT(expr) \
+  do { \
+    cublasStatus_t s_ = (expr); \
+    if (s_ != CUBLAS_STATUS_SUCCESS) { \
+      std::fprintf(stderr, "%s: %s\n", #expr, cublasLtGetStatusString(s_)); \
+      std::exit(1); \
+    } \
   } while (0)
 
 struct Buffer {
@@ -203,7 +203,7 @@ struct LtDense {
 struct Variant {
   std::string name;
   std::function<void()> launch;
-  const Buffer* output;             // where it writes
+  const Buffer* output;                // where it writes
   const std::vector<float>* expected;  // what it should write (null: not checked)
 };
 
@@ -246,10 +246,10 @@ void probe_shape(int groups, int64_t m, int64_t k, int64_t n, int rounds, int lt
     variants.push_back({"cublaslt dense #" + std::to_string(i) + " (" + lt.config(i) + ")",
                         [&, i] { lt.run(i, a.ptr, b.ptr, d.ptr, lt_workspace.ptr); }, &d, &expected_dense});
   }
-  const ProbeKernel kernels[] = {probe::probe_kernel_0(), probe::probe_kernel_1(), probe::probe_kernel_2(),
-                                 probe::probe_kernel_3(), probe::probe_kernel_4(), probe::probe_kernel_5(),
-                                 probe::probe_kernel_6(), probe::probe_kernel_7(), probe::probe_kernel_8(),
-                                 probe::probe_kernel_9(), probe::probe_kernel_10(), probe::probe_kernel_11(),
+  const ProbeKernel kernels[] = {probe::probe_kernel_0(),  probe::probe_kernel_1(),  probe::probe_kernel_2(),
+                                 probe::probe_kernel_3(),  probe::probe_kernel_4(),  probe::probe_kernel_5(),
+                                 probe::probe_kernel_6(),  probe::probe_kernel_7(),  probe::probe_kernel_8(),
+                                 probe::probe_kernel_9(),  probe::probe_kernel_10(), probe::probe_kernel_11(),
                                  probe::probe_kernel_12(), probe::probe_kernel_13()};
   // PROBE_SELECT=i,j,...: only these kernels (indices into the list above)
   const char* select = std::getenv("PROBE_SELECT");
@@ -343,8 +343,8 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1234);
   std::vector<int64_t> shapes;
   for (int i = 3; i + 3 < argc; i += 4) {
-    shapes.insert(shapes.end(), {std::atoll(argv[i]), std::atoll(argv[i + 1]), std::atoll(argv[i + 2]),
-                                 std::atoll(argv[i + 3])});
+    shapes.insert(shapes.end(),
+                  {std::atoll(argv[i]), std::atoll(argv[i + 1]), std::atoll(argv[i + 2]), std::atoll(argv[i + 3])});
   }
   if (shapes.empty()) {
     // bench_moe.py's grouped shapes: DeepSeek-V2-Lite's routed experts, 64 x 256 rows, 8 experts of 2048 rows.

@@ -12,11 +12,11 @@ namespace tfp8::probe {
 // One problem: grouped kernels read `arrays` (groups of rows of a, each with its own weight), dense ones a, b, d.
 struct ProbeProblem {
   int groups = 0;
-  grouped::GroupArrays arrays;  // device arrays
-  const void* a = nullptr;      // [m, k] E4M3
-  const void* b = nullptr;      // [n, k] E4M3 (dense kernels)
-  void* d = nullptr;            // [m, n] bfloat16 (dense kernels)
-  const float* alpha = nullptr; // device scalar (dense kernels)
+  grouped::GroupArrays arrays;   // device arrays
+  const void* a = nullptr;       // [m, k] E4M3
+  const void* b = nullptr;       // [n, k] E4M3 (dense kernels)
+  void* d = nullptr;             // [m, n] bfloat16 (dense kernels)
+  const float* alpha = nullptr;  // device scalar (dense kernels)
   int64_t m = 0, n = 0, k = 0;
   int sm_count = 0;
   size_t workspace_bytes = 0;
