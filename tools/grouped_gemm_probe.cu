@@ -2,8 +2,10 @@
 // and single groups, CUTLASS's plain FP8 GEMM on the same tiles, and cuBLASLt's dense FP8 GEMM (its heuristic's
 // first choice and each of its next candidates, with their tile / stage / cluster ids), at given shapes; checks every
 // output against cuBLASLt run group by group. Fast accumulation throughout (the forward's form).
-// Build: tools/grouped_gemm_probe.sh. Run: grouped_gemm_probe [rounds] [G M K N]... Prints one line per shape and
-// variant: median TFLOP/s over rounds (rounds interleaved across variants), ratio to cuBLASLt dense, the error.
+// Build: tools/grouped_gemm_probe.sh. Run: grouped_gemm_probe [rounds] [cuBLASLt candidates] [G M K N]... (env
+// PROBE_SELECT=i,j: only these kernels; PROBE_CHUNK_N=c: also the groups split into column chunks of c). Prints one
+// line per shape and variant: median TFLOP/s over rounds (rounds interleaved across variants), ratio to cuBLASLt
+// dense, the error.
 #include <cublasLt.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -103,19 +105,27 @@ std::vector<int64_t> uneven_sizes(int groups, int64_t rows, std::mt19937& rng) {
   return sizes;
 }
 
-// Per-group device arrays for groups of rows of a [m, k] with weights b + g * n * k, outputs in d [m, n].
+// Per-group device arrays for groups of rows of a [m, k] with weights b + g * n * k, outputs in d [m, n]. chunk_n > 0
+// splits every group's n columns into chunks of chunk_n (the last one shorter), one problem each, listed chunk by
+// chunk across the groups (chunk 0 of every group, then chunk 1, ...): the tiles that run at the same time then span
+// several experts' weights instead of about one.
 struct DeviceArrays {
   std::unique_ptr<Buffer> storage;
   grouped::GroupArrays arrays;
-  std::vector<int64_t> sizes;
+  std::vector<int64_t> sizes;  // rows per group
+  int problems = 0;
 };
 
 DeviceArrays make_arrays(const std::vector<int64_t>& sizes, const Buffer& a, const Buffer& b, Buffer& d, int64_t n,
-                         int64_t k) {
+                         int64_t k, int64_t chunk_n = 0) {
   const int groups = static_cast<int>(sizes.size());
-  const size_t slot = ((groups * 12 + 255) / 256) * 256;  // each array in a 256-byte aligned slot (shapes: 12 bytes)
+  if (chunk_n <= 0) chunk_n = n;
+  const int chunks = static_cast<int>((n + chunk_n - 1) / chunk_n);
+  const int problems = groups * chunks;
+  const size_t slot = ((problems * 12 + 255) / 256) * 256;  // each array in a 256-byte aligned slot (shapes: 12 bytes)
   DeviceArrays out;
   out.sizes = sizes;
+  out.problems = problems;
   out.storage = std::make_unique<Buffer>(slot * 8);
   std::vector<uint8_t> host(slot * 8, 0);
   auto* shapes = reinterpret_cast<int*>(host.data());
@@ -126,15 +136,19 @@ DeviceArrays make_arrays(const std::vector<int64_t>& sizes, const Buffer& a, con
   auto* ldb = reinterpret_cast<int64_t*>(host.data() + 5 * slot);
   auto* ldd = reinterpret_cast<int64_t*>(host.data() + 6 * slot);
   auto* alpha = reinterpret_cast<float*>(host.data() + 7 * slot);
-  int64_t start = 0;
-  for (int g = 0; g < groups; ++g) {
-    shapes[3 * g] = static_cast<int>(sizes[g]), shapes[3 * g + 1] = static_cast<int>(n);
-    shapes[3 * g + 2] = static_cast<int>(k);
-    pa[g] = static_cast<const uint8_t*>(a.ptr) + start * k;
-    pb[g] = static_cast<const uint8_t*>(b.ptr) + g * n * k;
-    pd[g] = static_cast<__nv_bfloat16*>(d.ptr) + start * n;
-    lda[g] = k, ldb[g] = k, ldd[g] = n, alpha[g] = 1.0f;
-    start += sizes[g];
+  std::vector<int64_t> starts(groups, 0);
+  for (int g = 1; g < groups; ++g) starts[g] = starts[g - 1] + sizes[g - 1];
+  for (int c = 0; c < chunks; ++c) {
+    const int64_t col = c * chunk_n, cols = std::min(chunk_n, n - col);
+    for (int g = 0; g < groups; ++g) {
+      const int p = c * groups + g;
+      shapes[3 * p] = static_cast<int>(sizes[g]), shapes[3 * p + 1] = static_cast<int>(cols);
+      shapes[3 * p + 2] = static_cast<int>(k);
+      pa[p] = static_cast<const uint8_t*>(a.ptr) + starts[g] * k;
+      pb[p] = static_cast<const uint8_t*>(b.ptr) + (g * n + col) * k;
+      pd[p] = static_cast<__nv_bfloat16*>(d.ptr) + starts[g] * n + col;
+      lda[p] = k, ldb[p] = k, ldd[p] = n, alpha[p] = 1.0f;
+    }
   }
   CHECK(cudaMemcpy(out.storage->ptr, host.data(), host.size(), cudaMemcpyHostToDevice));
   auto* base = static_cast<uint8_t*>(out.storage->ptr);
@@ -221,6 +235,10 @@ void probe_shape(int groups, int64_t m, int64_t k, int64_t n, int rounds, int lt
   equal_sizes.back() += m - m / groups * groups;
   const auto equal = make_arrays(equal_sizes, a, b, d, n, k);
   const auto single = make_arrays({m}, a, b, d, n, k);
+  // PROBE_CHUNK_N=c: also the uneven and equal groups split into column chunks of c, listed chunk-major
+  const int64_t chunk_n = std::getenv("PROBE_CHUNK_N") ? std::atoll(std::getenv("PROBE_CHUNK_N")) : 0;
+  const auto uneven_chunked = make_arrays(uneven.sizes, a, b, d, n, k, chunk_n);
+  const auto equal_chunked = make_arrays(equal_sizes, a, b, d, n, k, chunk_n);
 
   // References: cuBLASLt group by group (uneven and equal groups), and dense with group 0's weight.
   auto reference = [&](const std::vector<int64_t>& sizes, Buffer& out) {
@@ -260,7 +278,7 @@ void probe_shape(int groups, int64_t m, int64_t k, int64_t n, int rounds, int lt
   };
   auto problem_of = [&](const DeviceArrays& arrays) {
     ProbeProblem p;
-    p.groups = static_cast<int>(arrays.sizes.size());
+    p.groups = arrays.problems;
     p.arrays = arrays.arrays;
     p.a = a.ptr, p.b = b.ptr, p.d = d.ptr, p.alpha = static_cast<const float*>(one.ptr);
     p.m = m, p.n = n, p.k = k;
@@ -290,6 +308,10 @@ void probe_shape(int groups, int64_t m, int64_t k, int64_t n, int rounds, int lt
       add(kernel, "equal", problem_of(equal), {1, 1}, &expected_equal);
       add(kernel, "one group", problem_of(single), {1, 1}, &expected_dense);
       add(kernel, "uneven", problem_of(uneven), {2, 1}, &expected_uneven);
+      if (chunk_n > 0) {
+        add(kernel, "uneven chunked", problem_of(uneven_chunked), {1, 1}, &expected_uneven);
+        add(kernel, "equal chunked", problem_of(equal_chunked), {1, 1}, &expected_equal);
+      }
     } else {
       add(kernel, "dense", problem_of(single), {1, 0}, &expected_dense);
       add(kernel, "dense", problem_of(single), {1, 2}, &expected_dense);
