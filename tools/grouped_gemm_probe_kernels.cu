@@ -15,11 +15,10 @@ using cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum;
 using cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum;
 using cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum;
 
+// Applies the scheduler options to args and runs Config's kernel on them.
 template <class Config>
-const char* run_grouped(const ProbeProblem& p, const ProbeOptions& o, void* workspace, cudaStream_t stream) {
-  using Kernel = typename Config::Kernel;
-  grouped::Device device{0, p.sm_count};
-  auto args = grouped::grouped_arguments<Config>(p.groups, p.arrays, device);
+const char* launch(typename Config::Gemm::Arguments& args, const ProbeProblem& p, const ProbeOptions& o,
+                   void* workspace, cudaStream_t stream) {
   args.scheduler.max_swizzle_size = o.swizzle;
   args.scheduler.raster_order = static_cast<decltype(args.scheduler.raster_order)>(o.raster);
   typename Config::Gemm gemm;
@@ -28,6 +27,13 @@ const char* run_grouped(const ProbeProblem& p, const ProbeOptions& o, void* work
   if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return "initialize failed";
   if (gemm.run(stream) != cutlass::Status::kSuccess) return "launch failed";
   return nullptr;
+}
+
+template <class Config>
+const char* run_grouped(const ProbeProblem& p, const ProbeOptions& o, void* workspace, cudaStream_t stream) {
+  grouped::Device device{0, p.sm_count};
+  auto args = grouped::grouped_arguments<Config>(p.groups, p.arrays, device);
+  return launch<Config>(args, p, o, workspace, stream);
 }
 
 // CUTLASS's plain sm90 FP8 GEMM: D [m, n] row-major bfloat16 = alpha * A [m, k] . B [n, k]ᵀ (one problem).
@@ -80,14 +86,7 @@ const char* run_dense(const ProbeProblem& p, const ProbeOptions& o, void* worksp
   args.epilogue.dD = packed<StrideD>(n, int64_t(m) * n);
   args.hw_info.device_id = 0;
   args.hw_info.sm_count = p.sm_count;
-  args.scheduler.max_swizzle_size = o.swizzle;
-  args.scheduler.raster_order = static_cast<decltype(args.scheduler.raster_order)>(o.raster);
-  typename Config::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "cannot implement";
-  if (Config::Gemm::get_workspace_size(args) > p.workspace_bytes) return "workspace too small";
-  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return "initialize failed";
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return "launch failed";
-  return nullptr;
+  return launch<Config>(args, p, o, workspace, stream);
 }
 
 template <int M, int N, int CM, int CN, class KernelSchedule, class EpilogueSchedule>
