@@ -331,7 +331,7 @@ def make_layer_step(recipe=None, variant: str = "layer", layer: torch.nn.Module 
 TILES_SESSION3 = {("rows", True): 2, ("rows", False): 3, ("contraction", False): 3, ("contraction", True): 1}
 TILE_VARIANTS = {
     "session 3's": TILES_SESSION3,
-    # the auto choice of sessions 7-8 at this layer's groups of 2048 rows (forward solo; this session's auto: ping)
+    # the auto choice since session 7 at this layer's groups of 2048 rows (forward solo; ping is auto below 1024)
     "session 8's": {("rows", True): 5, ("rows", False): 4, ("contraction", False): 4, ("contraction", True): 1},
     "forward large": {**TILES_SESSION3, ("rows", True): 1},
     "forward wide": {**TILES_SESSION3, ("rows", True): 4},
