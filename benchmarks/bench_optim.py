@@ -35,14 +35,26 @@ def llama_shapes(tiny: bool) -> list:
     return [(vocab, hidden)] + layer * layers + [(hidden,), (vocab, hidden)]
 
 
-def make_params(shapes: list, device: str, seed: int = 0) -> list:
+def make_params(shapes: list, device: str, seed: int = 0, grads: list | None = None) -> list:
     """BF16 parameters of `shapes` with gradients, the same values for the same seed (drawn on `device`: 1.1B
-    values a variant take seconds on the GPU, minutes on the CPU)."""
+    values a variant take seconds on the GPU, minutes on the CPU).
+
+    Args:
+        shapes: the parameters' shapes.
+        device: where to make them.
+        seed: the generator's seed (the same seed, the same parameters and gradients).
+        grads: gradients to share (another call's parameters' .grad, read-only to the optimizers: six variants of
+            1.1B parameters fit an 80 GB GPU only with one copy of the gradients); None: drawn here.
+
+    Returns:
+        The parameters, each with its .grad set.
+    """
     g = torch.Generator(device=device).manual_seed(seed)
     params = []
-    for shape in shapes:
+    for i, shape in enumerate(shapes):
         p = torch.nn.Parameter(torch.randn(shape, generator=g, device=device).to(torch.bfloat16))
-        p.grad = (torch.randn(shape, generator=g, device=device) * 1e-3).to(torch.bfloat16)
+        grad = (torch.randn(shape, generator=g, device=device) * 1e-3).to(torch.bfloat16)  # (drawn either way: the
+        p.grad = grads[i] if grads is not None else grad  # next parameter's values must not depend on `grads`)
         params.append(p)
     return params
 
@@ -58,24 +70,27 @@ def main() -> None:
     if device == "cpu" and not args.tiny:
         raise SystemExit("bench_optim.py: needs a CUDA GPU (or --tiny)")
     shapes = llama_shapes(args.tiny)
-    torch_params, our_params = make_params(shapes, device), make_params(shapes, device)
+    torch_params = make_params(shapes, device)
+    grads = [p.grad for p in torch_params]
+    our_params = make_params(shapes, device, grads=grads)
     numel = sum(p.numel() for p in torch_params)
     optimizers = {"torch AdamW(fused=True)": torch.optim.AdamW(torch_params, lr=1e-4, fused=device == "cuda"),
-                  "te.FusedAdamW": te.FusedAdamW(our_params, lr=1e-4),
-                  "FusedAdam, f32 moments": te.optimizers.FusedAdam(make_params(shapes, device), lr=1e-4,
-                                                                    weight_decay=0.01),
-                  "FusedAdam, f32 moments+master": te.optimizers.FusedAdam(
-                      make_params(shapes, device), lr=1e-4, weight_decay=0.01, master_weights=True)}
-    bytes_per_parameter = dict(zip(optimizers, (BYTES_PER_PARAMETER, BYTES_PER_PARAMETER, 22, 28)))
-    if TEFusedAdam is not None and device == "cuda":  # (the same two settings, TE 2.x's defaults otherwise)
-        optimizers["TE FusedAdam, f32 moments"] = TEFusedAdam(make_params(shapes, device), lr=1e-4, weight_decay=0.01)
-        optimizers["TE FusedAdam, f32 moments+master"] = TEFusedAdam(make_params(shapes, device), lr=1e-4,
-                                                                     weight_decay=0.01, master_weights=True)
-        bytes_per_parameter.update({"TE FusedAdam, f32 moments": 22, "TE FusedAdam, f32 moments+master": 28})
+                  "te.FusedAdamW": te.FusedAdamW(our_params, lr=1e-4)}
     for optimizer in optimizers.values():  # (one step each from the same state: compare the results)
         optimizer.step()
-    diff = torch.stack([(a.double() - b.double()).norm() for a, b in zip(our_params, torch_params)]).norm()
-    worst = (diff / torch.stack([b.double().norm() for b in torch_params]).norm()).item()
+    diff = torch.stack([(a.float() - b.float()).norm() for a, b in zip(our_params, torch_params)]).norm()
+    worst = (diff / torch.stack([b.float().norm() for b in torch_params]).norm()).item()
+    optimizers["FusedAdam, f32 moments"] = te.optimizers.FusedAdam(make_params(shapes, device, grads=grads), lr=1e-4,
+                                                                   weight_decay=0.01)
+    optimizers["FusedAdam, f32 moments+master"] = te.optimizers.FusedAdam(
+        make_params(shapes, device, grads=grads), lr=1e-4, weight_decay=0.01, master_weights=True)
+    bytes_per_parameter = dict(zip(optimizers, (BYTES_PER_PARAMETER, BYTES_PER_PARAMETER, 22, 28)))
+    if TEFusedAdam is not None and device == "cuda":  # (the same two settings, TE 2.x's defaults otherwise)
+        optimizers["TE FusedAdam, f32 moments"] = TEFusedAdam(make_params(shapes, device, grads=grads), lr=1e-4,
+                                                              weight_decay=0.01)
+        optimizers["TE FusedAdam, f32 moments+master"] = TEFusedAdam(make_params(shapes, device, grads=grads),
+                                                                     lr=1e-4, weight_decay=0.01, master_weights=True)
+        bytes_per_parameter.update({"TE FusedAdam, f32 moments": 22, "TE FusedAdam, f32 moments+master": 28})
     measures = {name: (lambda o=optimizer: gpu_time_ms(o.step, warmup=2, iters=args.iters))
                 for name, optimizer in optimizers.items()}
     results = run_rounds(measures, args.rounds)
