@@ -3,8 +3,9 @@
 # can load it instead of compiling for minutes there. Only the translation units that include Python.h (ninja's
 # dependency log says which) are compiled again against the other Python's headers; every CUDA object is reused.
 # Needs the same torch on both machines (the library links against torch's, as a build there would).
-# Usage: bash tools/prebuilt_so.sh [OUT.so.gz]   (default .gpu_lead/so/main.so.gz; TARGET_PYTHON_INCLUDE overrides
-#        the target Python's include folder, default that of pyenv's 3.12)
+# Usage: bash tools/prebuilt_so.sh [OUT.so.gz | OUT.so.xz]   (default .gpu_lead/so/main.so.gz; .xz: half gzip's size
+#        (~5 MB), for calls that carry a lot else; TARGET_PYTHON_INCLUDE overrides the target Python's include folder,
+#        default that of pyenv's 3.12)
 # On the device: bash tools/use_prebuilt_so.sh OUT.so.gz || pip install --no-build-isolation --no-deps -e .
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +40,6 @@ link=$(grep -- " -shared " build/tfp8_build.log | tail -1 | tr ' ' '\n' | grep -
 ${CXX:-c++} "${objects[@]}" $link -o "$work/_C.so"  # (objects first: libraries linked as needed)
 strip --strip-unneeded "$work/_C.so"
 mkdir -p "$(dirname "$out")"
-gzip -c "$work/_C.so" > "$out"
+if [[ "$out" == *.xz ]]; then xz -9 -T2 -c "$work/_C.so" > "$out"; else gzip -c "$work/_C.so" > "$out"; fi
 echo "prebuilt_so.sh: $out ($(du -h "$out" | cut -f1); Python.h units recompiled: $(wc -w <<< "$python_objects"))"
 rm -rf "$work"
