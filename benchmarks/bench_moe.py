@@ -159,7 +159,8 @@ def where_the_time_goes(groups: int, m: int, k: int, n: int, x: torch.Tensor, w:
     """Forward variants of our kernel (pingpong 128x128, fast accumulation) that remove one cost at a time, to split
     the gap to the dense GEMM: equal groups of m / groups rows (no uneven tiles: whole 128-row tiles when m / groups
     is a multiple of 128), the same equal groups on one shared weight (b's group stride 0: the weights are read from
-    memory once, then from L2), and one group of all m rows (the grouped kernel's own speed on a dense problem)."""
+    memory once, then from L2), and one group of all m rows (the grouped kernel's own speed on a dense problem);
+    also the other tiles on the equal groups."""
     equal = group_offsets(torch.full((groups,), m // groups, device="cuda"))
     shared = w[:1].expand(groups, n, k)  # (stride 0 over the groups)
     whole = group_offsets(torch.tensor([m], device="cuda"))

@@ -193,6 +193,16 @@ struct LtDense {
     algos.resize(count);
     cublasLtMatmulPreferenceDestroy(pref);
   }
+  LtDense(const LtDense&) = delete;
+  LtDense& operator=(const LtDense&) = delete;
+  ~LtDense() {  // (after the stream's work: the reference runs are synchronised before the next group's)
+    cudaDeviceSynchronize();
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(ld);
+    cublasLtMatmulDescDestroy(desc);
+    cublasLtDestroy(handle);
+  }
   void run(int index, const void* a, const void* b, void* d, void* workspace) const {
     const float alpha = 1.f, beta = 0.f;
     CHECK_LT(cublasLtMatmul(handle, desc, &alpha, b, la, a, lb, &beta, nullptr, ld, d, ld, &algos[index].algo,
