@@ -18,8 +18,8 @@ enum class GroupedKind : int {
   kContraction = 1,
 };
 
-// The compiled kernel configurations (CTA tile M x N x 128 of FP8 K), six with fast accumulation and five with the
-// split accumulator; kAuto picks one from the kind, the accumulation and the groups' average size
+// The compiled kernel configurations (CTA tile M x N x 128 of FP8 K), six CUTLASS ones with fast accumulation and five
+// with the split accumulator, and our own kernel; kAuto picks one from the kind, the accumulation and the groups' average size
 // (csrc/grouped_gemm_launch.cu says which and why).
 enum class GroupedTile : int {
   kAuto = 0,
@@ -29,6 +29,8 @@ enum class GroupedTile : int {
   kWide = 4,   // fast accumulation: cooperative 128x256, clusters 1x2; split: cooperative 128x192, clusters 1x2
   kSolo = 5,   // fast accumulation: cooperative 128x256, no clusters; split: cooperative 128x192, no clusters
   kPing = 6,   // fast accumulation: pingpong 128x192, no clusters; split: solo's (no room for the promoted sums)
+  kOurs = 7,   // fast-accumulation rows form: our own kernel (csrc/grouped_gemm_rows_kernel.cuh), pingpong 128 x 128,
+               // 176 or 192 (from n); anything else it does not take: kAuto's CUTLASS choice
 };
 
 struct GroupedFp8GemmArgs {

@@ -24,8 +24,8 @@ void check_scale(const at::Tensor& t, const at::Tensor& ref, int64_t groups, con
 }
 
 GroupedTile to_tile(int64_t tile) {
-  TORCH_CHECK(tile >= 0 && tile <= 6,
-              "tile: expected 0 (auto), 1 (large), 2 (small), 3 (alt), 4 (wide), 5 (solo) or 6 (ping), got ",
+  TORCH_CHECK(tile >= 0 && tile <= 7,
+              "tile: expected 0 (auto), 1 (large), 2 (small), 3 (alt), 4 (wide), 5 (solo), 6 (ping) or 7 (ours), got ",
               num(tile));
   return static_cast<GroupedTile>(tile);
 }

@@ -8,6 +8,7 @@
 
 #include "grouped_gemm.h"
 #include "grouped_gemm_arrays.h"
+#include "grouped_gemm_rows.h"
 #include "grouped_rows.cuh"
 #include "grouped_shared.h"
 
@@ -75,46 +76,6 @@ __global__ void write_group_arrays(GroupedFp8GemmArgs args, GroupArrays arrays) 
 
 }  // namespace
 
-namespace grouped {
-
-namespace {
-
-// out[g] = 0 for every empty group g (blockIdx.y = g; 16-byte stores: n * k bfloat16 is a multiple of 16 bytes).
-__global__ void zero_empty_groups(const int32_t* offs, int64_t rows, int64_t vectors_per_group, uint4* out) {
-  int64_t start, end;
-  group_rows(offs, blockIdx.y, rows, &start, &end);
-  if (end > start) return;
-  uint4* group = out + blockIdx.y * vectors_per_group;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors_per_group;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    group[i] = make_uint4(0, 0, 0, 0);
-  }
-}
-
-}  // namespace
-
-const char* launch_zero_empty_groups(const int32_t* offs, int64_t rows, int groups, int64_t n, int64_t k, void* out,
-                                     cudaStream_t stream) {
-  const int64_t vectors = n * k * static_cast<int64_t>(sizeof(__nv_bfloat16)) / 16;
-  const int blocks = static_cast<int>(std::min<int64_t>((vectors + 255) / 256, 64));
-  zero_empty_groups<<<dim3(blocks, groups), 256, 0, stream>>>(offs, rows, vectors, static_cast<uint4*>(out));
-  return cudaGetLastError() == cudaSuccess ? nullptr : "the grouped GEMM's zero-fill kernel failed to launch";
-}
-
-Device current_device() {
-  // (the SM count per device, asked once: cudaDeviceGetAttribute is cheap, but this runs on every call)
-  static int sm_counts[64] = {};
-  Device device;
-  cudaGetDevice(&device.id);
-  if (device.id < 64 && sm_counts[device.id] == 0) {
-    cudaDeviceGetAttribute(&sm_counts[device.id], cudaDevAttrMultiProcessorCount, device.id);
-  }
-  device.sm_count = device.id < 64 ? sm_counts[device.id] : 0;
-  return device;
-}
-
-}  // namespace grouped
-
 namespace {
 
 using grouped::current_device;
@@ -139,8 +100,14 @@ GroupedTile auto_tile(const GroupedFp8GemmArgs& args) {
   return large_groups ? GroupedTile::kSolo : GroupedTile::kPing;
 }
 
-GroupedConfigEntry pick_config(const GroupedFp8GemmArgs& args) {
-  const GroupedTile tile = args.tile == GroupedTile::kAuto ? auto_tile(args) : args.tile;
+// The tile that runs: the one asked for, else kAuto's choice (also for kOurs where our kernel does not take the
+// arguments).
+GroupedTile resolved_tile(const GroupedFp8GemmArgs& args) {
+  if (args.tile == GroupedTile::kOurs) return grouped::rows_kernel_supports(args) ? GroupedTile::kOurs : auto_tile(args);
+  return args.tile == GroupedTile::kAuto ? auto_tile(args) : args.tile;
+}
+
+GroupedConfigEntry pick_config(GroupedTile tile, const GroupedFp8GemmArgs& args) {
   switch (tile) {
     case GroupedTile::kSmall:
       return args.fast_accumulation ? grouped::fast_small_config() : grouped::split_small_config();
@@ -155,10 +122,14 @@ GroupedConfigEntry pick_config(const GroupedFp8GemmArgs& args) {
 }  // namespace
 
 size_t grouped_fp8_gemm_workspace_bytes(const GroupedFp8GemmArgs& args) {
-  return layout_arrays(args.groups, nullptr, nullptr) + pick_config(args).workspace(args.groups, current_device());
+  const GroupedTile tile = resolved_tile(args);
+  if (tile == GroupedTile::kOurs) return 0;  // (our kernel reads the offsets itself: no per-group arrays)
+  return layout_arrays(args.groups, nullptr, nullptr) + pick_config(tile, args).workspace(args.groups, current_device());
 }
 
 const char* launch_grouped_fp8_gemm(const GroupedFp8GemmArgs& args, void* workspace, cudaStream_t stream) {
+  const GroupedTile tile = resolved_tile(args);
+  if (tile == GroupedTile::kOurs) return grouped::launch_rows_kernel(args, stream);
   GroupArrays arrays;
   char* base = static_cast<char*>(workspace);
   const size_t arrays_bytes = layout_arrays(args.groups, base, &arrays);
@@ -170,7 +141,7 @@ const char* launch_grouped_fp8_gemm(const GroupedFp8GemmArgs& args, void* worksp
                                                           stream);
     if (error) return error;
   }
-  return pick_config(args).run(args.groups, arrays, base + arrays_bytes, current_device(), stream);
+  return pick_config(tile, args).run(args.groups, arrays, base + arrays_bytes, current_device(), stream);
 }
 
 }  // namespace tfp8

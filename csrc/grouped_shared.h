@@ -1,4 +1,4 @@
-// Host helpers the grouped families' launchers share (csrc/grouped_gemm_launch.cu defines them). Internal.
+// Host helpers the grouped families' launchers share (csrc/grouped_shared.cu defines them). Internal.
 #pragma once
 #include <cuda_runtime.h>
 

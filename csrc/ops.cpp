@@ -296,8 +296,9 @@ TORCH_LIBRARY(transformer_fp8, m) {
   // grouped_fp8_gemm (b_scale_inv [1] or [G]), and out [G, N, K] as grouped_fp8_gemm_wgrad (zeros for an empty group;
   // every group but the last must start at a multiple of 16 columns). fast_accumulation: Hopper's FP8 accumulation
   // (False: float32 promotion of the partial sums every 128 elements of K). tile: 0 auto, 1 large, 2 small, 3 alt,
-  // 4 wide, 5 solo, 6 ping (the CTA tile configurations of csrc/grouped_gemm.h). N, K (and the wgrad's M) multiples of
-  // 16; compute capability 9.0 only.
+  // 4 wide, 5 solo, 6 ping (the CTA tile configurations of csrc/grouped_gemm.h), 7 ours (our own kernel, for the
+  // fast-accumulation rows form; auto's choice elsewhere). N, K (and the wgrad's M) multiples of 16; compute
+  // capability 9.0 only.
   m.def("grouped_fp8_gemm_sm90(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, Tensor offs, "
         "bool fast_accumulation=False, int tile=0) -> Tensor");
   m.def("grouped_fp8_gemm_wgrad_sm90(Tensor a_t, Tensor a_scale_inv, Tensor b_t, Tensor b_scale_inv, Tensor offs, "

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../csrc/gemm.h"
+#include "../csrc/grouped_gemm_rows.h"
 #include "grouped_gemm_probe.h"
 
 using namespace tfp8;
@@ -296,6 +297,38 @@ void probe_shape(int groups, int64_t m, int64_t k, int64_t n, int rounds, int lt
     p.workspace_bytes = size_t(64) << 20;
     return p;
   };
+  // Our own rows kernel (csrc/grouped_gemm_rows_kernel.cuh) on the same groups: it reads the groups' cumulative ends.
+  auto offsets_of = [&](const std::vector<int64_t>& sizes) {
+    std::vector<int32_t> ends(sizes.size());
+    int64_t end = 0;
+    for (size_t g = 0; g < sizes.size(); ++g) ends[g] = static_cast<int32_t>(end += sizes[g]);
+    auto buffer = std::make_unique<Buffer>(ends.size() * 4);
+    CHECK(cudaMemcpy(buffer->ptr, ends.data(), ends.size() * 4, cudaMemcpyHostToDevice));
+    return buffer;
+  };
+  const auto uneven_offs = offsets_of(uneven.sizes), equal_offs = offsets_of(equal_sizes), single_offs = offsets_of({m});
+  auto add_ours = [&](const std::string& label, const Buffer& offs, int problem_groups,
+                      const std::vector<float>* expected) {
+    GroupedFp8GemmArgs args;
+    args.a = a.ptr, args.b = b.ptr, args.out = d.ptr, args.offs = static_cast<const int32_t*>(offs.ptr);
+    args.groups = problem_groups, args.rows = m, args.n = n, args.k = k;
+    args.b_group_stride = n * k, args.b_row_stride = k;
+    args.a_scale_inv = args.b_scale_inv = static_cast<const float*>(one.ptr);
+    args.fast_accumulation = true;
+    if (!grouped::rows_kernel_supports(args)) return;
+    variants.push_back({"ours " + label,
+                        [args, label] {
+                          const char* error = grouped::launch_rows_kernel(args, nullptr);
+                          if (error) {
+                            std::fprintf(stderr, "ours %s: %s\n", label.c_str(), error);
+                            std::exit(1);
+                          }
+                        },
+                        &d, expected});
+  };
+  add_ours("uneven", *uneven_offs, groups, &expected_uneven);
+  add_ours("equal", *equal_offs, groups, &expected_equal);
+  add_ours("one group", *single_offs, 1, &expected_dense);
   auto add = [&](const ProbeKernel& kernel, const std::string& label, const ProbeProblem& p, ProbeOptions options,
                  const std::vector<float>* expected) {
     const std::string name = std::string(kernel.name) + " " + label + " sw" + std::to_string(options.swizzle) + " r" +

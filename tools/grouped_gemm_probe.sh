@@ -17,7 +17,9 @@ for i in $KERNELS; do
   if (( ${#pids[@]} >= JOBS )); then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
 done
 nvcc "${FLAGS[@]}" -c tools/grouped_gemm_probe.cu -o "$OUT/main.o"
+nvcc "${FLAGS[@]}" -c csrc/grouped_gemm_rows.cu -o "$OUT/rows.o" > "$OUT/rows.log" 2>&1
+nvcc "${FLAGS[@]}" -c csrc/grouped_shared.cu -o "$OUT/shared.o"
 wait
 nvcc -arch=sm_90a "$OUT"/*.o -o "$OUT/grouped_gemm_probe" -lcublasLt
-grep -h "spill\|C75" "$OUT"/kernel*.log | sort | uniq -c | head -20
+grep -h "spill\|C75" "$OUT"/kernel*.log "$OUT/rows.log" | sort | uniq -c | head -20
 echo "built $OUT/grouped_gemm_probe"

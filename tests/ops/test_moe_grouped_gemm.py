@@ -225,7 +225,7 @@ def random_splits(groups, rows, multiple, generator):
 
 
 # every (tile, accumulation) pair our kernel is built with
-TILE_CONFIGS = [(tile, fast) for tile in (0, 1, 2, 3, 4, 5, 6) for fast in (False, True)]
+TILE_CONFIGS = [(tile, fast) for tile in (0, 1, 2, 3, 4, 5, 6, 7) for fast in (False, True)]
 
 
 @pytest.mark.gpu

@@ -104,9 +104,9 @@ def grouped_fp8_gemm_wgrad(a_t, a_scale_inv, b_t, b_scale_inv, offs, out_dtype):
 
 
 def _check_tile(tile):
-    if tile not in (0, 1, 2, 3, 4, 5, 6):
-        raise ValueError(f"tile: expected 0 (auto), 1 (large), 2 (small), 3 (alt), 4 (wide), 5 (solo) or 6 (ping), "
-                         f"got {tile}")
+    if tile not in (0, 1, 2, 3, 4, 5, 6, 7):
+        raise ValueError(f"tile: expected 0 (auto), 1 (large), 2 (small), 3 (alt), 4 (wide), 5 (solo), 6 (ping) or "
+                         f"7 (ours), got {tile}")
 
 
 @register("grouped_fp8_gemm_sm90")
