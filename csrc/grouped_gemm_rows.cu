@@ -3,6 +3,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <mutex>
 
 #include "grouped_gemm_rows.h"
@@ -75,7 +76,8 @@ const char* launch(const GroupedFp8GemmArgs& args, cudaStream_t stream) {
                           args.groups,
                           static_cast<int>(args.rows),
                           static_cast<int>(args.n),
-                          static_cast<int>(args.k)};
+                          static_cast<int>(args.k),
+                          std::getenv("TFP8_ROWS_DEBUG") ? std::atoi(std::getenv("TFP8_ROWS_DEBUG")) : 0};
   const Device device = current_device();
   kernel<<<device.sm_count, rows::kThreads, smem, stream>>>(a_map, b_map, params);
   return cudaGetLastError() == cudaSuccess ? nullptr : "the grouped rows kernel failed to launch";

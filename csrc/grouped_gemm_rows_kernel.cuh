@@ -37,6 +37,7 @@ constexpr int kMmaK = 32;          // K of one FP8 wgmma
 constexpr int kThreads = 384;      // producer warpgroup + two consumer warpgroups
 constexpr int kWarpgroup = 128;
 constexpr int kMaxGroups = 1024;   // the per-group table lives in shared memory
+constexpr int kPanelRows = 8;      // 128-row blocks per panel of the tile order (TileCursor)
 constexpr int kATileBytes = kBlockM * kBlockK;
 
 // The CTA's shared memory: the stage ring, then the per-stage barriers, then the group table.
@@ -58,6 +59,7 @@ struct RowsParams {
   int b_scale_per_group;
   int groups;
   int rows, n, k;
+  int debug;  // TEMPORARY experiment flags
 };
 
 // A wgmma shared-memory descriptor of a K-major tile written by TMA with the 128-byte swizzle: rows of 128 bytes in
@@ -149,6 +151,53 @@ __device__ __forceinline__ void mainloop(const uint8_t* ring, int stage_bytes, u
   }
 }
 
+__device__ __forceinline__ uint32_t bf16_pair(float x, float y) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+__device__ __forceinline__ uint32_t pick(const uint32_t (&v)[4], int i) {
+  return i == 0 ? v[0] : i == 1 ? v[1] : i == 2 ? v[2] : v[3];
+}
+
+// Stores one accumulator row of a thread's quad (8 rows per warp: lane / 4) as bfloat16, scaled by alpha: columns
+// [0, cols) of out_row. Each quad holds 8 consecutive columns per 8-column chunk, 2 per lane; four chunks at a time are
+// transposed across the quad (three shuffles) so that every lane stores 16 contiguous bytes of one chunk: full
+// 32-byte sectors instead of 4-byte pieces. All lanes shuffle; only lanes with store = true write.
+template <int kBlockN>
+__device__ __forceinline__ void store_row(const float* acc, int upper, float alpha, __nv_bfloat16* out_row, int cols,
+                                          bool store, int lane) {
+  const int quad = lane % 4;
+  constexpr int kChunks = kBlockN / 8, kGroups = kChunks / 4;
+#pragma unroll
+  for (int group = 0; group < kGroups; ++group) {
+    uint32_t mine[4], theirs[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float* sums = acc + (group * 4 + c) * 4 + upper * 2;
+      mine[c] = bf16_pair(sums[0] * alpha, sums[1] * alpha);
+    }
+    // theirs[r] = lane (quad ^ r)'s pair of chunk `quad`
+    theirs[0] = pick(mine, quad);
+#pragma unroll
+    for (int r = 1; r < 4; ++r) theirs[r] = __shfl_xor_sync(0xffffffff, pick(mine, quad ^ r), r);
+    const int col = (group * 4 + quad) * 8;
+    if (store && col < cols) {
+      const uint4 vector = make_uint4(pick(theirs, quad), pick(theirs, quad ^ 1), pick(theirs, quad ^ 2),
+                                      pick(theirs, quad ^ 3));
+      *reinterpret_cast<uint4*>(out_row + col) = vector;
+    }
+  }
+#pragma unroll
+  for (int chunk = kGroups * 4; chunk < kChunks; ++chunk) {  // (176: the last two chunks, 4 bytes a lane)
+    const int col = chunk * 8 + quad * 2;
+    const float* sums = acc + chunk * 4 + upper * 2;
+    if (store && col < cols) {
+      *reinterpret_cast<uint32_t*>(out_row + col) = bf16_pair(sums[0] * alpha, sums[1] * alpha);
+    }
+  }
+}
+
 // Where tile t of the call lies, found by moving a cursor forward over the group table (each thread sees its tiles
 // in increasing order, so the cursor never moves back).
 struct TileCursor {
@@ -156,13 +205,20 @@ struct TileCursor {
   const int* row_start;  // [groups]
   const int* row_end;    // [groups]
   int groups, tiles_n;
+  int debug;
   int group = 0;
   __device__ void locate(int t, int* g, int* row0, int* col0, int* valid_rows) {
     while (group < groups && tile_end[group] <= t) ++group;
     const int local = t - (group > 0 ? tile_end[group - 1] : 0);
     *g = group;
-    *row0 = row_start[group] + (local / tiles_n) * kBlockM;
-    *col0 = (local % tiles_n);
+    // panels of kPanelRows 128-row blocks, column blocks outer and row blocks inner inside a panel
+    const int tiles_m = (row_end[group] - row_start[group] + kBlockM - 1) / kBlockM;
+    const int panel_rows = (debug >> 8) ? (debug >> 8) : kPanelRows;
+    const int panel = local / (panel_rows * tiles_n);
+    const int rows_in_panel = min(panel_rows, tiles_m - panel * panel_rows);
+    const int within = local - panel * panel_rows * tiles_n;
+    *row0 = row_start[group] + (panel * panel_rows + within % rows_in_panel) * kBlockM;
+    *col0 = within / rows_in_panel;
     *valid_rows = min(kBlockM, row_end[group] - *row0);
   }
 };
@@ -217,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const int total_tiles = params.groups > 0 ? tile_end[params.groups - 1] : 0;
-  TileCursor cursor{tile_end, row_start, row_end, params.groups, tiles_n};
+  TileCursor cursor{tile_end, row_start, row_end, params.groups, tiles_n, params.debug};
 
   if (warp < 4) {  // the producer warpgroup: warp 0 loads, the others retire at once
     cutlass::arch::warpgroup_reg_dealloc<40>();
@@ -254,14 +310,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     cursor.locate(t, &g, &row0, &col_block, &valid_rows);
     const bool two_halves = valid_rows > kHalfM;
     // Pingpong order: tile j's MMAs are issued after tile j-1's (the other warpgroup's); named barriers 1 and 2.
-    if (j > 0) cutlass::arch::NamedBarrier::sync(2 * kWarpgroup, 1 + (j & 1));
+    if (j > 0 && !(params.debug & 4)) cutlass::arch::NamedBarrier::sync(2 * kWarpgroup, 1 + (j & 1));
     const int last_iteration = (j + 1) * k_blocks - 1;
     if (two_halves) {
       mainloop<Op, kAcc, kStages, true>(ring, Layout::kStageBytes, full, empty, j * k_blocks, k_blocks, acc, lane);
     } else {
       mainloop<Op, kAcc, kStages, false>(ring, Layout::kStageBytes, full, empty, j * k_blocks, k_blocks, acc, lane);
     }
-    if (blockIdx.x + (j + 1) * gridDim.x < total_tiles) {
+    if (blockIdx.x + (j + 1) * gridDim.x < total_tiles && !(params.debug & 4)) {
       cutlass::arch::NamedBarrier::arrive(2 * kWarpgroup, 1 + ((j + 1) & 1));
     }
     cute::warpgroup_wait<0>();
@@ -269,25 +325,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_registers<kAcc>(acc[1]);
     if (lane == 0) Barrier::arrive(&empty[last_iteration % kStages]);
 
-    // Epilogue: alpha, bfloat16, row-masked stores of both halves (row r of thread: warp 16 + lane / 4, + 8).
+    // Epilogue: alpha, bfloat16, row-masked stores (rows of this thread: warp * 16 + lane / 4, + 8, in each half).
     const float alpha = a_scale_inv * params.b_scale_inv[params.b_scale_per_group ? g : 0];
-    const int col0 = col_block * kBlockN + (lane % 4) * 2;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
       for (int upper = 0; upper < 2; ++upper) {
         const int row = half * kHalfM + consumer_warp * 16 + lane / 4 + upper * 8;
-        if (row >= valid_rows) continue;
-        __nv_bfloat16* out_row = params.out + static_cast<int64_t>(row0 + row) * params.n;
-#pragma unroll
-        for (int chunk = 0; chunk < kBlockN / 8; ++chunk) {
-          const int col = col0 + chunk * 8;
-          if (col < params.n) {
-            const float* sums = &acc[half][chunk * 4 + upper * 2];
-            *reinterpret_cast<__nv_bfloat162*>(out_row + col) =
-                __floats2bfloat162_rn(sums[0] * alpha, sums[1] * alpha);
-          }
-        }
+        const bool row_valid = row < valid_rows && !(params.debug & 2);
+        __nv_bfloat16* out_row = params.out + static_cast<int64_t>(row0 + row) * params.n + col_block * kBlockN;
+        store_row<kBlockN>(acc[half], upper, alpha, out_row, params.n - col_block * kBlockN, row_valid, lane);
       }
     }
   }
