@@ -3,8 +3,9 @@
 1. Grouped GEMM TFLOP/s, forward form (out [M, N] = x_g W_gᵀ per group) and weight-gradient form (dW_g = dy_gᵀ x_g),
    uneven group sizes (drawn once, seeded; the wgrad's rounded to multiples of 16, which its kernel needs):
    - fp8 grouped (op): tfp8.grouped_fp8_gemm / grouped_fp8_gemm_wgrad on grouped_gemm.BACKEND's kernel (auto: ours);
-   - fp8 grouped (ours, large / small / alt / wide / solo / ping tiles): our CUTLASS kernel's ops
-     (grouped_fp8_gemm_sm90, _wgrad_sm90) directly, one tile configuration each (csrc/grouped_gemm.h);
+   - fp8 grouped (ours, large / small / alt / wide / solo / ping tiles, own kernel): the ops (grouped_fp8_gemm_sm90,
+     _wgrad_sm90) directly, one CUTLASS tile configuration each, or our own forward kernel (tile 7;
+     csrc/grouped_gemm.h);
    - fp8 grouped (torch kernel): torch._scaled_grouped_mm (rowwise scales, per-tensor ones expanded);
    - bf16 grouped: torch._grouped_mm on the same shapes;
    - fp8 loop: one tfp8.fp8_gemm (our cuBLASLt dense GEMM) per group, sizes known on the host;
@@ -109,6 +110,7 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int,
         "fprop fp8 grouped (ours, wide tiles)": ours(4),
         "fprop fp8 grouped (ours, solo tiles)": ours(5),
         "fprop fp8 grouped (ours, ping tiles)": ours(6),
+        "fprop fp8 grouped (ours, own kernel)": ours(7),
         "fprop-shape split accumulator (torch kernel)": lambda: torch._scaled_grouped_mm(
             x, w.transpose(-2, -1), scale_x, scale_w, offs=offs, out_dtype=torch.bfloat16),
         "fprop-shape split accumulator (ours, large tiles)": ours(1, fast=False),

@@ -84,8 +84,10 @@ using grouped::current_device;
 // on average, 64 of 768 and 64 of 256) and the MoE layer (RESULTS.md, MoE sections of 2026-11-26 sessions 3 and 6),
 // and of tools/grouped_gemm_probe.cu (RESULTS.md, 2026-11-27 session 9). Forward with fast accumulation: groups of
 // many rows take 128x256 tiles without clusters (solo: no group's M or N tiles rounded up to a cluster's, and the
-// wider tile reads B once per 256 columns), smaller groups the pingpong 128x192 tiles (one warpgroup's epilogue and
-// group switch under the other's MMAs; +5-9% over pingpong 128x128 at 64 experts of 768 and 256 rows). Split
+// wider tile reads B once per 256 columns), smaller groups our own kernel (csrc/grouped_gemm_rows_kernel.cuh: one
+// descriptor per operand, half-tile MMAs at group ends; +2% over CUTLASS's pingpong 128x192 at 64 experts of 768 rows
+// and +9% at 64 of 256 in one bench_moe run, RESULTS.md 2026-11-27 session 10), else CUTLASS's pingpong 128x192
+// tiles. Split
 // accumulator: the 128x192 tiles, in 1x2 clusters (wide) for the rows form (the dgrad) and for the wgrad of long
 // groups, in 2x1 clusters otherwise. Fast-accumulation wgrad: the large tiles.
 constexpr int64_t kLargeGroupRows = 1024;
@@ -97,13 +99,16 @@ GroupedTile auto_tile(const GroupedFp8GemmArgs& args) {
     return large_groups ? GroupedTile::kWide : GroupedTile::kAlt;
   }
   if (!args.fast_accumulation) return GroupedTile::kWide;
-  return large_groups ? GroupedTile::kSolo : GroupedTile::kPing;
+  if (large_groups) return GroupedTile::kSolo;
+  return grouped::rows_kernel_supports(args) ? GroupedTile::kOurs : GroupedTile::kPing;
 }
 
 // The tile that runs: the one asked for, else kAuto's choice (also for kOurs where our kernel does not take the
 // arguments).
 GroupedTile resolved_tile(const GroupedFp8GemmArgs& args) {
-  if (args.tile == GroupedTile::kOurs) return grouped::rows_kernel_supports(args) ? GroupedTile::kOurs : auto_tile(args);
+  if (args.tile == GroupedTile::kOurs) {
+    return grouped::rows_kernel_supports(args) ? GroupedTile::kOurs : auto_tile(args);
+  }
   return args.tile == GroupedTile::kAuto ? auto_tile(args) : args.tile;
 }
 

@@ -2,17 +2,20 @@
 // out[rows of g] = alpha_g * a[rows of g] . b[g]ᵀ, bfloat16 out, alpha_g = a_scale_inv * b_scale_inv[g].
 //
 // Why not CUTLASS's pointer-array kernel: that one rewrites its TMA descriptors in shared memory at every group switch
-// and clips tiles at group ends through them; with 64 experts of a few hundred rows that costs ~10% (ncu: lower SM
-// and L2 throughput than the plain kernel on the same tile). Here every operand has one descriptor for the whole call:
-// a is one 2D tensor [rows, k] whose tiles start at any row (TMA coordinates are element-exact), the weights one 3D
-// tensor [G, n, k], and the group's end is a row mask in the epilogue (rows loaded past it belong to the next group or
-// read as zeros, and are never stored). A tile whose group ends in its first 64 rows skips the second half's MMAs.
+// and clips tiles at group ends through them, and computes a whole 128-row tile at every group's end. Here every
+// operand has one descriptor for the whole call: a is one 2D tensor [rows, k] whose tiles start at any row (TMA
+// coordinates are element-exact), the weights one 3D tensor [G, n, k], and the group's end is a row mask in the
+// epilogue (rows loaded past it belong to the next group or read as zeros, and are never stored). A tile whose group
+// ends in its first 64 rows skips the second half's MMAs. (RESULTS.md, 2026-11-27 session 10, has the measurements.)
 //
 // Layout: a persistent CTA per SM, 384 threads: warp 0 issues the TMA loads into a ring of kStages (A 128 x 128,
 // B kBlockN x 128, 128-byte swizzled), two consumer warpgroups take the CTA's tiles in turn (pingpong): each owns a
 // whole 128 x kBlockN tile, issues its MMAs (wgmma m64 n kBlockN k32, two 64-row halves) after the other has issued
-// its own, and stores its tile straight from the accumulators while the other computes. Tiles are ordered group by
-// group, 128-row blocks, then column blocks, so the CTAs at work at any moment share an expert's weight in L2.
+// its own, and stores its tile from the accumulators while the other computes (16-byte stores after a transpose
+// within each lane quad: 4-byte stores made the epilogue the bottleneck). Tiles are ordered group by group, then in
+// panels of kPanelRows row blocks, column blocks outer and row blocks inner: the CTAs at work at any moment share an
+// expert's weight and a few row blocks in L2. (A 2-CTA cluster sharing the A tile by TMA multicast was tried: no
+// faster; a cluster launch of size 1 alone cost 15-26%.)
 #pragma once
 #ifndef NDEBUG
 #define NDEBUG  // (device asserts make ptxas serialize the wgmma pipeline: see grouped_gemm_kernel.cuh)
@@ -59,7 +62,6 @@ struct RowsParams {
   int b_scale_per_group;
   int groups;
   int rows, n, k;
-  int debug;  // TEMPORARY experiment flags
 };
 
 // A wgmma shared-memory descriptor of a K-major tile written by TMA with the 128-byte swizzle: rows of 128 bytes in
@@ -205,7 +207,6 @@ struct TileCursor {
   const int* row_start;  // [groups]
   const int* row_end;    // [groups]
   int groups, tiles_n;
-  int debug;
   int group = 0;
   __device__ void locate(int t, int* g, int* row0, int* col0, int* valid_rows) {
     while (group < groups && tile_end[group] <= t) ++group;
@@ -213,11 +214,10 @@ struct TileCursor {
     *g = group;
     // panels of kPanelRows 128-row blocks, column blocks outer and row blocks inner inside a panel
     const int tiles_m = (row_end[group] - row_start[group] + kBlockM - 1) / kBlockM;
-    const int panel_rows = (debug >> 8) ? (debug >> 8) : kPanelRows;
-    const int panel = local / (panel_rows * tiles_n);
-    const int rows_in_panel = min(panel_rows, tiles_m - panel * panel_rows);
-    const int within = local - panel * panel_rows * tiles_n;
-    *row0 = row_start[group] + (panel * panel_rows + within % rows_in_panel) * kBlockM;
+    const int panel = local / (kPanelRows * tiles_n);
+    const int rows_in_panel = min(kPanelRows, tiles_m - panel * kPanelRows);
+    const int within = local - panel * kPanelRows * tiles_n;
+    *row0 = row_start[group] + (panel * kPanelRows + within % rows_in_panel) * kBlockM;
     *col0 = within / rows_in_panel;
     *valid_rows = min(kBlockM, row_end[group] - *row0);
   }
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const int total_tiles = params.groups > 0 ? tile_end[params.groups - 1] : 0;
-  TileCursor cursor{tile_end, row_start, row_end, params.groups, tiles_n, params.debug};
+  TileCursor cursor{tile_end, row_start, row_end, params.groups, tiles_n};
 
   if (warp < 4) {  // the producer warpgroup: warp 0 loads, the others retire at once
     cutlass::arch::warpgroup_reg_dealloc<40>();
@@ -310,14 +310,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     cursor.locate(t, &g, &row0, &col_block, &valid_rows);
     const bool two_halves = valid_rows > kHalfM;
     // Pingpong order: tile j's MMAs are issued after tile j-1's (the other warpgroup's); named barriers 1 and 2.
-    if (j > 0 && !(params.debug & 4)) cutlass::arch::NamedBarrier::sync(2 * kWarpgroup, 1 + (j & 1));
+    if (j > 0) cutlass::arch::NamedBarrier::sync(2 * kWarpgroup, 1 + (j & 1));
     const int last_iteration = (j + 1) * k_blocks - 1;
     if (two_halves) {
       mainloop<Op, kAcc, kStages, true>(ring, Layout::kStageBytes, full, empty, j * k_blocks, k_blocks, acc, lane);
     } else {
       mainloop<Op, kAcc, kStages, false>(ring, Layout::kStageBytes, full, empty, j * k_blocks, k_blocks, acc, lane);
     }
-    if (blockIdx.x + (j + 1) * gridDim.x < total_tiles && !(params.debug & 4)) {
+    if (blockIdx.x + (j + 1) * gridDim.x < total_tiles) {
       cutlass::arch::NamedBarrier::arrive(2 * kWarpgroup, 1 + ((j + 1) & 1));
     }
     cute::warpgroup_wait<0>();
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int upper = 0; upper < 2; ++upper) {
         const int row = half * kHalfM + consumer_warp * 16 + lane / 4 + upper * 8;
-        const bool row_valid = row < valid_rows && !(params.debug & 2);
+        const bool row_valid = row < valid_rows;
         __nv_bfloat16* out_row = params.out + static_cast<int64_t>(row0 + row) * params.n + col_block * kBlockN;
         store_row<kBlockN>(acc[half], upper, alpha, out_row, params.n - col_block * kBlockN, row_valid, lane);
       }

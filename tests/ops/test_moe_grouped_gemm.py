@@ -151,7 +151,7 @@ def test_sm90_ops_cpu_reference_matches_grouped_ops():
         assert torch.equal(ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offs, tile % 2 == 0, tile),
                            ops.grouped_fp8_gemm(a, sa, b, sb, offs, torch.bfloat16))
     with pytest.raises(ValueError, match="tile: expected 0"):
-        ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offs, False, 7)
+        ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offs, False, 8)
 
 
 def test_cutlass_tile_per_form(monkeypatch):
@@ -273,6 +273,26 @@ def test_cuda_sm90_grouped_wgrad_every_config(tile, fast_accumulation, groups, r
         else:
             assert torch.count_nonzero(out[g]) == 0, f"empty group {g} not zero"
         start += size
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", (0, 7))
+def test_cuda_sm90_own_kernel_group_ends_and_strided_weights(tile):
+    """Our own forward kernel (tile 7, and auto's choice for groups of < 1024 rows): groups ending in the first or
+    second 64 rows of a 128-row tile (the tile's second half of MMAs skipped or not), a single row, an empty group,
+    weights that are a strided view (rows and groups padded), per-group scales; every row against float64."""
+    if not cutlass_built():
+        pytest.skip("the extension was built without the CUTLASS headers (no grouped family)")
+    gen = torch.Generator().manual_seed(11 + tile)
+    splits = [64, 65, 1, 0, 127, 128, 129, 200, 63]
+    rows, n, k = sum(splits), 352, 384
+    a = torch.randn(rows, k, generator=gen).to(E4M3).cuda()
+    padded = torch.randn(len(splits), n + 48, k + 32, generator=gen).to(E4M3).cuda()
+    b = padded[:, :n, :k]  # stride(1) = k + 32, stride(0) = (n + 48) * (k + 32)
+    sa, sb = torch.tensor([1.25], device="cuda"), torch.rand(len(splits), device="cuda") + 0.5
+    out = ops.grouped_fp8_gemm_sm90(a, sa, b, sb, offsets(splits, "cuda"), True, tile)
+    ref = fprop_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), splits)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=2 ** -7, atol=1e-2 * ref.abs().max().item())
 
 
 @pytest.mark.gpu
