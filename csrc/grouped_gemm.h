@@ -19,8 +19,8 @@ enum class GroupedKind : int {
 };
 
 // The compiled kernel configurations (CTA tile M x N x 128 of FP8 K), six CUTLASS ones with fast accumulation and five
-// with the split accumulator, and our own kernel; kAuto picks one from the kind, the accumulation and the groups' average size
-// (csrc/grouped_gemm_launch.cu says which and why).
+// with the split accumulator, and our own kernel; kAuto picks one from the kind, the accumulation and the groups'
+// average size (csrc/grouped_gemm_launch.cu says which and why).
 enum class GroupedTile : int {
   kAuto = 0,
   kLarge = 1,  // fast accumulation: cooperative 128x256, clusters 2x1; split: cooperative 128x128, clusters 2x1

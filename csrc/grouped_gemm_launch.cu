@@ -129,7 +129,8 @@ GroupedConfigEntry pick_config(GroupedTile tile, const GroupedFp8GemmArgs& args)
 size_t grouped_fp8_gemm_workspace_bytes(const GroupedFp8GemmArgs& args) {
   const GroupedTile tile = resolved_tile(args);
   if (tile == GroupedTile::kOurs) return 0;  // (our kernel reads the offsets itself: no per-group arrays)
-  return layout_arrays(args.groups, nullptr, nullptr) + pick_config(tile, args).workspace(args.groups, current_device());
+  return layout_arrays(args.groups, nullptr, nullptr) +
+         pick_config(tile, args).workspace(args.groups, current_device());
 }
 
 const char* launch_grouped_fp8_gemm(const GroupedFp8GemmArgs& args, void* workspace, cudaStream_t stream) {

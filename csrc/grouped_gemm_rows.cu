@@ -97,9 +97,10 @@ int block_n_for(int64_t n) {
 bool rows_kernel_supports(const GroupedFp8GemmArgs& args) {
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   return args.kind == GroupedKind::kRows && args.fast_accumulation && args.groups > 0 &&
-         args.groups <= rows::kMaxGroups && args.rows > 0 && args.k > 0 && args.rows < (int64_t{1} << 31) && args.k % 16 == 0 &&
-         args.n % 8 == 0 && args.n < (int64_t{1} << 31) && args.b_row_stride % 16 == 0 &&
-         args.b_group_stride % 16 == 0 && args.b_row_stride >= args.k && args.b_group_stride >= args.n * args.b_row_stride && aligned(args.a) && aligned(args.b) &&
+         args.groups <= rows::kMaxGroups && args.rows > 0 && args.k > 0 && args.rows < (int64_t{1} << 31) &&
+         args.k % 16 == 0 && args.n % 8 == 0 && args.n < (int64_t{1} << 31) && args.b_row_stride % 16 == 0 &&
+         args.b_group_stride % 16 == 0 && args.b_row_stride >= args.k &&
+         args.b_group_stride >= args.n * args.b_row_stride && aligned(args.a) && aligned(args.b) &&
          reinterpret_cast<uintptr_t>(args.out) % 4 == 0 && encode_tiled() != nullptr;
 }
 

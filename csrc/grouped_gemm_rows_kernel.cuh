@@ -33,14 +33,14 @@
 
 namespace tfp8::grouped::rows {
 
-constexpr int kBlockM = 128;       // rows per tile (two 64-row wgmma halves)
+constexpr int kBlockM = 128;  // rows per tile (two 64-row wgmma halves)
 constexpr int kHalfM = 64;
-constexpr int kBlockK = 128;       // FP8 elements = bytes per row of a stage: one 128-byte swizzle row
-constexpr int kMmaK = 32;          // K of one FP8 wgmma
-constexpr int kThreads = 384;      // producer warpgroup + two consumer warpgroups
+constexpr int kBlockK = 128;   // FP8 elements = bytes per row of a stage: one 128-byte swizzle row
+constexpr int kMmaK = 32;      // K of one FP8 wgmma
+constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kWarpgroup = 128;
-constexpr int kMaxGroups = 1024;   // the per-group table lives in shared memory
-constexpr int kPanelRows = 8;      // 128-row blocks per panel of the tile order (TileCursor)
+constexpr int kMaxGroups = 1024;  // the per-group table lives in shared memory
+constexpr int kPanelRows = 8;     // 128-row blocks per panel of the tile order (TileCursor)
 constexpr int kATileBytes = kBlockM * kBlockK;
 
 // The CTA's shared memory: the stage ring, then the per-stage barriers, then the group table.
@@ -55,10 +55,10 @@ struct SharedLayout {
 };
 
 struct RowsParams {
-  __nv_bfloat16* out;         // [rows, n]
-  const int32_t* offs;        // [groups] cumulative ends
-  const float* a_scale_inv;   // [1]
-  const float* b_scale_inv;   // [1] or [groups]
+  __nv_bfloat16* out;        // [rows, n]
+  const int32_t* offs;       // [groups] cumulative ends
+  const float* a_scale_inv;  // [1]
+  const float* b_scale_inv;  // [1] or [groups]
   int b_scale_per_group;
   int groups;
   int rows, n, k;
@@ -73,12 +73,11 @@ __device__ inline uint64_t smem_descriptor(const void* smem) {
 }
 
 __device__ inline void tma_load_2d(void* smem, const CUtensorMap* map, uint64_t* barrier, int x, int y) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
-      :
-      : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))), "l"(map),
-        "r"(static_cast<uint32_t>(__cvta_generic_to_shared(barrier))), "r"(x), "r"(y)
-      : "memory");
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+               :
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))), "l"(map),
+                 "r"(static_cast<uint32_t>(__cvta_generic_to_shared(barrier))), "r"(x), "r"(y)
+               : "memory");
 }
 
 __device__ inline void tma_load_3d(void* smem, const CUtensorMap* map, uint64_t* barrier, int x, int y, int z) {

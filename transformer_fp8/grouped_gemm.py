@@ -27,8 +27,9 @@ ALIGN = 16  # rows per group the wgrad kernel needs (16 bytes of FP8)
 # not a compute capability 9.0 one) or "torch" (torch._scaled_grouped_mm). Read at each call.
 BACKEND = "auto"
 # Our kernel's CTA tiles: 0 picks by kind, accumulation and the groups' average size; 1 large, 2 small, 3 alt, 4 wide,
-# 5 solo, 6 ping, 7 ours (csrc/grouped_gemm.h); or a dict {(form, fast_accumulation): tile} with form "rows" (fprop, dgrad) or
-# "contraction" (wgrad), 0 for the pairs it leaves out (to compare choices inside one model step). Read at each call.
+# 5 solo, 6 ping (CUTLASS), 7 our own forward kernel (csrc/grouped_gemm.h); or a dict {(form, fast_accumulation): tile}
+# with form "rows" (fprop, dgrad) or "contraction" (wgrad), 0 for the pairs it leaves out (to compare choices inside
+# one model step). Read at each call.
 CUTLASS_TILE: int | dict[tuple[str, bool], int] = 0
 _BACKENDS = ("auto", "cutlass", "torch")
 
