@@ -4,7 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <mutex>
+#include <atomic>
 
 #include "grouped_gemm_rows.h"
 #include "grouped_gemm_rows_kernel.cuh"
@@ -64,10 +64,18 @@ const char* launch(const GroupedFp8GemmArgs& args, cudaStream_t stream) {
   }
   auto* kernel = &rows::grouped_rows_kernel<kBlockN, kStages>;
   const int smem = Layout::bytes(args.groups);
-  static std::once_flag attribute_set;
-  std::call_once(attribute_set, [&] {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout::bytes(rows::kMaxGroups));
-  });
+  const Device device = current_device();
+  // (the shared-memory limit is raised once for each device the kernel runs on)
+  static std::atomic<uint64_t> devices_set{0};
+  const uint64_t bit = uint64_t{1} << (device.id % 64);
+  if ((devices_set.load() & bit) == 0) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout::bytes(rows::kMaxGroups)) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      return "the grouped rows kernel could not get its shared memory";
+    }
+    devices_set.fetch_or(bit);
+  }
   const RowsParams params{static_cast<__nv_bfloat16*>(args.out),
                           args.offs,
                           args.a_scale_inv,
@@ -77,7 +85,6 @@ const char* launch(const GroupedFp8GemmArgs& args, cudaStream_t stream) {
                           static_cast<int>(args.rows),
                           static_cast<int>(args.n),
                           static_cast<int>(args.k)};
-  const Device device = current_device();
   kernel<<<device.sm_count, rows::kThreads, smem, stream>>>(a_map, b_map, params);
   return cudaGetLastError() == cudaSuccess ? nullptr : "the grouped rows kernel failed to launch";
 }
@@ -101,6 +108,7 @@ bool rows_kernel_supports(const GroupedFp8GemmArgs& args) {
          args.k % 16 == 0 && args.n % 8 == 0 && args.n < (int64_t{1} << 31) && args.b_row_stride % 16 == 0 &&
          args.b_group_stride % 16 == 0 && args.b_row_stride >= args.k &&
          args.b_group_stride >= args.n * args.b_row_stride && aligned(args.a) && aligned(args.b) &&
+         (args.rows / rows::kBlockM + args.groups + 1) * ((args.n + 127) / 128) < (int64_t{1} << 31) &&
          reinterpret_cast<uintptr_t>(args.out) % 4 == 0 && encode_tiled() != nullptr;
 }
 
