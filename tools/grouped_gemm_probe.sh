@@ -21,5 +21,6 @@ nvcc "${FLAGS[@]}" -c csrc/grouped_gemm_rows.cu -o "$OUT/rows.o" > "$OUT/rows.lo
 nvcc "${FLAGS[@]}" -c csrc/grouped_shared.cu -o "$OUT/shared.o"
 wait
 nvcc -arch=sm_90a "$OUT"/*.o -o "$OUT/grouped_gemm_probe" -lcublasLt
+nvcc "${FLAGS[@]}" tools/grouped_rows_occupancy.cu -o "$OUT/grouped_rows_occupancy" > /dev/null 2>&1
 grep -h "spill\|C75" "$OUT"/kernel*.log "$OUT/rows.log" | sort | uniq -c | head -20
 echo "built $OUT/grouped_gemm_probe"
