@@ -87,9 +87,8 @@ using grouped::current_device;
 // wider tile reads B once per 256 columns), smaller groups our own kernel (csrc/grouped_gemm_rows_kernel.cuh: one
 // descriptor per operand, half-tile MMAs at group ends; +2% over CUTLASS's pingpong 128x192 at 64 experts of 768 rows
 // and +9% at 64 of 256 in one bench_moe run, RESULTS.md 2026-11-27 session 10), else CUTLASS's pingpong 128x192
-// tiles. Split
-// accumulator: the 128x192 tiles, in 1x2 clusters (wide) for the rows form (the dgrad) and for the wgrad of long
-// groups, in 2x1 clusters otherwise. Fast-accumulation wgrad: the large tiles.
+// tiles. Split accumulator: the 128x192 tiles, in 1x2 clusters (wide) for the rows form (the dgrad) and for the wgrad
+// of long groups, in 2x1 clusters otherwise. Fast-accumulation wgrad: the large tiles.
 constexpr int64_t kLargeGroupRows = 1024;
 
 GroupedTile auto_tile(const GroupedFp8GemmArgs& args) {
