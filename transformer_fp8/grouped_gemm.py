@@ -4,8 +4,10 @@ and the device-side group bookkeeping GroupedLinear uses with them.
 Two kernels, chosen by BACKEND (read at each call):
 - "cutlass": ours (csrc/grouped_gemm_*.cu, the ops grouped_fp8_gemm_sm90 / grouped_fp8_gemm_wgrad_sm90), a CUTLASS 3
   pointer-array grouped GEMM for Hopper with one FP32 alpha per group (per-tensor scales, no rowwise expansion) whose
-  group shapes and pointers are written on the device from the offsets: no host sync, empty groups allowed. Built
-  when the CUTLASS headers are found (setup.py); runs on compute capability 9.0 only.
+  group shapes and pointers are written on the device from the offsets: no host sync, empty groups allowed; for the
+  fast-accumulation forward of groups under 1024 rows on average, a kernel of our own built on the same headers
+  (csrc/grouped_gemm_rows_kernel.cuh, which reads the offsets itself). Built when the CUTLASS headers are found
+  (setup.py); runs on compute capability 9.0 only.
 - "torch": torch._scaled_grouped_mm (torch >= 2.9), torch's own CUTLASS grouped kernel with rowwise scales (a
   per-tensor scale is expanded), also reading the offsets on the device.
 "auto" (default) takes ours where it is built and the GPU is a 9.0 one, else torch's. cuBLASLt's grouped batch mode
