@@ -31,6 +31,8 @@
 #include <cstdint>
 #include <utility>
 
+#include "grouped_rows.cuh"
+
 namespace tfp8::grouped::rows {
 
 constexpr int kBlockM = 128;  // rows per tile (two 64-row wgmma halves)
@@ -248,11 +250,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int g = base + lane;
       int tiles = 0;
       if (g < params.groups) {
-        const int hi = min(params.offs[g], params.rows);
-        const int lo = max(g == 0 ? 0 : min(params.offs[g - 1], params.rows), 0);
-        const int end = max(hi, lo);
-        row_start[g] = lo, row_end[g] = end;
-        tiles = (end - lo + kBlockM - 1) / kBlockM * tiles_n;
+        int64_t start, end;
+        group_rows(params.offs, g, params.rows, &start, &end);
+        row_start[g] = static_cast<int>(start), row_end[g] = static_cast<int>(end);
+        tiles = static_cast<int>((end - start + kBlockM - 1) / kBlockM) * tiles_n;
       }
 #pragma unroll
       for (int shift = 1; shift < 32; shift *= 2) {
