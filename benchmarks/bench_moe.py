@@ -1,7 +1,8 @@
 """Mixture-of-experts benchmarks (issue 23): the grouped FP8 GEMM and an MoE layer, FP8 against BF16.
 
 1. Grouped GEMM TFLOP/s, forward form (out [M, N] = x_g W_gᵀ per group) and weight-gradient form (dW_g = dy_gᵀ x_g),
-   uneven group sizes (drawn once, seeded; the wgrad's rounded to multiples of 16, which its kernel needs):
+   uneven group sizes (drawn once, seeded; the wgrad's rounded to multiples of 16, which its kernel needs; --splits
+   skewed (default: rand**2 weights, one empty group) or router (a fresh top-k router's counts, close to balanced)):
    - fp8 grouped (op): tfp8.grouped_fp8_gemm / grouped_fp8_gemm_wgrad on grouped_gemm.BACKEND's kernel (auto: ours);
    - fp8 grouped (ours, large / small / alt / wide / solo / ping tiles, own kernel): the ops (grouped_fp8_gemm_sm90,
      _wgrad_sm90) directly, one CUTLASS tile configuration each, or our own forward kernel (tile 7;
@@ -27,9 +28,10 @@ Times: GPU time per call (timing.gpu_time_ms), variants interleaved in rounds (t
 
 Usage: python benchmarks/bench_moe.py [--json bench_moe.json] [--rounds 5] [--skip-layer] [--skip-gemm]
        [--gemm-shapes mixtral,64-top2,deepseek-v2-lite] [--gemm-variants PREFIXES] [--layer-variants PREFIXES]
-       [--profile top_kernels.txt]   (PREFIXES: starts of variant names separated by ';')
+       [--splits skewed|router] [--profile top_kernels.txt]   (PREFIXES: starts of variant names separated by ';')
 """
 import argparse
+import functools
 import json
 
 import torch
@@ -61,15 +63,31 @@ def uneven_splits(groups: int, rows: int, align: int = 1, seed: int = 0) -> list
     return sizes.tolist()
 
 
+def router_splits(groups: int, rows: int, align: int = 1, seed: int = 0, top_k: int = 2) -> list[int]:
+    """Group sizes summing to rows as a freshly initialised top-k router draws them: rows / top_k tokens, i.i.d.
+    normal logits, each token's top_k experts counted (close to balanced: a multinomial spread); multiples of align
+    (floored, the remainder to the largest group)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows // top_k, groups, generator=gen)
+    counts = torch.bincount(logits.topk(top_k, dim=1).indices.flatten(), minlength=groups)
+    sizes = counts * rows // int(counts.sum()) // align * align
+    sizes[torch.argmax(counts)] += rows - int(sizes.sum())
+    return sizes.tolist()
+
+
+SPLITS = ("skewed", "router")  # --splits: uneven_splits (the default) or router_splits
+ROUTER_TOP_K = {"mixtral": 2, "64-top2": 2, "deepseek-v2-lite": 6}
+
+
 def fp8(*shape: int) -> torch.Tensor:
     return (torch.randn(*shape, device="cuda") * 0.5).to(E4M3)
 
 
-def gemm_measures(groups: int, m: int, k: int, n: int, iters: int,
-                  variants: tuple[str, ...] = ()) -> tuple[dict, dict]:
+def gemm_measures(groups: int, m: int, k: int, n: int, iters: int, variants: tuple[str, ...] = (),
+                  draw=uneven_splits) -> tuple[dict, dict]:
     """({variant: measure() -> TFLOP/s}, info) for one shape; only the variants whose names start with one of
-    `variants` when given."""
-    splits, splits16 = uneven_splits(groups, m), uneven_splits(groups, m, 16)
+    `variants` when given; group sizes from draw(groups, rows, align)."""
+    splits, splits16 = draw(groups, m), draw(groups, m, 16)
     offs, offs16 = (group_offsets(torch.tensor(s, device="cuda")) for s in (splits, splits16))
     x, w, one = fp8(m, k), fp8(groups, n, k), torch.ones(1, device="cuda")
     xb, wb = x.bfloat16(), w.bfloat16()
@@ -416,11 +434,15 @@ def main():
                         help="name prefixes separated by ';': only the grouped GEMM variants they start (default all)")
     parser.add_argument("--layer-variants", default="", metavar="PREFIXES",
                         help="name prefixes separated by ';': only the MoE layer variants they start (default all)")
+    parser.add_argument("--splits", default="skewed", choices=SPLITS,
+                        help="the GEMM tables' group sizes: skewed (rand**2 weights, one empty group: the stress "
+                             "case) or router (a fresh top-k router's counts: close to balanced)")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="also profile 3 steps of the FP8 delayed layer (device and host splits): top kernels "
                              "printed and written to FILE")
     args = parser.parse_args()
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "gemm": [], "layer": None,
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "splits": args.splits, "gemm": [],
+               "layer": None,
                "grouped_backend": "cutlass" if grouped_gemm.use_cutlass(torch.device("cuda")) else "torch"}
     print(f"# {results['gpu']}, torch {results['torch']}, grouped kernel (BACKEND auto): {results['grouped_backend']}")
     shape_names = [] if args.skip_gemm else [name for name in args.gemm_shapes.split(",") if name]
@@ -428,14 +450,16 @@ def main():
         if name not in GEMM_SHAPES:
             parser.error(f"--gemm-shapes: expected names from {list(GEMM_SHAPES)}, got {name!r}")
     for shape_name in shape_names:
+        draw = uneven_splits if args.splits == "skewed" else functools.partial(
+            router_splits, top_k=ROUTER_TOP_K[shape_name])
         measures, info = gemm_measures(*GEMM_SHAPES[shape_name], iters=args.iters,
-                                       variants=tuple(p for p in args.gemm_variants.split(";") if p))
+                                       variants=tuple(p for p in args.gemm_variants.split(";") if p), draw=draw)
         info["shape"] = shape_name
         stats = run_rounds(measures, args.rounds)
         info["tflops"] = stats
         results["gemm"].append(info)
-        print(f"\n## grouped GEMM: {info['groups']} experts, M={info['M']} K={info['K']} N={info['N']}, uneven splits "
-              f"{info['splits']}\n| variant | TFLOP/s (median) |\n|---|---|")
+        print(f"\n## grouped GEMM: {info['groups']} experts, M={info['M']} K={info['K']} N={info['N']}, "
+              f"{args.splits} splits {info['splits']}\n| variant | TFLOP/s (median) |\n|---|---|")
         for name, s in stats.items():
             print(f"| {name} | {s.get('median', s.get('error'))} |")
         dense = stats.get("fprop fp8 dense (equal FLOPs)", {}).get("median")

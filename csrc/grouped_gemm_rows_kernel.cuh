@@ -14,8 +14,10 @@
 // its own, and stores its tile from the accumulators while the other computes (16-byte stores after a transpose
 // within each lane quad: 4-byte stores made the epilogue the bottleneck). Tiles are ordered group by group, then in
 // panels of kPanelRows row blocks, column blocks outer and row blocks inner: the CTAs at work at any moment share an
-// expert's weight and a few row blocks in L2. (A 2-CTA cluster sharing the A tile by TMA multicast was tried: no
-// faster; a cluster launch of size 1 alone cost 15-26%.)
+// expert's weight and a few row blocks in L2, and consecutive tiles share their weight tile. The plain launch matters:
+// it places blocks 2i and 2i + 1 on the two SMs of one TPC, which then load the same weight tile together; a cluster
+// launch (even of size 1) or a scrambled tile order breaks those pairs and runs 15-25% slower (RESULTS.md, sessions
+// 10-11: 2-CTA clusters with the A tile multicast, and cooperative 256-row tiles, were no faster).
 #pragma once
 #ifndef NDEBUG
 #define NDEBUG  // (device asserts make ptxas serialize the wgmma pipeline: see grouped_gemm_kernel.cuh)
