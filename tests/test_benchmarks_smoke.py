@@ -132,3 +132,23 @@ def test_medians_finds_spreads_with_their_paths():
 @pytest.mark.parametrize("gpu_ms, graph_ms, expected", [(1.2, 1.0, True), (1.05, 1.0, False), (1.0, None, None)])
 def test_host_bound_flags_back_to_back_times_past_the_graph_time(gpu_ms, graph_ms, expected):
     assert load("timing").host_bound(gpu_ms, graph_ms) is expected
+
+
+@pytest.mark.parametrize("kind", ["skewed", "router"])
+@pytest.mark.parametrize("groups, rows, align", [(64, 49152, 1), (64, 49152, 16), (8, 16384, 1), (5, 80, 16)])
+def test_moe_group_sizes_sum_to_rows_in_multiples_of_align(kind, groups, rows, align):
+    bench_moe = load("bench_moe")
+    draw = bench_moe.uneven_splits if kind == "skewed" else bench_moe.router_splits
+    sizes = draw(groups, rows, align)
+    assert len(sizes) == groups and sum(sizes) == rows
+    assert all(size >= 0 and size % align == 0 for size in sizes)
+    assert draw(groups, rows, align) == sizes  # (seeded: the same sizes every run)
+
+
+def test_moe_router_sizes_are_near_balanced_and_skewed_ones_are_not():
+    bench_moe = load("bench_moe")
+    router = bench_moe.router_splits(64, 49152, top_k=6)
+    skewed = bench_moe.uneven_splits(64, 49152)
+    mean = 49152 / 64
+    assert max(router) < 1.25 * mean and min(router) > 0.75 * mean
+    assert min(skewed) == 0 and max(skewed) > 2 * mean
