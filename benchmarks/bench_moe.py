@@ -24,7 +24,8 @@
    the SwiGLU as its own op (not fused into fc1's backward cast); rows "tiles: ..." run MoELayer with our kernel's
    tile configurations chosen per GEMM form (grouped_gemm.CUTLASS_TILE's dict): the kernel's own choice of session 3
    and single changes to it, beside the current choice (the plain row).
-Times: GPU time per call (timing.gpu_time_ms), variants interleaved in rounds (timing.run_rounds): medians.
+Times: GPU time per call (timing.gpu_time_ms; the GEMM rows' timed loops span >= GEMM_WINDOW_MS), variants interleaved
+in rounds (timing.run_rounds): medians.
 
 Usage: python benchmarks/bench_moe.py [--json bench_moe.json] [--rounds 5] [--skip-layer] [--skip-gemm]
        [--gemm-shapes mixtral,64-top2,deepseek-v2-lite] [--gemm-variants PREFIXES] [--layer-variants PREFIXES]
@@ -50,6 +51,7 @@ E4M3 = torch.float8_e4m3fn
 # DeepSeek-V2-Lite's 64 routed experts (hidden 2048, ffn 1408, top-6; 8192 tokens)
 GEMM_SHAPES = {"mixtral": (8, 16384, 4096, 28672), "64-top2": (64, 16384, 2048, 1536),
                "deepseek-v2-lite": (64, 49152, 2048, 2816)}
+GEMM_WINDOW_MS = 5.0  # (a timed loop of 10 calls of a 80 µs GEMM lost 2-3.5x in single rounds to host stalls)
 LAYER = dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=8192)
 
 
@@ -169,7 +171,8 @@ def gemm_measures(groups: int, m: int, k: int, n: int, iters: int, variants: tup
     if variants:
         fns = {name: fn for name, fn in fns.items() if name.startswith(variants)}
     # (wgrad dense: [N, M] x [K, M]ᵀ -> [N, K], contracting over all M rows: the same FLOPs as the grouped wgrad)
-    measures = {name: (lambda fn=fn: flops / gpu_time_ms(fn, warmup=3, iters=iters) / 1e9) for name, fn in fns.items()}
+    measures = {name: (lambda fn=fn: flops / gpu_time_ms(fn, warmup=3, iters=iters, min_window_ms=GEMM_WINDOW_MS) / 1e9)
+                for name, fn in fns.items()}
     return measures, {"groups": groups, "M": m, "K": k, "N": n, "splits": splits, "wgrad_splits": splits16,
                       "wgrad_3d_rows_per_group": rows_max}
 

@@ -17,6 +17,7 @@
 On a machine without CUDA the GPU measures fall back to the wall clock (smoke tests of the scripts only).
 """
 import contextlib
+import math
 import os
 import random
 import statistics
@@ -56,7 +57,11 @@ def _elapsed_ms(run: Callable[[], None]) -> float:
     return start.elapsed_time(end)
 
 
-def gpu_time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 20, repeats: int = 1) -> float:
+MAX_SIZED_ITERS = 10000  # (gpu_time_ms's min_window_ms never times more calls than this in one loop)
+
+
+def gpu_time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 20, repeats: int = 1,
+                min_window_ms: float = 0.0) -> float:
     """GPU time per call of fn: `iters` calls back to back between two CUDA events, no synchronisation between calls.
 
     Args:
@@ -64,18 +69,29 @@ def gpu_time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 20, repe
         warmup: untimed calls first.
         iters: calls between the two events.
         repeats: such timed loops; their median is returned.
+        min_window_ms: when > 0, the loop is lengthened until it spans at least this long (sized from a first loop of
+            `iters` calls, at most MAX_SIZED_ITERS calls): in a short window one stall of the host thread that
+            enqueues the calls leaves the GPU idle for a visible part of it (bench_moe saw single rounds at 0.3-0.5x).
     Returns:
         milliseconds per call (median over the repeats).
     """
     _check_counts(warmup=warmup, iters=iters, repeats=repeats)
+    if not isinstance(min_window_ms, (int, float)) or min_window_ms < 0:
+        raise ValueError(f"min_window_ms: expected a number >= 0, got {min_window_ms!r}")
     for _ in range(warmup):
         fn()
     _synchronize()
 
-    def loop():
-        for _ in range(iters):
-            fn()
-    return statistics.median(_elapsed_ms(loop) / iters for _ in range(repeats))
+    def loop(calls):
+        def run():
+            for _ in range(calls):
+                fn()
+        return run
+    if min_window_ms > 0:
+        first = _elapsed_ms(loop(iters))
+        if first < min_window_ms:
+            iters = min(MAX_SIZED_ITERS, max(iters, math.ceil(iters * min_window_ms / max(first, 1e-6))))
+    return statistics.median(_elapsed_ms(loop(iters)) / iters for _ in range(repeats))
 
 
 def loop_time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 100, repeats: int = 5) -> float:

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,21 @@ def test_moe_router_sizes_are_near_balanced_and_skewed_ones_are_not():
     mean = 49152 / 64
     assert max(router) < 1.25 * mean and min(router) > 0.75 * mean
     assert min(skewed) == 0 and max(skewed) > 2 * mean
+
+
+def test_gpu_time_ms_lengthens_short_loops_to_the_window():
+    timing = load("timing")
+    calls = []
+
+    def work():
+        calls.append(None)
+        time.sleep(0.0005)
+
+    ms = timing.gpu_time_ms(work, warmup=0, iters=1, min_window_ms=50.0)
+    sized = len(calls) - 1  # (the first loop of 1 call sized the second)
+    assert ms >= 0.5 and sized > 1 and sized * ms >= 0.5 * 50.0
+    calls.clear()
+    timing.gpu_time_ms(work, warmup=0, iters=3)
+    assert len(calls) == 3  # (no window: one loop of iters calls, as before)
+    with pytest.raises(ValueError, match="min_window_ms"):
+        timing.gpu_time_ms(work, min_window_ms=-1.0)
