@@ -51,7 +51,7 @@ E4M3 = torch.float8_e4m3fn
 # DeepSeek-V2-Lite's 64 routed experts (hidden 2048, ffn 1408, top-6; 8192 tokens)
 GEMM_SHAPES = {"mixtral": (8, 16384, 4096, 28672), "64-top2": (64, 16384, 2048, 1536),
                "deepseek-v2-lite": (64, 49152, 2048, 2816)}
-GEMM_WINDOW_MS = 5.0  # (a timed loop of 10 calls of a 80 µs GEMM lost 2-3.5x in single rounds to host stalls)
+GEMM_WINDOW_MS = 5.0  # (10-call loops of ~80 µs GEMMs had single rounds at 0.3-0.5x: see timing.gpu_time_ms)
 LAYER = dict(hidden=4096, ffn=14336, experts=8, top_k=2, tokens=8192)
 
 

@@ -71,7 +71,8 @@ def gpu_time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 20, repe
         repeats: such timed loops; their median is returned.
         min_window_ms: when > 0, the loop is lengthened until it spans at least this long (sized from a first loop of
             `iters` calls, at most MAX_SIZED_ITERS calls): in a short window one stall of the host thread that
-            enqueues the calls leaves the GPU idle for a visible part of it (bench_moe saw single rounds at 0.3-0.5x).
+            enqueues the calls can leave the GPU idle for a visible part of it (bench_moe's 10-call loops of ~80 µs
+            GEMMs had single rounds at 0.3-0.5x of the others; the cause was not isolated).
     Returns:
         milliseconds per call (median over the repeats).
     """
