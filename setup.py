@@ -17,7 +17,7 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # Built in every configuration: the schemas, the composite ops, the C++ autograd nodes and the Python module.
 BASE_SOURCES = ["csrc/ops.cpp", "csrc/composite.cpp", "csrc/autograd_linear.cpp", "csrc/autograd_attention.cpp",
-                "csrc/linear_inference.cpp", "csrc/python_module.cpp"]
+                "csrc/linear_inference.cpp", "csrc/python_module.cpp", "csrc/delayed_update_queue.cpp"]
 FAMILIES = ("quantize", "gemm", "norm", "activation", "scaling", "rope", "loss", "attention", "moe", "grouped",
             "optim")
 

@@ -3,9 +3,10 @@
 //
 // Why: a small model's training step is host-bound, and a Python autograd.Function costs a Python call per direction
 // plus the engine's Python node machinery (on the H100 host, ~1/4 of an FP8 Linear's fwd+bwd host time). Here the
-// forward is one call from Python (fp8_linear below) and the backward runs without Python, except for one call that
-// queues the module's gradient scaling state for the update after the backward (the `registration` argument, passed
-// to autocast.register_backward, exactly as the Python Function's backward does).
+// forward is one call from Python (fp8_linear below) and the backward runs without Python: it queues the module's
+// gradient scaling state for the update after the backward in C++ (native_update, csrc/delayed_update_queue.cpp), or, where
+// the update needs Python (an amax reduction over a process group), calls autocast.register_backward with the
+// `registration` argument, exactly as the Python Function's backward does.
 //
 // Contract of fp8_linear: inp [..., K] contiguous, weight [N, K], bias [N] or None (inp's dtype) -> out [..., N] in
 // inp's dtype = fp8_linear_fwd's GEMM. Each role (x, w, dy) comes as one tuple, its quantizer's output_args():
@@ -65,6 +66,7 @@ struct FP8LinearBackward : public autograd::Node {
   std::vector<int64_t> input_sizes;
   bool has_bias = false, released = false;
   std::unique_ptr<PyReference> registration;
+  std::optional<NativeUpdateArgs> native_update;
 
   std::string name() const override { return "FP8LinearBackward"; }
 
@@ -92,7 +94,12 @@ struct FP8LinearBackward : public autograd::Node {
         dy, dy_scale, bwd_dtype, dy_amax, dy_scale_inv, need_dbias, need_dx ? OptTensor(w_t_now) : std::nullopt,
         need_dx ? w_scale_inv : dy_scale_inv, dx_dtype, need_dw ? OptTensor(x_t.unpack()) : std::nullopt,
         need_dw ? x_scale_inv : dy_scale_inv, dw_dtype, std::nullopt);
-    register_backward(*registration);
+    if (native_update.has_value()) {
+      const auto& [history, scale, scale_inv, fp8_max, margin, use_max] = *native_update;
+      queue_backward_update(history, scale, scale_inv, fp8_max, margin, use_max, nullptr);
+    } else {
+      register_backward(*registration);
+    }
     return {need_dx ? dx.view(input_sizes) : at::Tensor(), need_dw ? dw : at::Tensor(),
             need_dbias ? dbias : at::Tensor()};
   }
@@ -102,7 +109,7 @@ struct FP8LinearBackward : public autograd::Node {
 
 at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const OptTensor& bias,
                       pybind11::object registration, const QuantizerArgs& x, const QuantizerArgs& w,
-                      const QuantizerArgs& dy, bool keep_w_t) {
+                      const QuantizerArgs& dy, const std::optional<NativeUpdateArgs>& native_update, bool keep_w_t) {
   static const auto linear_fwd = library_op<LinearFwd>("transformer_fp8::fp8_linear_fwd");
   const auto& [x_scale, fwd_dtype, x_amax, x_scale_inv] = x;
   const auto& [w_scale, w_dtype, w_amax, w_scale_inv] = w;
@@ -140,6 +147,7 @@ at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const Opt
   node->input_sizes = inp.sizes().vec();
   node->has_bias = bias.has_value();
   node->registration = std::make_unique<PyReference>(registration.ptr());
+  node->native_update = native_update;
   autograd::set_history(out, node);
   return out;
 }

@@ -28,6 +28,20 @@ PYBIND11_MODULE(_C, m) {
         "(csrc/linear_inference.cpp)");
   m.def("set_backward_registrar", &tfp8::set_backward_registrar,
         "The callable fp8_linear's backward calls with its registration tuple");
+  m.def(
+      "queue_backward_update",
+      [](const at::Tensor& history, const at::Tensor& scale, const at::Tensor& scale_inv, double fp8_max, double margin,
+         bool use_max, pybind11::object python_state) {
+        HANDLE_TH_ERRORS
+        tfp8::queue_backward_update(history, scale, scale_inv, fp8_max, margin, use_max,
+                                    python_state.is_none() ? nullptr : python_state.ptr());
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      "Queue a gradient scaling state for the fused update after the running backward (csrc/delayed_update_queue.cpp)");
+  m.def("backward_queues_alive", &tfp8::backward_queues_alive,
+        "How many backwards have queued scaling states and not ended (csrc/delayed_update_queue.cpp)");
+  m.def("forward_scaling_update", translated(&tfp8::forward_scaling_update),
+        "The forward delayed-scaling update and new scale_inv snapshots in one call (csrc/delayed_update_queue.cpp)");
   m.def("fused_attention", translated(&tfp8::fused_attention),
         "cuDNN attention with its C++ autograd node (csrc/autograd_attention.cpp)");
   m.def("set_attention_fallback", &tfp8::set_attention_fallback,

@@ -57,6 +57,11 @@ def test_a_nan_step_does_not_poison_the_scales():
 
 
 def spy_updates(monkeypatch):
+    """Records the Python path's update calls (update.NATIVE_UPDATES off; tests/test_native_updates.py counts the C++
+    path's launches)."""
+    from transformer_fp8.quantization import update
+
+    monkeypatch.setattr(update, "NATIVE_UPDATES", False)
     calls = []
     original = te.ops.tfp8.delayed_scaling_update
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import transformer_fp8 as te
-from transformer_fp8 import autocast, recipe
+from transformer_fp8 import _C, autocast, recipe
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -387,11 +387,11 @@ def test_a_failed_backward_leaves_no_queue_behind():
         out = m(x)
     with pytest.raises(RuntimeError, match="main_grad"):
         run_threads(lambda: out.sum().backward())
-    assert autocast._backward_queues == {}
+    assert autocast._backward_queues == {} and _C.backward_queues_alive() == 0
     m.weight.main_grad = torch.zeros(16, 32)
     with te.fp8_autocast():
         out = m(x)
     dy = with_amax(out.shape, 3.0, "cpu")
     run_threads(lambda: out.backward(dy))
     grad_scale_check(m, dy.abs().max(), E5M2_MAX, 0)
-    assert autocast._backward_queues == {}
+    assert autocast._backward_queues == {} and _C.backward_queues_alive() == 0

@@ -162,8 +162,12 @@ def test_native_node_saves_through_saved_tensor_hooks(monkeypatch, device, weigh
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_native_node_backward_error_reaches_the_caller(monkeypatch, device):
-    """A Python exception in the backward's registration call surfaces from backward() as itself."""
+    """A Python exception in the backward's registration call (the path of an amax reduction over a process group,
+    forced here by update.NATIVE_UPDATES = False) surfaces from backward() as itself."""
     from transformer_fp8 import _C, autocast
+    from transformer_fp8.quantization import update
+
+    monkeypatch.setattr(update, "NATIVE_UPDATES", False)
 
     m = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
     grad_fn_name_at_step_two(monkeypatch, m, device)

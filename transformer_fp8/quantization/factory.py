@@ -71,7 +71,7 @@ class QuantizerSet:
 
     __slots__ = ("recipe", "forward_roles", "backward_roles", "fwd_dtype", "bwd_dtype", "tp_group",
                  "quantizer_class", "fused_per_tensor", "updates_by_history", "_fwd_state", "_bwd_state",
-                 "_quantizers", "by_role")
+                 "_quantizers", "by_role", "_native_bwd")
 
     def __init__(self, recipe: Any, forward_roles: tuple[Role, ...], backward_roles: tuple[Role, ...],
                  device: torch.device | str, tp_group: Any = None,
@@ -86,6 +86,7 @@ class QuantizerSet:
                 or None.
         """
         self.recipe, self.tp_group = recipe, tp_group
+        self._native_bwd = None  # (linear_node_args' C++ update arguments, made once per gradient state)
         self.forward_roles, self.backward_roles = tuple(forward_roles), tuple(backward_roles)
         fwd, bwd = states if states is not None else (None, None)
         self._quantizers = self.by_role = {}
@@ -206,15 +207,24 @@ class QuantizerSet:
         Args:
             group: the autocast's fp8_group.
         Returns:
-            (backward_registration(group), then output_args() of the INPUT, WEIGHT and GRAD_OUTPUT roles).
+            (backward_registration(group), then output_args() of the INPUT, WEIGHT and GRAD_OUTPUT roles, then the
+            gradient state's C++ update arguments (amax_history, scale, scale_inv, fp8_max, margin, use_max) where
+            update.native_updates_apply(), else None).
         """
         quantizers = self._quantizers
         x, w, dy = quantizers[Role.INPUT], quantizers[Role.WEIGHT], quantizers[Role.GRAD_OUTPUT]
         xs, ws, dys = x.state, w.state, dy.state  # (output_args() of each, inline)
-        return ((self._bwd_state, self.recipe, group),
+        bwd, native = self._bwd_state, None
+        if update.native_updates_apply():
+            native = self._native_bwd
+            if native is None or native[0] is not bwd.amax_history:
+                native = self._native_bwd = (bwd.amax_history, bwd.scale, bwd.scale_inv,
+                                             *update.native_update_args(self.recipe, False))
+        return ((bwd, self.recipe, group),
                 (xs.scales[x.slot], x.fp8_dtype, xs.amaxes[x.slot], xs.scale_invs[x.slot]),
                 (ws.scales[w.slot], w.fp8_dtype, ws.amaxes[w.slot], ws.scale_invs[w.slot]),
-                (dys.scales[dy.slot], dy.fp8_dtype, dys.amaxes[dy.slot], dys.scale_invs[dy.slot]))
+                (dys.scales[dy.slot], dy.fp8_dtype, dys.amaxes[dy.slot], dys.scale_invs[dy.slot]),
+                native)
 
     def backward_registration(self, group: Any) -> tuple:
         """Returns:

@@ -6,6 +6,11 @@ collective) and ONE `delayed_scaling_update` launch per recipe and device update
 states are registered by the modules' backward, into the queue of the running backward (autograd graph task); the
 first registration queues an autograd-engine callback that does the same after the backward. Nothing here
 synchronises with the device. (The queue rules across threads: see autocast.py.)
+
+In a single process (no amax reduction to run) both updates go through C++ (csrc/delayed_update_queue.cpp,
+NATIVE_UPDATES): the forward one in one call, the gradient queue kept there so that a backward of C++ Linear nodes ends
+without Python.
+The same launches with the same tensors: the results are bit for bit those of the Python path below.
 """
 import threading
 import weakref
@@ -14,11 +19,37 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import _C
 from ..ops import tfp8
 from ..recipe import FP8_MAX, DelayedScaling
 
 if TYPE_CHECKING:
     from .state import ScalingState
+
+# Whether single-process updates go through csrc/delayed_update_queue.cpp (False: always the Python path; for tests
+# and A/Bs).
+NATIVE_UPDATES = True
+
+
+def native_update_args(recipe: DelayedScaling, forward: bool) -> tuple[float, float, bool]:
+    """The C++ update's arguments under `recipe`.
+
+    Args:
+        recipe: the DelayedScaling recipe.
+        forward: the forward states' FP8 format (else the gradients').
+    Returns:
+        (fp8_max, margin, use_max), use_max: amax_compute_algo == "max".
+    """
+    dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
+    return FP8_MAX[dtype], float(recipe.margin), recipe.amax_compute_algo == "max"
+
+
+def native_updates_apply() -> bool:
+    """Returns:
+        Whether the updates go through C++ now: NATIVE_UPDATES, no process group to reduce amaxes over
+        (torch.distributed not initialized), not inside torch.compile's tracing."""
+    return NATIVE_UPDATES and not distributed_initialized() and not torch.compiler.is_compiling()
+
 
 def register_forward(queue: list, scaling_state: "ScalingState", recipe: DelayedScaling, group: Any) -> None:
     """Queue a module's forward state for the update at the calling thread's outermost autocast exit (once per
@@ -65,6 +96,11 @@ def register_backward(scaling_state: "ScalingState", recipe: DelayedScaling, gro
         recipe, group: those its forward saved (ctx or the C++ node), never the calling thread's settings: the
             backward may run on autograd's device thread or be called from another thread.
     """
+    if native_updates_apply():
+        _C.queue_backward_update(scaling_state.amax_history, scaling_state.scale, scaling_state.scale_inv,
+                                 *native_update_args(recipe, forward=False),
+                                 None if scaling_state.calibrated else scaling_state)
+        return
     task = torch._C._current_graph_task_id()
     ref = _backward_queues.get(task)
     queue = ref() if ref is not None else None
@@ -111,7 +147,10 @@ class _UpdatePlan:
         self.updates = []
         for recipe, states in per_recipe.values():
             fp8_dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
-            self.updates.append((states, (FP8_MAX[fp8_dtype], float(recipe.margin), recipe.amax_compute_algo)))
+            tensors = ([s.amax_history for s in states], [s.scale for s in states], [s.scale_inv for s in states])
+            self.updates.append((states, (FP8_MAX[fp8_dtype], float(recipe.margin), recipe.amax_compute_algo),
+                                 tensors, native_update_args(recipe, forward),
+                                 [len(s.scale_inv_slots) for s in states]))
         self.states = [entry[0] for entry in entries]
 
 
@@ -150,9 +189,15 @@ def update_scaling_states(entries: list[tuple["ScalingState", DelayedScaling, An
     if plan.reductions and distributed_initialized():
         for group, states in plan.reductions:
             _all_reduce_amax(states, group)
-    for states, args in plan.updates:
-        tfp8.delayed_scaling_update([s.amax_history for s in states], [s.scale for s in states],
-                                    [s.scale_inv for s in states], *args)
+    native = forward and native_updates_apply()
+    for states, args, tensors, native_args, counts in plan.updates:
+        if native:  # (the launch and the new snapshots in one call)
+            views = _C.forward_scaling_update(*tensors, *native_args, sum(counts))
+            start = 0
+            for state, n in zip(states, counts):
+                state.scale_invs, start = tuple(views[start:start + n]), start + n
+            continue
+        tfp8.delayed_scaling_update(*tensors, *args)
         if forward:
             renew_scale_inv_snapshots(states)
 
