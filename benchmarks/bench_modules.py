@@ -41,6 +41,7 @@ from timing import (fmt_spread, gpu_time_ms, graph_capture_error, graph_time_ms,
 from transformer_fp8 import recipe
 from transformer_fp8.module import base
 from transformer_fp8.module import linear as linear_module
+from transformer_fp8.quantization import update
 
 DEV = "cuda"  # (main sets it from --device; the functions read it when called)
 DT = torch.bfloat16
@@ -229,13 +230,26 @@ def without_native_node(step):
     return run
 
 
-def bench_host_overhead(rounds, native_node_ab=False, tokens=16, hidden=64, layers=(1, 8)):
+def with_python_updates(step):
+    """step() with the delayed-scaling updates on their Python path (update.NATIVE_UPDATES = False) for its
+    duration."""
+    def run():
+        saved, update.NATIVE_UPDATES = update.NATIVE_UPDATES, False
+        try:
+            step()
+        finally:
+            update.NATIVE_UPDATES = saved
+    return run
+
+
+def bench_host_overhead(rounds, native_node_ab=False, tokens=16, hidden=64, layers=(1, 8), native_updates_ab=False):
     """Host time per Linear forward+backward, the FP8 path forced: one Linear per training step (the per-step work —
     autocast exit, the two scale updates, the backward callback — all charged to it), and a stack of 8 Linears per
     step (per-step work shared, as in a model). Divided by the number of layers; medians over interleaved rounds and
     the median of the per-round ratios. Also our stack captured with te.make_graphed_callables (FP8 inside the graphs;
     the remedy for host-bound small models, as with TE), against the same eager nn.Linear. native_node_ab: also ours
-    with the C++ autograd node off (the node on/off table)."""
+    with the C++ autograd node off (the node on/off table). native_updates_ab: also ours with the scaling updates on
+    their Python path (update.NATIVE_UPDATES off)."""
     rows = []
     for n in layers:
         def stack():
@@ -255,6 +269,9 @@ def bench_host_overhead(rounds, native_node_ab=False, tokens=16, hidden=64, laye
             steps["fp8_graphed"] = train_step(graphed, x, dy, False)
         if native_node_ab:
             steps["fp8_no_native_node"] = without_native_node(train_step(ours, x_off, dy, True))
+        if native_updates_ab:
+            x_py = x.detach().clone().requires_grad_()
+            steps["fp8_python_updates"] = with_python_updates(train_step(ours, x_py, dy, True))
         names = list(steps)
         iters, warmup = (200, 20) if DEV == "cuda" else (5, 2)  # (the CPU: a smoke test)
         per_round = interleaved(lambda step: host_time_us(step, iters=iters, warmup=warmup),
@@ -304,6 +321,8 @@ def main(argv=None):
     parser.add_argument("--grid-rounds", type=int, default=GRID_ROUNDS, help="rounds per inference grid point")
     parser.add_argument("--native-node-ab", action="store_true",
                         help="host table: also ours with the C++ autograd node off (linear.NATIVE_NODE = False)")
+    parser.add_argument("--native-updates-ab", action="store_true",
+                        help="host table: also ours with the scaling updates' Python path (update.NATIVE_UPDATES off)")
     parser.add_argument("--no-compile", action="store_true", help="training table: no torch.compile baseline")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test (with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test of the script")
@@ -323,7 +342,8 @@ def main(argv=None):
     parts = (("training", "training",
               lambda: bench_training(args.rounds, compile_torch=not args.no_compile, **train_kw)),
              ("inference", "inference_grid", lambda: bench_inference_grid(args.grid_rounds, **grid_kw)),
-             ("host", "host_overhead", lambda: bench_host_overhead(args.rounds, args.native_node_ab)),
+             ("host", "host_overhead", lambda: bench_host_overhead(args.rounds, args.native_node_ab,
+                                                                   native_updates_ab=args.native_updates_ab)),
              ("host-call", "host_call", lambda: bench_host_call(2 * args.rounds + 1, **call_kw)))
     for part, key, run in parts:
         if part not in args.skip:

@@ -83,9 +83,10 @@ FULL = [
                                             "--variants", "ours-fp8,ours-fp8-checkpointed,hf-eager,"
                                             "hf-eager-checkpointed", "--json", "{json}"], 480,
               "RESULTS 'Llama' activation-checkpointing table; notebooks/performance_optimizations (section 4)"),
-    Benchmark("bench_modules", ["benchmarks/bench_modules.py", "--rounds", "7", "--native-node-ab", "--json",
-                                "{json}"], 1200,
-              "README Linear row; RESULTS 'Modules' (training, inference grid, host time, NATIVE_NODE on/off)"),
+    Benchmark("bench_modules", ["benchmarks/bench_modules.py", "--rounds", "7", "--native-node-ab",
+                                "--native-updates-ab", "--json", "{json}"], 1200,
+              "README Linear row; RESULTS 'Modules' (training, inference grid, host time, NATIVE_NODE and "
+              "NATIVE_UPDATES on/off)"),
     Benchmark("bench_transformer_layer", ["benchmarks/bench_transformer_layer.py", "--graphed", "--kernels",
                                           "--json", "{json}"], 1200,
               "README Transformer layer row; RESULTS 'TransformerLayer' layer and attention-alone tables, per-kernel "
@@ -123,7 +124,8 @@ FULL = [
 
 SMOKE = [  # (each script's CPU smoke mode: the changed scripts keep working; tests/test_benchmarks_smoke.py runs it)
     Benchmark("bench_modules", ["benchmarks/bench_modules.py", "--device", "cpu", "--tiny", "--rounds", "2",
-                                "--no-compile", "--skip", "inference", "host-call", "--json", "{json}"], 120,
+                                "--no-compile", "--native-updates-ab", "--skip", "inference", "host-call", "--json",
+                                "{json}"], 120,
               "smoke", gpus=0),
     Benchmark("bench_transformer_layer", ["benchmarks/bench_transformer_layer.py", "--device", "cpu", "--configs",
                                           "tiny", "--no-compile", "--no-attention", "--rounds", "1", "--json",

@@ -56,6 +56,7 @@ def test_modules_training_and_host_rows_have_spreads(smoke):
         assert is_spread(row["speedup_vs_eager"])
     for row in data["host_overhead"]:
         assert is_spread(row["fp8_us"]) and is_spread(row["bf16_us"]) and is_spread(row["fp8_ratio"])
+        assert is_spread(row["fp8_python_updates_us"]) and is_spread(row["fp8_python_updates_ratio"])
 
 
 def test_transformer_layer_rows_have_spreads_and_host_bound_flag(smoke):
