@@ -219,26 +219,16 @@ def bench_inference_grid(rounds=GRID_ROUNDS, sizes=(1280, 5120, 10240, 20480), m
     return rows
 
 
-def without_native_node(step):
-    """step() with our Linear's C++ autograd node switched off (linear.NATIVE_NODE = False) for its duration."""
+def with_setting(owner, name, value, step):
+    """step() with owner.name set to value for its duration (a module switch: linear.NATIVE_NODE,
+    update.NATIVE_UPDATES)."""
     def run():
-        saved, linear_module.NATIVE_NODE = linear_module.NATIVE_NODE, False
+        saved = getattr(owner, name)
+        setattr(owner, name, value)
         try:
             step()
         finally:
-            linear_module.NATIVE_NODE = saved
-    return run
-
-
-def with_python_updates(step):
-    """step() with the delayed-scaling updates on their Python path (update.NATIVE_UPDATES = False) for its
-    duration."""
-    def run():
-        saved, update.NATIVE_UPDATES = update.NATIVE_UPDATES, False
-        try:
-            step()
-        finally:
-            update.NATIVE_UPDATES = saved
+            setattr(owner, name, saved)
     return run
 
 
@@ -268,10 +258,12 @@ def bench_host_overhead(rounds, native_node_ab=False, tokens=16, hidden=64, laye
             train_step(graphed, x, dy, False)()  # (its first step calibrates the FP8 scales eagerly, then replays)
             steps["fp8_graphed"] = train_step(graphed, x, dy, False)
         if native_node_ab:
-            steps["fp8_no_native_node"] = without_native_node(train_step(ours, x_off, dy, True))
+            steps["fp8_no_native_node"] = with_setting(linear_module, "NATIVE_NODE", False,
+                                                        train_step(ours, x_off, dy, True))
         if native_updates_ab:
             x_py = x.detach().clone().requires_grad_()
-            steps["fp8_python_updates"] = with_python_updates(train_step(ours, x_py, dy, True))
+            steps["fp8_python_updates"] = with_setting(update, "NATIVE_UPDATES", False,
+                                                       train_step(ours, x_py, dy, True))
         names = list(steps)
         iters, warmup = (200, 20) if DEV == "cuda" else (5, 2)  # (the CPU: a smoke test)
         per_round = interleaved(lambda step: host_time_us(step, iters=iters, warmup=warmup),
