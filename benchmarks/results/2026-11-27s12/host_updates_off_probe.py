@@ -60,7 +60,8 @@ def main():
             for k in names[r % 5:] + names[:r % 5]:
                 res[k].append(host_time_us(steps[k], iters=300, warmup=20) / n)
         base = res["nn.Linear"]
-        print(f"{n} Linear per step, us per Linear, median (min-max) / ratio to nn.Linear (median of per-round ratios):")
+        print(f"{n} Linear per step, us per Linear, median (min-max) / ratio to nn.Linear (median of per-round "
+              f"ratios):")
         for k, v in res.items():
             ratio = statistics.median(a / b for a, b in zip(v, base))
             print(f"  {k:20s} {statistics.median(v):7.1f} ({min(v):.1f}-{max(v):.1f})  x{ratio:.2f}")
