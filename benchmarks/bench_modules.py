@@ -232,14 +232,18 @@ def with_setting(owner, name, value, step):
     return run
 
 
-def bench_host_overhead(rounds, native_node_ab=False, tokens=16, hidden=64, layers=(1, 8), native_updates_ab=False):
+HOST_RECIPES = {"delayed": recipe.DelayedScaling, "current": recipe.Float8CurrentScaling}
+
+
+def bench_host_overhead(rounds, native_node_ab=False, tokens=16, hidden=64, layers=(1, 8), native_updates_ab=False,
+                        recipe_name="delayed"):
     """Host time per Linear forward+backward, the FP8 path forced: one Linear per training step (the per-step work —
     autocast exit, the two scale updates, the backward callback — all charged to it), and a stack of 8 Linears per
     step (per-step work shared, as in a model). Divided by the number of layers; medians over interleaved rounds and
     the median of the per-round ratios. Also our stack captured with te.make_graphed_callables (FP8 inside the graphs;
     the remedy for host-bound small models, as with TE), against the same eager nn.Linear. native_node_ab: also ours
     with the C++ autograd node off (the node on/off table). native_updates_ab: also ours with the scaling updates on
-    their Python path (update.NATIVE_UPDATES off)."""
+    their Python path (update.NATIVE_UPDATES off). recipe_name: the FP8 steps' recipe (HOST_RECIPES)."""
     rows = []
     for n in layers:
         def stack():
@@ -252,29 +256,31 @@ def bench_host_overhead(rounds, native_node_ab=False, tokens=16, hidden=64, laye
         # (each variant its own input leaf: a leaf's gradient accumulator made while the graphs were captured runs on
         # the capture's stream, and other variants' backwards into it would synchronise on every step)
         x_ours, x_ref, x_off = (x.detach().clone().requires_grad_() for _ in range(3))
-        steps = {"fp8": train_step(ours, x_ours, dy, True), "bf16": train_step(ref, x_ref, dy, False)}
+        fp8_recipe = HOST_RECIPES[recipe_name]()
+        steps = {"fp8": train_step(ours, x_ours, dy, True, fp8_recipe), "bf16": train_step(ref, x_ref, dy, False)}
         if DEV == "cuda":  # (CUDA graphs need a GPU)
-            graphed = te.make_graphed_callables(stack(), (x,), fp8_enabled=True, fp8_recipe=recipe.DelayedScaling())
+            graphed = te.make_graphed_callables(stack(), (x,), fp8_enabled=True, fp8_recipe=fp8_recipe)
             train_step(graphed, x, dy, False)()  # (its first step calibrates the FP8 scales eagerly, then replays)
             steps["fp8_graphed"] = train_step(graphed, x, dy, False)
         if native_node_ab:
             steps["fp8_no_native_node"] = with_setting(linear_module, "NATIVE_NODE", False,
-                                                        train_step(ours, x_off, dy, True))
+                                                        train_step(ours, x_off, dy, True, fp8_recipe))
         if native_updates_ab:
             x_py = x.detach().clone().requires_grad_()
             steps["fp8_python_updates"] = with_setting(update, "NATIVE_UPDATES", False,
-                                                       train_step(ours, x_py, dy, True))
+                                                       train_step(ours, x_py, dy, True, fp8_recipe))
         names = list(steps)
         iters, warmup = (200, 20) if DEV == "cuda" else (5, 2)  # (the CPU: a smoke test)
         per_round = interleaved(lambda step: host_time_us(step, iters=iters, warmup=warmup),
                                 [steps[k] for k in names], rounds, shuffle=True, seed=n)
         t = {k: [v / n for v in vals] for k, vals in zip(names, per_round)}
-        row = {"tokens": tokens, "hidden": hidden, "layers": n}
+        row = {"tokens": tokens, "hidden": hidden, "layers": n, "recipe": recipe_name}
         for k in names:
             row[f"{k}_us"] = spread(t[k], 1)
             if k != "bf16":
                 row[f"{k}_ratio"] = spread([a / b for a, b in zip(t[k], t["bf16"])], 3)
-        print(f"host time per Linear fwd+bwd ({tokens}x{hidden}, {n} Linear per step; medians of {rounds} rounds, "
+        print(f"host time per Linear fwd+bwd ({tokens}x{hidden}, {recipe_name} scaling, {n} Linear per step; medians "
+              f"of {rounds} rounds, "
               f"range): nn.Linear {fmt_spread(row['bf16_us'], 1)} us; " + "; ".join(
                   f"{k} {fmt_spread(row[k + '_us'], 1)} us, ratio {fmt_spread(row[k + '_ratio'])}"
                   for k in names if k != "bf16"), flush=True)
@@ -315,6 +321,8 @@ def main(argv=None):
                         help="host table: also ours with the C++ autograd node off (linear.NATIVE_NODE = False)")
     parser.add_argument("--native-updates-ab", action="store_true",
                         help="host table: also ours with the scaling updates' Python path (update.NATIVE_UPDATES off)")
+    parser.add_argument("--host-recipe", default="delayed", choices=sorted(HOST_RECIPES),
+                        help="host table: the FP8 steps' recipe")
     parser.add_argument("--no-compile", action="store_true", help="training table: no torch.compile baseline")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test (with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test of the script")
@@ -335,7 +343,8 @@ def main(argv=None):
               lambda: bench_training(args.rounds, compile_torch=not args.no_compile, **train_kw)),
              ("inference", "inference_grid", lambda: bench_inference_grid(args.grid_rounds, **grid_kw)),
              ("host", "host_overhead", lambda: bench_host_overhead(args.rounds, args.native_node_ab,
-                                                                   native_updates_ab=args.native_updates_ab)),
+                                                                   native_updates_ab=args.native_updates_ab,
+                                                                   recipe_name=args.host_recipe)),
              ("host-call", "host_call", lambda: bench_host_call(2 * args.rounds + 1, **call_kw)))
     for part, key, run in parts:
         if part not in args.skip:
