@@ -10,7 +10,9 @@
 //
 // Contract of fp8_linear: inp [..., K] contiguous, weight [N, K], bias [N] or None (inp's dtype) -> out [..., N] in
 // inp's dtype = fp8_linear_fwd's GEMM. Each role (x, w, dy) comes as one tuple, its quantizer's output_args():
-// (scale, fp8 dtype, amax, scale_inv), the slot a cast with a known scale writes (delayed scaling). The backward: dy
+// (scale, fp8 dtype, amax, scale_inv), the slot a cast with a known scale writes (delayed scaling); with `current`
+// (the forward and backward FP8 maxima: current scaling) (scale, fp8 dtype, the slot's [1, 1] history view, the
+// slot's scale_inv), each scale computed from its tensor's amax before the cast, as CurrentScalingQuantizer does. The backward: dy
 // cast into its role's slot and fp8_linear_bwd from the saved FP8 xᵀ and Wᵀ (Wᵀ kept from the forward when keep_w_t,
 // else cast again from the weight with the forward's scale).
 // Gradients: dx (inp's dtype), dW (weight's dtype), dbias (dy's dtype), each only where needed. Not twice
@@ -42,6 +44,22 @@ using LinearBwd = Triple(const at::Tensor&, const at::Tensor&, at::ScalarType, c
 using CastTranspose = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, at::ScalarType, bool,
                                                          bool, const OptTensor&, const OptTensor&);
 
+using ComputeAmax = void(const at::Tensor&, const at::Tensor&);
+using ScalingUpdate = void(at::TensorList, at::TensorList, at::TensorList, double, double, c10::string_view);
+
+// Current scaling's cast arguments for t, as CurrentScalingQuantizer.cast_args makes them: the slot's scale from
+// amax(t) (compute_amax into the slot's [1, 1] history view, then the update with "most_recent", which zeroes it
+// again), and a fresh scale_inv [1] for the cast to write (the slot's next cast may come before the backward that
+// reads this one). role: (scale [1], FP8 dtype, the history view [1, 1], the slot's scale_inv [1]).
+at::Tensor current_scale(const at::Tensor& t, const QuantizerArgs& role, double fp8_max) {
+  static const auto compute_amax = library_op<ComputeAmax>("transformer_fp8::compute_amax");
+  static const auto update = library_op<ScalingUpdate>("transformer_fp8::delayed_scaling_update");
+  const auto& [scale, dtype, history, slot_scale_inv] = role;
+  compute_amax.call(t, history);
+  update.call({history}, {scale}, {slot_scale_inv}, fp8_max, 0.0, "most_recent");
+  return at::empty({1}, scale.options());
+}
+
 // autocast.register_backward, set once by transformer_fp8.module.linear at import.
 std::unique_ptr<PyReference>& registrar() {
   static std::unique_ptr<PyReference> callable;
@@ -67,6 +85,9 @@ struct FP8LinearBackward : public autograd::Node {
   bool has_bias = false, released = false;
   std::unique_ptr<PyReference> registration;
   std::optional<NativeUpdateArgs> native_update;
+  // current scaling: dy's slot (scale, history view, slot scale_inv) and its FP8 maximum; nothing is registered
+  std::optional<QuantizerArgs> dy_current;
+  double dy_max = 0.0;
 
   std::string name() const override { return "FP8LinearBackward"; }
 
@@ -90,11 +111,15 @@ struct FP8LinearBackward : public autograd::Node {
       w_t_now = std::get<1>(
           cast.call(weight, at::reciprocal(w_scale_inv), fwd_dtype, false, true, std::nullopt, std::nullopt));
     }
+    const at::Tensor dy_sinv = dy_current.has_value() ? current_scale(dy, *dy_current, dy_max) : dy_scale_inv;
+    const OptTensor amax = dy_current.has_value() ? std::nullopt : OptTensor(dy_amax);
     auto [dx, dw, dbias] = linear_bwd.call(
-        dy, dy_scale, bwd_dtype, dy_amax, dy_scale_inv, need_dbias, need_dx ? OptTensor(w_t_now) : std::nullopt,
-        need_dx ? w_scale_inv : dy_scale_inv, dx_dtype, need_dw ? OptTensor(x_t.unpack()) : std::nullopt,
-        need_dw ? x_scale_inv : dy_scale_inv, dw_dtype, std::nullopt);
-    if (native_update.has_value()) {
+        dy, dy_scale, bwd_dtype, amax, dy_sinv, need_dbias, need_dx ? OptTensor(w_t_now) : std::nullopt,
+        need_dx ? w_scale_inv : dy_sinv, dx_dtype, need_dw ? OptTensor(x_t.unpack()) : std::nullopt,
+        need_dw ? x_scale_inv : dy_sinv, dw_dtype, std::nullopt);
+    if (dy_current.has_value()) {
+      // (current scaling: no update to queue)
+    } else if (native_update.has_value()) {
       const auto& [history, scale, scale_inv, fp8_max, margin, use_max] = *native_update;
       queue_backward_update(history, scale, scale_inv, fp8_max, margin, use_max, nullptr);
     } else {
@@ -109,24 +134,35 @@ struct FP8LinearBackward : public autograd::Node {
 
 at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const OptTensor& bias,
                       pybind11::object registration, const QuantizerArgs& x, const QuantizerArgs& w,
-                      const QuantizerArgs& dy, const std::optional<NativeUpdateArgs>& native_update, bool keep_w_t) {
+                      const QuantizerArgs& dy, const std::optional<NativeUpdateArgs>& native_update,
+                      const std::optional<CurrentMaxima>& current, bool keep_w_t) {
   static const auto linear_fwd = library_op<LinearFwd>("transformer_fp8::fp8_linear_fwd");
-  const auto& [x_scale, fwd_dtype, x_amax, x_scale_inv] = x;
-  const auto& [w_scale, w_dtype, w_amax, w_scale_inv] = w;
+  const auto& [x_scale, fwd_dtype, x_amax, x_slot_scale_inv] = x;
+  const auto& [w_scale, w_dtype, w_amax, w_slot_scale_inv] = w;
   TORCH_CHECK(w_dtype == fwd_dtype, "w: expected the input's FP8 dtype ", fwd_dtype, ", got ", w_dtype);
   TORCH_CHECK(inp.dim() >= 1 && inp.is_contiguous(), "inp: expected a contiguous tensor with at least one dim");
-  TORCH_CHECK(PyTuple_Check(registration.ptr()), "registration: expected a tuple of register_backward's arguments");
+  TORCH_CHECK(current.has_value() || PyTuple_Check(registration.ptr()),
+              "registration: expected a tuple of register_backward's arguments");
   TORCH_CHECK(registrar() != nullptr, "fp8_linear: set_backward_registrar was not called");
   const bool grad_mode = at::GradMode::is_enabled();
   const bool need_dx = grad_mode && inp.requires_grad(), need_dw = grad_mode && weight.requires_grad();
   const bool need_any = need_dx || need_dw || (grad_mode && bias.has_value() && bias->requires_grad());
   at::Tensor out, x_t, w_t;
+  // (delayed scaling: the slots' snapshots the casts write; current: fresh ones, below)
+  at::Tensor x_scale_inv = x_slot_scale_inv, w_scale_inv = w_slot_scale_inv;
+  const QuantizerArgs &x_arg = x, &w_arg = w;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const at::Tensor x = inp.dim() == 2 ? inp : inp.reshape({-1, inp.size(-1)});
-    std::tie(out, x_t, w_t) = linear_fwd.call(x, weight, x_scale, w_scale, fwd_dtype, x_amax, x_scale_inv, w_amax,
-                                              w_scale_inv, need_dw, need_dx && keep_w_t, inp.scalar_type(), bias,
-                                              std::nullopt);
+    if (current.has_value()) {  // (the scales from this call's amaxes; the casts record none)
+      x_scale_inv = current_scale(x, x_arg, std::get<0>(*current));
+      w_scale_inv = current_scale(weight, w_arg, std::get<0>(*current));
+    }
+    const OptTensor x_amax_out = current.has_value() ? std::nullopt : OptTensor(x_amax);
+    const OptTensor w_amax_out = current.has_value() ? std::nullopt : OptTensor(w_amax);
+    std::tie(out, x_t, w_t) = linear_fwd.call(x, weight, x_scale, w_scale, fwd_dtype, x_amax_out, x_scale_inv,
+                                              w_amax_out, w_scale_inv, need_dw, need_dx && keep_w_t,
+                                              inp.scalar_type(), bias, std::nullopt);
     if (inp.dim() != 2) {
       std::vector<int64_t> sizes = inp.sizes().vec();
       sizes.back() = out.size(1);
@@ -148,6 +184,7 @@ at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const Opt
   node->has_bias = bias.has_value();
   node->registration = std::make_unique<PyReference>(registration.ptr());
   node->native_update = native_update;
+  if (current.has_value()) node->dy_current = dy, node->dy_max = std::get<1>(*current);
   autograd::set_history(out, node);
   return out;
 }

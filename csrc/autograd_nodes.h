@@ -36,9 +36,12 @@ using QuantizerArgs = std::tuple<at::Tensor, at::ScalarType, at::Tensor, at::Ten
 // The gradient state's update in C++ (csrc/delayed_update_queue.cpp): (amax_history, scale, scale_inv, fp8_max, margin,
 // use_max), or None where the update goes through Python (an amax reduction over a process group).
 using NativeUpdateArgs = std::tuple<at::Tensor, at::Tensor, at::Tensor, double, double, bool>;
+// Current scaling's FP8 maxima: (forward roles', gradient's).
+using CurrentMaxima = std::tuple<double, double>;
 at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       pybind11::object registration, const QuantizerArgs& x, const QuantizerArgs& w,
-                      const QuantizerArgs& dy, const std::optional<NativeUpdateArgs>& native_update, bool keep_w_t);
+                      const QuantizerArgs& dy, const std::optional<NativeUpdateArgs>& native_update,
+                      const std::optional<CurrentMaxima>& current, bool keep_w_t);
 void set_backward_registrar(pybind11::object callable);
 
 // csrc/delayed_update_queue.cpp

@@ -5,10 +5,11 @@ import torch
 import torch.nn as nn
 
 import transformer_fp8 as te
+from transformer_fp8 import recipe
 from tests.module.helpers import DEVICES, RECIPES, randomize_vectors
 from transformer_fp8.module import linear
 
-DELAYED = ["delayed-E4M3", "delayed-HYBRID"]
+NODE_RECIPES = ["delayed-E4M3", "delayed-HYBRID", "current-E4M3", "current-HYBRID"]
 NATIVE, PYTHON = "FP8LinearBackward", "_FP8LinearBackward"
 
 
@@ -44,7 +45,7 @@ def assert_identical(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("recipe_name", DELAYED)
+@pytest.mark.parametrize("recipe_name", NODE_RECIPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead_shape", [(24,), (3, 5)])
 @pytest.mark.parametrize("x_grad,frozen", [(True, False), (False, False), (True, True)])
@@ -58,8 +59,10 @@ def test_native_node_matches_function(monkeypatch, device, recipe_name, bias, le
             stack[0].weight.requires_grad_(False)
         runs.append(run_steps(monkeypatch, native, stack, xs, dys, RECIPES[recipe_name], x_grad))
     (native_steps, native_states), (python_steps, python_states) = runs
-    # the first step calibrates the scales in Python; from the second on the native node runs
-    assert [s[1] for s in native_steps] == [PYTHON, NATIVE, NATIVE]
+    # delayed scaling: the first step calibrates the scales in Python, from the second on the native node runs;
+    # current scaling: the node from the first step (each scale from its tensor's amax, as the quantizers compute it)
+    first = PYTHON if recipe_name.startswith("delayed") else NATIVE
+    assert [s[1] for s in native_steps] == [first, NATIVE, NATIVE]
     assert [s[1] for s in python_steps] == [PYTHON] * 3
     for (y, _, dx, grads), (y_ref, _, dx_ref, grads_ref) in zip(native_steps, python_steps):
         assert_identical(y, y_ref)
@@ -88,7 +91,9 @@ def test_other_cases_keep_the_function(monkeypatch, device):
 
     assert grad_fn_name_at_step_two(monkeypatch, linear_(), device) == NATIVE
     assert grad_fn_name_at_step_two(monkeypatch, linear_(), device,
-                                    fp8_recipe=RECIPES["current-HYBRID"]) == PYTHON
+                                    fp8_recipe=RECIPES["current-HYBRID"]) == NATIVE
+    assert grad_fn_name_at_step_two(monkeypatch, linear_(), device,
+                                    fp8_recipe=recipe.Float8BlockScaling()) == PYTHON
     assert grad_fn_name_at_step_two(monkeypatch, linear_(), device,
                                     lambda m, x: m(x, is_first_microbatch=True)) == PYTHON
     residual = torch.randn(16, 32, dtype=torch.bfloat16, device=device)

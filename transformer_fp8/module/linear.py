@@ -279,7 +279,7 @@ class Linear(FP8ModuleBase):
                 self._last_forward_fp8 = True
             quantizers = self.quantizers
             fwd = quantizers.fwd_state
-            if not fwd.pending:
+            if not fwd.pending and quantizers.updates_by_history:
                 update.register_forward(state.forward_states, fwd, quantizers.recipe, state.group)
             return _C.fp8_linear(inp if inp.is_contiguous() else inp.contiguous(), weight, bias,
                                  *quantizers.linear_node_args(state.group),
@@ -304,12 +304,14 @@ class Linear(FP8ModuleBase):
         return_bias, no wgrad fusion, high-precision weight) with no residual and no weight cache, not fp8_disabled,
         the autocast's recipe already adopted, per-tensor quantizers whose scales are known before the casts (delayed
         scaling past the first update of both its states: the first step calibrates them in Python; the node casts
-        with the slots' scales and registers the gradient state), a bias in the input's 16-bit dtype, outside
-        checkpoint regions and torch.compile (which trace the Function). (A plain Linear reaching here runs FP8: its
-        forward took the small-shape path already where it applies.)"""
+        with the slots' scales and registers the gradient state) or come from each tensor's amax (current scaling:
+        the node computes them as the quantizers do), a bias in the input's 16-bit dtype, outside checkpoint regions
+        and torch.compile (which trace the Function). (A plain Linear reaching here runs FP8: its forward took the
+        small-shape path already where it applies.)"""
+        quantizers = self.quantizers
         return (NATIVE_NODE and self._plain and residual is None and is_first_microbatch is None and
-                state.recipe is self._fp8_recipe and not self.fp8_disabled and
-                self.quantizers.updates_by_history and self.quantizers.scales_known_per_tensor() and
+                state.recipe is self._fp8_recipe and not self.fp8_disabled and quantizers.fused_per_tensor and
+                (not quantizers.updates_by_history or quantizers.scales_known_per_tensor()) and
                 state.checkpoint is None and
                 (bias is None or bias.dtype == inp.dtype != torch.float32) and not torch.compiler.is_compiling())
 

@@ -207,13 +207,20 @@ class QuantizerSet:
         Args:
             group: the autocast's fp8_group.
         Returns:
-            (backward_registration(group), then output_args() of the INPUT, WEIGHT and GRAD_OUTPUT roles, then the
-            gradient state's C++ update arguments (amax_history, scale, scale_inv, fp8_max, margin, use_max) where
-            update.native_updates_apply(), else None).
+            Delayed scaling: (backward_registration(group), then output_args() of the INPUT, WEIGHT and GRAD_OUTPUT
+            roles, then the gradient state's C++ update arguments (amax_history, scale, scale_inv, fp8_max, margin,
+            use_max) where update.native_updates_apply(), else None, then None). Current scaling (no amax group:
+            the node computes each scale from its tensor's amax): (None, then (scale, FP8 dtype, the slot's [1, 1]
+            history view, the slot's scale_inv) of the three roles, None, then the forward and gradient FP8 maxima).
         """
         quantizers = self._quantizers
         x, w, dy = quantizers[Role.INPUT], quantizers[Role.WEIGHT], quantizers[Role.GRAD_OUTPUT]
         xs, ws, dys = x.state, w.state, dy.state  # (output_args() of each, inline)
+        if not self.updates_by_history:
+            return (None, (xs.scales[x.slot], x.fp8_dtype, xs.histories[x.slot], xs.scale_inv_slots[x.slot]),
+                    (ws.scales[w.slot], w.fp8_dtype, ws.histories[w.slot], ws.scale_inv_slots[w.slot]),
+                    (dys.scales[dy.slot], dy.fp8_dtype, dys.histories[dy.slot], dys.scale_inv_slots[dy.slot]),
+                    None, (x.fp8_max, dy.fp8_max))
         bwd, native = self._bwd_state, None
         if update.native_updates_apply():
             native = self._native_bwd
@@ -224,7 +231,7 @@ class QuantizerSet:
                 (xs.scales[x.slot], x.fp8_dtype, xs.amaxes[x.slot], xs.scale_invs[x.slot]),
                 (ws.scales[w.slot], w.fp8_dtype, ws.amaxes[w.slot], ws.scale_invs[w.slot]),
                 (dys.scales[dy.slot], dy.fp8_dtype, dys.amaxes[dy.slot], dys.scale_invs[dy.slot]),
-                native)
+                native, None)
 
     def backward_registration(self, group: Any) -> tuple:
         """Returns:
