@@ -3,18 +3,18 @@
 //
 // Why: a small model's training step is host-bound, and a Python autograd.Function costs a Python call per direction
 // plus the engine's Python node machinery (on the H100 host, ~1/4 of an FP8 Linear's fwd+bwd host time). Here the
-// forward is one call from Python (fp8_linear below) and the backward runs without Python: it queues the module's
-// gradient scaling state for the update after the backward in C++ (native_update, csrc/delayed_update_queue.cpp), or, where
-// the update needs Python (an amax reduction over a process group), calls autocast.register_backward with the
-// `registration` argument, exactly as the Python Function's backward does.
+// forward is one call from Python (fp8_linear below) and the backward runs without Python: under delayed scaling it
+// queues the module's gradient scaling state for the update after the backward in C++ (native_update,
+// csrc/delayed_update_queue.cpp), or, where the update needs Python (an amax reduction over a process group), calls
+// autocast.register_backward with the `registration` argument, exactly as the Python Function's backward does.
 //
 // Contract of fp8_linear: inp [..., K] contiguous, weight [N, K], bias [N] or None (inp's dtype) -> out [..., N] in
-// inp's dtype = fp8_linear_fwd's GEMM. Each role (x, w, dy) comes as one tuple, its quantizer's output_args():
-// (scale, fp8 dtype, amax, scale_inv), the slot a cast with a known scale writes (delayed scaling); with `current`
-// (the forward and backward FP8 maxima: current scaling) (scale, fp8 dtype, the slot's [1, 1] history view, the
-// slot's scale_inv), each scale computed from its tensor's amax before the cast, as CurrentScalingQuantizer does. The backward: dy
-// cast into its role's slot and fp8_linear_bwd from the saved FP8 xᵀ and Wᵀ (Wᵀ kept from the forward when keep_w_t,
-// else cast again from the weight with the forward's scale).
+// inp's dtype = fp8_linear_fwd's GEMM. Each role (x, w, dy) comes as one tuple. Delayed scaling: its quantizer's
+// output_args(), (scale, fp8 dtype, amax, scale_inv), the slot a cast with a known scale writes. Current scaling
+// (`current`: the forward and backward FP8 maxima): (scale, fp8 dtype, the slot's [1, 1] history view, the slot's
+// scale_inv), each scale computed from its tensor's amax before the cast, as CurrentScalingQuantizer does. The
+// backward: dy cast into its role's slot and fp8_linear_bwd from the saved FP8 xᵀ and Wᵀ (Wᵀ kept from the forward
+// when keep_w_t, else cast again from the weight with the forward's scale).
 // Gradients: dx (inp's dtype), dW (weight's dtype), dbias (dy's dtype), each only where needed. Not twice
 // differentiable.
 #include <torch/csrc/autograd/function.h>
@@ -113,10 +113,10 @@ struct FP8LinearBackward : public autograd::Node {
     }
     const at::Tensor dy_sinv = dy_current.has_value() ? current_scale(dy, *dy_current, dy_max) : dy_scale_inv;
     const OptTensor amax = dy_current.has_value() ? std::nullopt : OptTensor(dy_amax);
-    auto [dx, dw, dbias] = linear_bwd.call(
-        dy, dy_scale, bwd_dtype, amax, dy_sinv, need_dbias, need_dx ? OptTensor(w_t_now) : std::nullopt,
-        need_dx ? w_scale_inv : dy_sinv, dx_dtype, need_dw ? OptTensor(x_t.unpack()) : std::nullopt,
-        need_dw ? x_scale_inv : dy_sinv, dw_dtype, std::nullopt);
+    auto [dx, dw, dbias] = linear_bwd.call(dy, dy_scale, bwd_dtype, amax, dy_sinv, need_dbias,
+                                           need_dx ? OptTensor(w_t_now) : std::nullopt, need_dx ? w_scale_inv : dy_sinv,
+                                           dx_dtype, need_dw ? OptTensor(x_t.unpack()) : std::nullopt,
+                                           need_dw ? x_scale_inv : dy_sinv, dw_dtype, std::nullopt);
     if (dy_current.has_value()) {
       // (current scaling: no update to queue)
     } else if (native_update.has_value()) {
@@ -161,8 +161,8 @@ at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const Opt
     const OptTensor x_amax_out = current.has_value() ? std::nullopt : OptTensor(x_amax);
     const OptTensor w_amax_out = current.has_value() ? std::nullopt : OptTensor(w_amax);
     std::tie(out, x_t, w_t) = linear_fwd.call(x, weight, x_scale, w_scale, fwd_dtype, x_amax_out, x_scale_inv,
-                                              w_amax_out, w_scale_inv, need_dw, need_dx && keep_w_t,
-                                              inp.scalar_type(), bias, std::nullopt);
+                                              w_amax_out, w_scale_inv, need_dw, need_dx && keep_w_t, inp.scalar_type(),
+                                              bias, std::nullopt);
     if (inp.dim() != 2) {
       std::vector<int64_t> sizes = inp.sizes().vec();
       sizes.back() = out.size(1);
@@ -184,7 +184,10 @@ at::Tensor fp8_linear(const at::Tensor& inp, const at::Tensor& weight, const Opt
   node->has_bias = bias.has_value();
   node->registration = std::make_unique<PyReference>(registration.ptr());
   node->native_update = native_update;
-  if (current.has_value()) node->dy_current = dy, node->dy_max = std::get<1>(*current);
+  if (current.has_value()) {
+    node->dy_current = dy;
+    node->dy_max = std::get<1>(*current);
+  }
   autograd::set_history(out, node);
   return out;
 }
