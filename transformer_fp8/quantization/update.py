@@ -9,8 +9,7 @@ synchronises with the device. (The queue rules across threads: see autocast.py.)
 
 In a single process (no amax reduction to run) both updates go through C++ (csrc/delayed_update_queue.cpp,
 NATIVE_UPDATES): the forward one in one call, the gradient queue kept there so that a backward of C++ Linear nodes ends
-without Python.
-The same launches with the same tensors: the results are bit for bit those of the Python path below.
+without Python. The same launches with the same tensors: the results are bit for bit those of the Python path below.
 """
 import threading
 import weakref
